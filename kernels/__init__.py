@@ -1,0 +1,75 @@
+"""Paged-attention kernels: a torch reference (the CPU path) and Triton kernels (the CUDA path).
+
+Each public function dispatches on where its tensors live: Triton when they are on CUDA and triton is
+installed, the torch reference otherwise. ``kernels.triton_ops`` is imported only on that CUDA path, so CPU
+users never pay for (or depend on) importing triton. This package imports neither ``engine`` nor ``app``.
+
+``swap_blocks`` moves blocks between the device pool and the host pool, which no GPU kernel can do; both paths
+use the same gather → one bus transfer → scatter in torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import ModuleType
+
+import torch
+
+from kernels import reference
+from kernels.reference import BlockIds, clear_workspace, swap_blocks
+
+__all__ = [
+    "clear_workspace",
+    "copy_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "store_kv",
+    "swap_blocks",
+    "triton_available",
+]
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _backend(tensor: torch.Tensor) -> ModuleType:
+    if tensor.is_cuda and triton_available():
+        from kernels import triton_ops
+
+        return triton_ops
+    return reference
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _backend(kv_layer).store_kv(key, value, kv_layer, slot_mapping)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return _backend(query).paged_decode_attention(query, kv_layer, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    return _backend(query).paged_prefill_attention(
+        query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale, max_query_len
+    )
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: BlockIds, dst: BlockIds) -> None:
+    _backend(kv_cache).copy_blocks(kv_cache, src, dst)
