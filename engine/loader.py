@@ -35,7 +35,7 @@ class ModelError(ValueError):
 
 def cache_dir() -> Path:
     override = os.environ.get("KVSCOPE_CACHE")
-    return Path(override) if override else Path(platformdirs.user_cache_dir("kvscope"))
+    return Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("kvscope"))
 
 
 def default_gguf_path() -> Path | None:
@@ -82,22 +82,13 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     """Dequantise ``gguf`` once into a dense transformers directory at ``target``."""
     if (target / "model.safetensors").exists():
         return target
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     print(f"Converting {gguf.name} to dense weights (first run only) ...", file=sys.stderr)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as exc:  # gguf raises a zoo of types for a bad file
-        raise ModelError(f"{gguf} is not a readable GGUF model ({type(exc).__name__}: {exc}); "
-                         "check the file or pass a transformers model directory") from exc
+    model, tokenizer = _load_gguf(gguf)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
         try:
-            _write_dense(model, tokenizer, staging, save_file)
+            _write_dense(model, tokenizer, staging)
             if target.exists():
                 shutil.rmtree(target)
             staging.rename(target)
@@ -110,7 +101,22 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     return target
 
 
-def _write_dense(model, tokenizer, directory: Path, save_file) -> None:
+def _load_gguf(gguf: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # gguf raises a zoo of types for a bad file
+        raise ModelError(f"{gguf} is not a readable GGUF model ({type(exc).__name__}: {exc}); "
+                         "check the file or pass a transformers model directory") from exc
+    return model, tokenizer
+
+
+def _write_dense(model, tokenizer, directory: Path) -> None:
+    from safetensors.torch import save_file
+
     # save_pretrained refuses GGUF-loaded models, so write the pieces ourselves.
     # Tied embeddings share storage; safetensors wants each tensor once.
     state = {}
@@ -179,9 +185,15 @@ def load_model(model: str, dtype, device):
 
 def check_architecture(config) -> None:
     """Refuse encoder-only, encoder-decoder and models whose attention we cannot replace."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     model_type = getattr(config, "model_type", None)
-    if getattr(config, "is_encoder_decoder", False) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    # BERT-style encoders also have a causal-LM head class; only their is_decoder flag tells them apart.
+    encoder_only = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if (getattr(config, "is_encoder_decoder", False) or encoder_only
+            or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         raise ModelError(f"unsupported architecture {model_type!r}: kvscope serves decoder-only causal "
                          "language models (llama, qwen2, mistral, ...); pick such a model")

@@ -114,6 +114,7 @@ class ModelRunner:
         self.eos_token_ids = _eos_ids(self.model, tokenizer)
         self.block_size = config.block_size
         self.max_model_len = self._resolve_max_model_len(text_config)
+        _check_attention_features(text_config, self.max_model_len)
         self.num_layers = text_config.num_hidden_layers
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.head_dim = (getattr(text_config, "head_dim", None)
@@ -239,9 +240,12 @@ class ModelRunner:
 
     def _block_tables(self, items: list[BatchItem]) -> torch.Tensor:
         needed = [-(-item.context_len // self.block_size) for item in items]
-        table = np.zeros((len(items), max(needed)), dtype=np.int32)
+        table = np.empty((len(items), max(needed)), dtype=np.int32)
         for row, (item, count) in enumerate(zip(items, needed)):
             table[row, :count] = item.block_table[:count]
+            # Pad with the row's own block: masked-out keys then never come from another request's
+            # blocks, so a NaN there cannot leak in through 0 * NaN.
+            table[row, count:] = item.block_table[0]
         return torch.from_numpy(table).to(self.device)
 
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[list[int] | None]:
@@ -259,6 +263,17 @@ class ModelRunner:
             cursor += len(item.sample_indices)
             grouped.append(None if any(t is None for t in drawn) else list(drawn))
         return grouped
+
+
+def _check_attention_features(text_config, max_model_len: int) -> None:
+    """Refuse attention variants our kernels do not implement, rather than compute wrong tokens."""
+    window = getattr(text_config, "sliding_window", None)
+    if getattr(text_config, "use_sliding_window", True) and window and window < max_model_len:
+        raise ModelError(f"this model uses sliding-window attention ({window} tokens), which kvscope's kernels "
+                         f"do not implement; run it with --max-model-len {window} or less")
+    if getattr(text_config, "attn_logit_softcapping", None):
+        raise ModelError("this model soft-caps attention logits, which kvscope's kernels do not implement; "
+                         "pick another model")
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -138,7 +138,7 @@ class StepResult:
     outputs: list[RequestOutput]
     stats: StepStats
     snapshot: CacheSnapshot
-    events: tuple["EngineEvent", ...] = ()
+    events: tuple[EngineEvent, ...] = ()
 
 
 @dataclass(frozen=True)

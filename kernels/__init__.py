@@ -43,7 +43,9 @@ def _backend(tensor: torch.Tensor) -> ModuleType:
     return reference
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     _backend(kv_layer).store_kv(key, value, kv_layer, slot_mapping)
 
 

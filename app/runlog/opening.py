@@ -1,0 +1,91 @@
+"""open_run_log: start logging one run, or explain in one line why logging is off."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import sqlite_utils
+
+from app.paths import default_db_path
+from app.runlog.liveness import current_process_identity, mark_crashed_runs
+from app.runlog.schema import SchemaError, connect, prepare
+from app.runlog.writer import RunLogger, utc_now
+from engine.config import EngineConfig
+
+SOURCES = ("app", "bench", "script")
+
+
+def kvscope_version() -> str:
+    try:
+        return version("kvscope")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, model: str,
+                 device: str, dtype: str, enabled: bool = True) -> RunLogger:
+    """A logger for a new run in the database at ``path`` (default: the user data dir).
+
+    Never raises for a bad file or directory: the logger comes back disabled, with
+    ``warning`` saying what is wrong with which path and how to fix it.
+    """
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    if not enabled:
+        return RunLogger.disabled(None)
+    path = Path(path).expanduser() if path is not None else default_db_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return RunLogger.disabled(path, f"run log off: cannot create the directory {path.parent} "
+                                  f"({exc.strerror}); make it writable, pass --db PATH, or use --no-log")
+    db = None
+    try:
+        db = connect(str(path))
+        prepare(db, str(path))
+        mark_crashed_runs(db)
+        run_id = _insert_run(db, source, config, model, device, dtype)
+    except SchemaError as exc:
+        _close_quietly(db)
+        return RunLogger.disabled(path, f"run log off: {exc}")
+    except (sqlite3.Error, OSError) as exc:
+        _close_quietly(db)
+        return RunLogger.disabled(path, explain(path, exc))
+    return RunLogger(path, db=db, run_id=run_id)
+
+
+def explain(path: Path, exc: Exception) -> str:
+    """One line naming the path, what is wrong with it and the fix."""
+    reason = str(exc)
+    lowered = reason.lower()
+    if "locked" in lowered or "busy" in lowered:
+        return f"run log off: {path} is locked by another program; close it, pass --db PATH, or use --no-log"
+    if "not a database" in lowered or "malformed" in lowered or "corrupt" in lowered:
+        return (f"run log off: {path} is not a readable SQLite database ({reason}); "
+                "move it aside, pass --db PATH, or use --no-log")
+    return f"run log off: cannot write {path} ({reason}); make it writable, pass --db PATH, or use --no-log"
+
+
+def _insert_run(db: sqlite_utils.Database, source: str, config: EngineConfig,
+                model: str, device: str, dtype: str) -> int:
+    pid, pid_started_at, hostname = current_process_identity()
+    row = {
+        "started_at": utc_now(), "status": "running", "source": source,
+        "kvscope_version": kvscope_version(), "model": model, "device": device, "dtype": dtype,
+        "block_size": config.block_size, "num_blocks": config.num_blocks,
+        "config": json.dumps(dataclasses.asdict(config), default=str),
+        "pid": pid, "pid_started_at": pid_started_at, "hostname": hostname,
+    }
+    return db["runs"].insert(row).last_pk
+
+
+def _close_quietly(db: sqlite_utils.Database | None) -> None:
+    if db is not None:
+        try:
+            db.close()
+        except sqlite3.Error:
+            pass

@@ -1,0 +1,106 @@
+"""Turns what the logger is handed (request arrivals, StepResults) into table rows.
+
+Runs on the writer thread, so the engine thread never waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from app.runlog.snapshots import SnapshotEncoder
+from engine.outputs import RequestOutput, StepResult
+
+_STATS_COLUMNS = (
+    "time", "duration", "forward_duration", "num_prefill_tokens", "num_decode_tokens",
+    "num_running", "num_waiting", "num_swapped", "num_free_blocks", "num_cached_free_blocks",
+    "num_total_blocks", "kv_usage", "kv_token_utilisation", "prefix_cache_queries", "prefix_cache_hits",
+    "num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "prompt_tokens_per_s",
+    "generation_tokens_per_s", "num_host_blocks", "num_free_host_blocks",
+)
+
+
+@dataclass(frozen=True)
+class RequestAdded:
+    request_id: str
+    prompt_text: str
+    num_prompt_tokens: int
+    n: int
+
+
+@dataclass
+class Rows:
+    """One batch of rows, written in this field order (a request's arrival before its finish)."""
+
+    added_requests: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    snapshots: list[dict] = field(default_factory=list)
+    finished_requests: list[dict] = field(default_factory=list)
+    run_update: dict = field(default_factory=dict)
+
+
+def _num_tokens(output: RequestOutput) -> int:
+    if len(output.samples) <= 1:
+        return len(output.token_ids)
+    return sum(len(s.token_ids) for s in output.samples)
+
+
+class RowBuilder:
+    """Stateful per run: it diffs snapshots and counts tokens across steps."""
+
+    def __init__(self, run_id: int):
+        self.run_id = run_id
+        self._encoder = SnapshotEncoder()
+        # Tokens each unfinished request had produced (all samples) when last seen, so a
+        # step's generated-token count is exact whatever the engine's rate definition.
+        self._tokens_seen: dict[str, int] = {}
+        self._seen_a_step = False
+
+    def add(self, rows: Rows, record: RequestAdded | StepResult) -> None:
+        if isinstance(record, RequestAdded):
+            rows.added_requests.append({"run_id": self.run_id, **dataclasses.asdict(record)})
+        else:
+            self._add_step(rows, record)
+
+    def _add_step(self, rows: Rows, result: StepResult) -> None:
+        step = result.stats.step
+        generated = 0
+        for output in result.outputs:
+            total = _num_tokens(output)
+            generated += max(0, total - self._tokens_seen.get(output.request_id, 0))
+            if output.finished:
+                self._tokens_seen.pop(output.request_id, None)
+                rows.finished_requests.append(self._finished_row(output, total))
+            else:
+                self._tokens_seen[output.request_id] = total
+        stats = result.stats
+        if not self._seen_a_step:
+            # The config may leave the pool size to the engine; record what it chose.
+            rows.run_update["num_blocks"] = stats.num_total_blocks
+            self._seen_a_step = True
+        row = {"run_id": self.run_id, "step": step, "num_generated_tokens": generated,
+               "num_used_blocks": stats.num_total_blocks - stats.num_free_blocks}
+        row.update((name, getattr(stats, name)) for name in _STATS_COLUMNS)
+        rows.steps.append(row)
+        rows.events.extend(
+            {"run_id": self.run_id, "step": step, "kind": e.kind, "request_id": e.request_id,
+             "blocks": json.dumps(list(e.blocks)), "detail": e.detail}
+            for e in result.events
+        )
+        keyframe, blob = self._encoder.encode(result.snapshot)
+        rows.snapshots.append({"run_id": self.run_id, "step": step, "keyframe": int(keyframe), "data": blob})
+
+    def _finished_row(self, output: RequestOutput, num_tokens: int) -> dict:
+        metrics = output.metrics
+        return {
+            "run_id": self.run_id, "request_id": output.request_id,
+            "num_prompt_tokens": len(output.prompt_token_ids),
+            "output_text": output.text, "num_output_tokens": num_tokens,
+            "sample_texts": json.dumps([s.text for s in output.samples]) if len(output.samples) > 1 else None,
+            "arrival_time": metrics.arrival_time, "first_token_time": metrics.first_token_time,
+            "finish_time": metrics.finished_time, "finish_reason": output.finish_reason,
+            "num_cached_tokens": output.num_cached_tokens, "num_preemptions": output.num_preemptions,
+            "error": output.error,
+        }

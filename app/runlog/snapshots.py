@@ -1,0 +1,237 @@
+"""Block-map snapshots for replay, stored as keyframes plus deltas.
+
+Every frame is one blob: zlib( u32 header length | JSON header | raw arrays ).
+The header names each array's dtype and shape, so a blob reads back on any machine.
+
+A keyframe holds the four per-block arrays whole; a delta holds, per array, the
+indices that changed and their new values. Requests are diffed against the
+previous frame: the integer counters of changed requests as one int32 matrix of
+differences (a decode step is mostly +1s, which compress to almost nothing),
+block tables as appended tails when they only grew, anything else by value.
+Deltas are relative to the previously *encoded* frame, not the previous step, so
+a frame the writer had to drop does not break the chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import operator
+import struct
+import zlib
+
+import numpy as np
+
+from engine.outputs import CacheSnapshot, RequestView
+
+KEYFRAME_INTERVAL = 50
+BLOCK_ARRAYS = ("block_state", "ref_counts", "block_fill", "block_hashes")
+COUNTER_FIELDS = tuple(f.name for f in dataclasses.fields(RequestView) if f.type in ("int", int))
+TABLE_FIELDS = ("block_tables", "host_block_tables")
+# Everything else but the id (queue, prompt preview, fields added later) is stored by value.
+VALUE_FIELDS = tuple(
+    f.name for f in dataclasses.fields(RequestView)
+    if f.name not in COUNTER_FIELDS + TABLE_FIELDS + ("request_id",)
+)
+_HEAD = struct.Struct("<I")
+
+
+def pack(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    header = {**header, "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
+    return zlib.compress(_HEAD.pack(len(head)) + head + body, 6)
+
+
+def unpack(blob: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    raw = zlib.decompress(blob)
+    (head_len,) = _HEAD.unpack_from(raw)
+    offset = _HEAD.size + head_len
+    header = json.loads(raw[_HEAD.size:offset])
+    arrays = {}
+    for name, dtype, shape in header.pop("arrays"):
+        count = int(np.prod(shape))
+        array = np.frombuffer(raw, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
+        arrays[name] = array
+        offset += array.nbytes
+    return header, arrays
+
+
+def _grew(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) -> bool:
+    return len(old) == len(new) and all(n[:len(o)] == o for o, n in zip(old, new, strict=True))
+
+
+def _getter(names: tuple[str, ...]):
+    """A C-speed reader of several fields at once, always returning a tuple."""
+    if len(names) == 1:
+        return lambda view: (getattr(view, names[0]),)
+    return operator.attrgetter(*names)
+
+
+_OTHER_FIELDS = TABLE_FIELDS + VALUE_FIELDS
+_counters_of = _getter(COUNTER_FIELDS)
+_others_of = _getter(_OTHER_FIELDS)
+_NO_COUNTERS = (0,) * len(COUNTER_FIELDS)
+
+
+def _other_changes(old: tuple | None, new: tuple) -> dict:
+    """Table and value fields that differ from ``old`` (all of them for a new request)."""
+    changes: dict = {}
+    for index, name in enumerate(_OTHER_FIELDS):
+        after = new[index]
+        before = old[index] if old else None
+        if old is not None and after == before:
+            continue
+        if name in TABLE_FIELDS and before and _grew(before, after):
+            changes["+" + name] = [t[len(b):] for b, t in zip(before, after, strict=True)]
+        else:
+            changes[name] = after
+    return changes
+
+
+class SnapshotEncoder:
+    """Turns the stream of one run's CacheSnapshots into (is_keyframe, blob) frames."""
+
+    def __init__(self, keyframe_interval: int = KEYFRAME_INTERVAL):
+        self._keyframe_interval = keyframe_interval
+        self._frames_since_keyframe = 0
+        self._previous: CacheSnapshot | None = None
+        self._previous_order: list[str] | None = None
+        # request id -> (counter fields, other fields) as of the previous frame
+        self._previous_rows: dict[str, tuple[tuple, tuple]] = {}
+
+    def _needs_keyframe(self, snapshot: CacheSnapshot) -> bool:
+        previous = self._previous
+        return (previous is None or self._frames_since_keyframe >= self._keyframe_interval
+                or (previous.num_blocks, previous.block_size, previous.allocator)
+                != (snapshot.num_blocks, snapshot.block_size, snapshot.allocator))
+
+    def encode(self, snapshot: CacheSnapshot) -> tuple[bool, bytes]:
+        keyframe = self._needs_keyframe(snapshot)
+        header: dict = {"step": snapshot.step,
+                        "host": [snapshot.num_host_blocks, snapshot.num_free_host_blocks]}
+        if keyframe:
+            header.update(block_size=snapshot.block_size, num_blocks=snapshot.num_blocks,
+                          allocator=snapshot.allocator)
+            arrays = {name: getattr(snapshot, name) for name in BLOCK_ARRAYS}
+            self._previous_order, self._previous_rows = None, {}
+            self._frames_since_keyframe = 0
+        else:
+            arrays = self._block_deltas(snapshot)
+        self._frames_since_keyframe += 1
+        arrays.update(self._encode_requests(snapshot, header))
+        self._previous = snapshot
+        return keyframe, pack(header, arrays)
+
+    def _block_deltas(self, snapshot: CacheSnapshot) -> dict[str, np.ndarray]:
+        arrays = {}
+        for name in BLOCK_ARRAYS:
+            new, old = getattr(snapshot, name), getattr(self._previous, name)
+            changed = np.flatnonzero(new != old).astype(np.int32)
+            if changed.size:
+                arrays[name + ".at"] = changed
+                arrays[name] = new[changed]
+        return arrays
+
+    def _encode_requests(self, snapshot: CacheSnapshot, header: dict) -> dict[str, np.ndarray]:
+        order = [view.request_id for view in snapshot.requests]
+        rows = {view.request_id: (_counters_of(view), _others_of(view)) for view in snapshot.requests}
+        previous_rows, previous_order = self._previous_rows, self._previous_order
+        self._previous_rows, self._previous_order = rows, order
+        if order != previous_order:
+            header["order"] = order
+        changed = [i for i, rid in enumerate(order) if previous_rows.get(rid) != rows[rid]]
+        if not changed:
+            return {}
+        changes, new_counters, old_counters = {}, [], []
+        for position in changed:
+            counters, others = rows[order[position]]
+            old_counters_, old_others = previous_rows.get(order[position], (_NO_COUNTERS, None))
+            new_counters.append(counters)
+            old_counters.append(old_counters_)
+            if others != old_others:
+                changes[str(position)] = _other_changes(old_others, others)
+        header["counters"] = COUNTER_FIELDS
+        header["changes"] = changes
+        deltas = np.array(new_counters, dtype=np.int64) - np.array(old_counters, dtype=np.int64)
+        return {"changed": np.array(changed, dtype=np.int32), "counter_deltas": deltas.astype(np.int32)}
+
+
+class SnapshotDecoder:
+    """Applies one run's frames in order; ``snapshot()`` rebuilds the current CacheSnapshot.
+
+    Seeking applies many frames and builds one snapshot, so the two are separate.
+    """
+
+    def __init__(self) -> None:
+        self._layout: dict | None = None
+        self._step = -1
+        self._host = (0, 0)
+        self._arrays: dict[str, np.ndarray] = {}
+        self._order: list[str] = []
+        self._fields: dict[str, dict] = {}
+        self._views: dict[str, RequestView] = {}    # built views of requests unchanged since
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def apply(self, blob: bytes) -> CacheSnapshot:
+        self.advance(blob)
+        return self.snapshot()
+
+    def advance(self, blob: bytes) -> None:
+        header, arrays = unpack(blob)
+        if "num_blocks" in header:
+            self._layout = {k: header[k] for k in ("block_size", "num_blocks", "allocator")}
+            self._arrays = {name: arrays[name].copy() for name in BLOCK_ARRAYS}
+            self._fields, self._views = {}, {}
+        elif self._layout is None:
+            raise ValueError("snapshot stream does not start with a keyframe")
+        else:
+            for name in BLOCK_ARRAYS:
+                if name in arrays:
+                    self._arrays[name][arrays[name + ".at"]] = arrays[name]
+        self._step, self._host = header["step"], tuple(header["host"])
+        self._apply_requests(header, arrays)
+
+    def _apply_requests(self, header: dict, arrays: dict[str, np.ndarray]) -> None:
+        if "order" in header:
+            self._order = header["order"]
+            self._fields = {rid: self._fields[rid] for rid in self._order if rid in self._fields}
+        if "changed" not in arrays:
+            return
+        counters = header["counters"]
+        changes = header["changes"]
+        changed, deltas_by_row = arrays["changed"].tolist(), arrays["counter_deltas"].tolist()
+        for position, deltas in zip(changed, deltas_by_row, strict=True):
+            request_id = self._order[position]
+            self._views.pop(request_id, None)
+            fields = self._fields.setdefault(request_id, {"request_id": request_id})
+            for name, delta in zip(counters, deltas, strict=True):
+                fields[name] = fields.get(name, 0) + delta
+            for name, value in changes.get(str(position), {}).items():
+                if name.startswith("+"):
+                    name = name[1:]
+                    value = [old + tuple(tail) for old, tail in zip(fields[name], value, strict=True)]
+                fields[name] = tuple(tuple(t) for t in value) if name in TABLE_FIELDS else value
+
+    def _view(self, request_id: str) -> RequestView:
+        view = self._views.get(request_id)
+        if view is None:
+            view = self._views[request_id] = RequestView(**self._fields[request_id])
+        return view
+
+    def snapshot(self) -> CacheSnapshot:
+        if self._layout is None:
+            raise ValueError("no frame applied yet")
+        arrays = {}
+        for name, array in self._arrays.items():
+            arrays[name] = array.copy()
+            arrays[name].flags.writeable = False
+        self._views = {rid: view for rid, view in self._views.items() if rid in self._fields}
+        return CacheSnapshot(
+            step=self._step, **self._layout, **arrays,
+            requests=tuple(self._view(rid) for rid in self._order),
+            num_host_blocks=self._host[0], num_free_host_blocks=self._host[1],
+        )

@@ -1,0 +1,156 @@
+"""RunLogger: the engine-facing end of the run log.
+
+The engine thread only enqueues records (never waits on disk). One daemon
+thread drains the queue, turns records into rows and inserts them in batches,
+each batch one ``db.atomic()`` transaction, at least every FLUSH_INTERVAL_S.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import sqlite_utils
+
+from app.runlog.records import RequestAdded, RowBuilder, Rows
+from engine.outputs import StepResult
+
+FLUSH_INTERVAL_S = 0.1
+MAX_BATCH_RECORDS = 512
+# A bound on memory if the disk stalls: beyond it, records are counted and dropped
+# rather than making the engine wait. Snapshot deltas survive drops (see snapshots.py).
+MAX_QUEUED_RECORDS = 8192
+# The writer may wait longer than the opener for another writer (two apps, one file).
+WRITER_BUSY_TIMEOUT_MS = 5000
+CLOSE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class _Close:
+    status: str
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+class RunLogger:
+    """Records one run. Disabled loggers (``enabled`` False) accept every call and do nothing."""
+
+    def __init__(self, path: Path | None, *, db: sqlite_utils.Database | None = None,
+                 run_id: int | None = None, warning: str | None = None):
+        self.path = path
+        self.run_id = run_id
+        self.warning = warning
+        self.num_dropped_records = 0
+        self._db = db
+        self._failed = False
+        self._closed = db is None
+        self._close_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED_RECORDS)
+        self._thread: threading.Thread | None = None
+        if db is not None:
+            db.execute(f"PRAGMA busy_timeout = {WRITER_BUSY_TIMEOUT_MS}")
+            self._thread = threading.Thread(target=self._drain, name=f"kvscope-runlog-{run_id}", daemon=True)
+            self._thread.start()
+            atexit.register(self.close)
+
+    @classmethod
+    def disabled(cls, path: Path | None, warning: str | None = None) -> RunLogger:
+        return cls(path, warning=warning)
+
+    @property
+    def enabled(self) -> bool:
+        return self._db is not None and not self._failed
+
+    def request_added(self, request_id: str, prompt_text: str, num_prompt_tokens: int, n: int) -> None:
+        self._put(RequestAdded(request_id, prompt_text, num_prompt_tokens, n))
+
+    def step(self, result: StepResult) -> None:
+        self._put(result)
+
+    def _put(self, record: RequestAdded | StepResult) -> None:
+        if self._closed or self._failed:
+            return
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            self.num_dropped_records += 1
+
+    def close(self, status: str = "finished") -> None:
+        """Flush what is queued and mark the run ended. Idempotent; also runs at interpreter exit."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.close)
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(_Close(status))
+            self._thread.join(CLOSE_TIMEOUT_S)
+
+    # --- writer thread -------------------------------------------------------------
+
+    def _drain(self) -> None:
+        rows_for = RowBuilder(self.run_id)
+        closing_status = None
+        while closing_status is None and not self._failed:
+            batch = [self._queue.get()]
+            deadline = time.monotonic() + FLUSH_INTERVAL_S
+            while len(batch) < MAX_BATCH_RECORDS and not isinstance(batch[-1], _Close):
+                try:
+                    batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            if isinstance(batch[-1], _Close):
+                closing_status = batch.pop().status
+            self._guarded(self._write, rows_for, batch)
+        if closing_status is not None and not self._failed:
+            self._guarded(self._finish, closing_status)
+        self._db.close()
+
+    def _guarded(self, write, *args) -> None:
+        try:
+            write(*args)
+        except Exception as exc:  # whatever breaks the log must not reach the engine
+            self._failed = True
+            self.warning = f"run log stopped writing to {self.path}: {exc}; the run continues without it"
+
+    def _write(self, rows_for: RowBuilder, batch: list) -> None:
+        rows = Rows()
+        for record in batch:
+            rows_for.add(rows, record)
+        db = self._db
+        with db.atomic():
+            if rows.run_update:
+                db["runs"].update(self.run_id, rows.run_update)
+            _insert(db, "requests", rows.added_requests, upsert_on=("run_id", "request_id"))
+            # OR REPLACE: an engine restarting its step count must not turn the log off.
+            _insert(db, "steps", rows.steps, verb="INSERT OR REPLACE")
+            _insert(db, "events", rows.events)
+            _insert(db, "snapshots", rows.snapshots, verb="INSERT OR REPLACE")
+            _insert(db, "requests", rows.finished_requests, upsert_on=("run_id", "request_id"))
+
+    def _finish(self, status: str) -> None:
+        self._db.execute(
+            "UPDATE runs SET status = ?, ended_at = ?, num_dropped_records = ? WHERE id = ?",
+            [status, utc_now(), self.num_dropped_records, self.run_id],
+        )
+
+
+def _insert(db: sqlite_utils.Database, table: str, rows: list[dict], *,
+            verb: str = "INSERT", upsert_on: tuple[str, ...] = ()) -> None:
+    """One executemany per table. Every row of a list has the same keys, so sqlite-utils'
+    per-value type sniffing in insert_all (a third of the writer's time) buys nothing here."""
+    if not rows:
+        return
+    columns = list(rows[0])
+    sql = f"{verb} INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+    if upsert_on:
+        updates = ", ".join(f"{c} = excluded.{c}" for c in columns if c not in upsert_on)
+        sql += f" ON CONFLICT ({', '.join(upsert_on)}) DO UPDATE SET {updates}"
+    db.conn.executemany(sql, [tuple(row.values()) for row in rows])

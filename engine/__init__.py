@@ -1,0 +1,12 @@
+"""kvscope's engine: paged KV cache, continuous-batching scheduler and model runner.
+
+Importing the package is light: torch and transformers load only when an
+LLMEngine builds its model runner.
+"""
+
+from engine.config import ConfigError, EngineConfig, RequestError, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.outputs import CacheSnapshot, RequestOutput, StepResult, StepStats
+
+__all__ = ["CacheSnapshot", "ConfigError", "EngineConfig", "LLMEngine", "RequestError", "RequestOutput",
+           "SamplingParams", "StepResult", "StepStats"]

@@ -1,0 +1,105 @@
+"""Physical KV blocks: reference counts, the free queue and the prefix-cache map.
+
+Per-block state lives in numpy arrays so a snapshot is four array copies.
+
+The free queue is ordered by eviction priority. Blocks that hold nothing worth
+keeping sit at the front; a freed block that still holds a cached prefix goes to
+the back, so cached blocks are evicted least recently used first, and only
+once no plain free block is left.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        self.fill = np.zeros(num_blocks, dtype=np.int16)
+        self.hashes = np.zeros(num_blocks, dtype=np.uint64)
+        self.state = np.zeros(num_blocks, dtype=np.int8)
+        self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}     # prefix hash -> block holding it
+        self.num_cached_free_blocks = 0
+        self.evicted: list[int] = []    # blocks whose cached prefix was dropped; the caller drains it
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated, cached-free ones included."""
+        return len(self.free_block_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_block_queue)
+
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` blocks from the front of the free queue. The caller checked there are enough."""
+        if count > len(self.free_block_queue):
+            raise RuntimeError(f"allocate({count}) with only {len(self.free_block_queue)} free blocks")
+        queue = self.free_block_queue
+        blocks = [queue.popitem(last=False)[0] for _ in range(count)]
+        for block in blocks:
+            if self.hashes[block]:
+                self._evict(block)
+            self.fill[block] = 0
+        self.ref_counts[blocks] = 1
+        self.state[blocks] = BLOCK_USED
+        return blocks
+
+    def _evict(self, block: int) -> None:
+        del self.cached_blocks[int(self.hashes[block])]
+        self.hashes[block] = 0
+        self.num_cached_free_blocks -= 1
+        self.evicted.append(block)
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a reference on blocks found in the prefix cache, pulling free ones out of the free queue."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_block_queue[block]
+                self.num_cached_free_blocks -= 1
+                self.state[block] = BLOCK_USED
+            self.ref_counts[block] += 1
+
+    def incref(self, blocks: list[int]) -> None:
+        """Add a reference to blocks that are already in use (sharing between samples)."""
+        for block in blocks:
+            self.ref_counts[block] += 1
+
+    def free(self, blocks) -> None:
+        """Drop one reference from each block, in the order given (callers pass tails first)."""
+        queue = self.free_block_queue
+        for block in blocks:
+            count = self.ref_counts[block] - 1
+            self.ref_counts[block] = count
+            if count:
+                continue
+            queue[block] = None
+            if self.hashes[block]:
+                self.state[block] = BLOCK_CACHED
+                self.num_cached_free_blocks += 1
+            else:
+                queue.move_to_end(block, last=False)
+                self.state[block] = BLOCK_FREE
+                self.fill[block] = 0
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.cached_blocks.get(block_hash)
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Record that a full, computed, in-use block holds the prefix with this hash."""
+        if block_hash in self.cached_blocks or self.hashes[block]:
+            return  # the same prefix already has a block, or this block is registered
+        self.cached_blocks[block_hash] = block
+        self.hashes[block] = block_hash
+
+    def drain_evicted(self) -> list[int]:
+        evicted, self.evicted = self.evicted, []
+        return evicted

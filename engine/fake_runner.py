@@ -1,0 +1,173 @@
+"""A stand-in model runner and tokenizer, so the engine runs end to end with no model.
+
+FakeRunner keeps a fake KV pool of token ids instead of keys and values. Each
+step it performs the batch's cache moves, writes every item's tokens into the
+slots its block table maps, then reads each item's whole context back through
+its block table. When ``verify`` is on, a context that differs from what the
+sequence should hold raises AssertionError: that is how the tests prove that
+copy-on-write, swap, prefix caching and preemption keep the cache right.
+
+The next token is a deterministic function of the context read back, so a
+request's output does not depend on how it was scheduled, only on its tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from engine.batch import BatchItem, ScheduledBatch
+from engine.config import EngineConfig, SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: a cheap, well-spread 64-bit hash of an integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sample_salt(sample_index: int, seed: int) -> int:
+    return _mix(sample_index + 1) ^ _mix(seed + 7)
+
+
+class FakeTokenizer:
+    """Byte-level tokenizer: ids 0..255 are UTF-8 bytes, then three special tokens."""
+
+    eos_token_id = 256
+    im_start_id = 257
+    im_end_id = 258
+    vocab_size = 259
+    _specials = {256: "<|endoftext|>", 257: "<|im_start|>", 258: "<|im_end|>"}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text)}
+
+    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
+        try:
+            return bytes(token_ids).decode("utf-8", errors="replace")
+        except ValueError:
+            pass    # special tokens present
+        parts: list[str] = []
+        chunk = bytearray()
+        for token in token_ids:
+            if token < 256:
+                chunk.append(token)
+                continue
+            parts.append(chunk.decode("utf-8", errors="replace"))
+            chunk = bytearray()
+            if not skip_special_tokens:
+                parts.append(self._specials.get(token, ""))
+        parts.append(chunk.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True,
+                            **kwargs) -> list[int] | str:
+        ids: list[int] = []
+        for message in messages:
+            text = f"{message['role']}\n{message['content']}"
+            ids += [self.im_start_id, *self.encode(text), self.im_end_id, *self.encode("\n")]
+        if add_generation_prompt:
+            ids += [self.im_start_id, *self.encode("assistant\n")]
+        return ids if tokenize else self.decode(ids)
+
+
+class FakeRunner:
+    """Same interface as engine.model_runner.ModelRunner; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, *, num_blocks: int | None = None, num_host_blocks: int = 0,
+                 max_model_len: int | None = None, verify: bool = True, eos_period: int | None = None,
+                 fail_on: Sequence[str] = ()) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.vocab_size = self.tokenizer.vocab_size
+        self.eos_token_ids = frozenset({self.tokenizer.eos_token_id})
+        self.block_size = config.block_size
+        self.num_device_blocks = num_blocks or config.num_blocks or 512
+        self.num_host_blocks = num_host_blocks
+        self.max_model_len = max_model_len or config.max_model_len or 1024
+        self.verify = verify
+        self.eos_period = eos_period            # about one token in eos_period is EOS; None: never
+        self.fail_on: set[str] = set(fail_on)   # request ids whose items fail, as NaN logits would
+        # Set by fake_engine(): the tokens a sequence should hold, to check the context read back.
+        self.expected_tokens: Callable[[BatchItem], Sequence[int]] | None = None
+        tokens = self.num_device_blocks * self.block_size
+        self.banner = (f"KV cache: {self.num_device_blocks} blocks x {self.block_size} = {tokens} tokens "
+                       f"(fake runner); maximum concurrency for {self.max_model_len} tokens per request: "
+                       f"{tokens / self.max_model_len:.2f}x")
+        self.pool = np.full((self.num_device_blocks, self.block_size), -1, dtype=np.int64)
+        self.host_pool = np.full((max(num_host_blocks, 1), self.block_size), -1, dtype=np.int64)
+        self._weights = np.random.default_rng(0).integers(1, 2**63, self.max_model_len, dtype=np.uint64)
+
+    def execute(self, batch: ScheduledBatch) -> list[list[int] | None]:
+        self._move_blocks(batch)
+        if self.verify:
+            # Write everything first, then read: a real forward stores a layer's K/V before attending.
+            for item in batch.items:
+                self.pool[self._slots(item, item.start_pos)] = item.token_ids
+            hashes = [self._read_context(item) for item in batch.items]
+        else:
+            hashes = [_mix(item.token_ids[-1] * 1_000_003 + item.context_len) for item in batch.items]
+        results: list[list[int] | None] = []
+        for item, context_hash in zip(batch.items, hashes, strict=True):
+            if item.request_id in self.fail_on:
+                results.append(None)
+            else:
+                results.append([self._next_token(context_hash, k, item.params) for k in item.sample_indices])
+        return results
+
+    def _move_blocks(self, batch: ScheduledBatch) -> None:
+        for device_block, host_block in batch.blocks_to_swap_out:
+            self.host_pool[host_block] = self.pool[device_block]
+        for host_block, device_block in batch.blocks_to_swap_in:
+            self.pool[device_block] = self.host_pool[host_block]
+        for src, dst in batch.blocks_to_copy:
+            self.pool[dst] = self.pool[src]
+
+    def _slots(self, item: BatchItem, start: int) -> tuple[np.ndarray, np.ndarray]:
+        positions = np.arange(start, item.context_len)
+        table = np.asarray(item.block_table, dtype=np.int64)
+        return table[positions // self.block_size], positions % self.block_size
+
+    def _read_context(self, item: BatchItem) -> int:
+        context = self.pool[self._slots(item, 0)]
+        if self.expected_tokens is not None:
+            expected = np.asarray(self.expected_tokens(item)[:item.context_len], dtype=np.int64)
+            if not np.array_equal(context, expected):
+                bad = int(np.flatnonzero(context != expected)[0]) if len(context) == len(expected) else -1
+                raise AssertionError(f"KV cache of request {item.request_id} (seq {item.seq_id}) is wrong at "
+                                     f"position {bad}: block table {item.block_table}, "
+                                     f"read {context.tolist()}, expected {expected.tolist()}")
+        return int((context.astype(np.uint64) * self._weights[:item.context_len]).sum())
+
+    def _next_token(self, context_hash: int, sample_index: int, params: SamplingParams) -> int:
+        if params.temperature == 0.0:
+            sample_index = 0    # greedy: every sample draws the same token
+        x = _mix(context_hash ^ _sample_salt(sample_index, params.seed or 0))
+        if self.eos_period and x % self.eos_period == 0:
+            return self.tokenizer.eos_token_id
+        return _ALPHABET[(x >> 16) % len(_ALPHABET)]
+
+
+def fake_engine(config: EngineConfig | None = None, **runner_kwargs):
+    """An LLMEngine on a FakeRunner whose reads are checked against the engine's own sequences."""
+    from engine.llm_engine import LLMEngine
+
+    config = config or EngineConfig()
+    runner = FakeRunner(config, **runner_kwargs)
+    engine = LLMEngine(config, runner=runner)
+    if runner.verify:
+        def expected_tokens(item: BatchItem) -> list[int]:
+            return engine.scheduler.get_sequence(item.request_id, item.seq_id).token_ids
+
+        runner.expected_tokens = expected_tokens
+    return engine

@@ -1,0 +1,274 @@
+"""Block tables on top of the block pool: prefix caching, copy-on-write, swap and the two allocators.
+
+Every method that takes blocks is all-or-nothing: it first counts what it
+needs, returns False if the pool is short, and only then changes anything.
+
+The cache moves it decides (copy-on-write, swap out, swap in) are queued here
+and drained into the next ScheduledBatch; the model runner performs them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.block_pool import BlockPool
+from engine.request import Request, Sequence
+
+_HASH_MASK = (1 << 63) - 1
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(parent_hash: int, token_ids) -> int:
+    """Chain hash of one full block: non-zero, deterministic (ints and tuples hash stably in CPython)."""
+    return (hash((parent_hash, *token_ids)) & _HASH_MASK) or 1
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, *,
+                 enable_prefix_caching: bool = True, allocator: str = "paged", max_model_len: int) -> None:
+        self.block_size = block_size
+        self.block_pool = BlockPool(num_blocks, block_size)
+        self.host_pool = BlockPool(num_host_blocks, block_size)
+        self.contiguous = allocator == "contiguous"
+        # The contiguous baseline predates paging: no sharing, so no prefix cache and no copy-on-write.
+        self.enable_prefix_caching = enable_prefix_caching and not self.contiguous
+        self.blocks_per_reservation = cdiv(max_model_len, block_size)
+        self.prefix_cache_queries = 0   # tokens looked up
+        self.prefix_cache_hits = 0      # tokens found
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.blocks_to_copy: list[tuple[int, int]] = []
+        self.blocks_to_swap_out: list[tuple[int, int]] = []
+        self.blocks_to_swap_in: list[tuple[int, int]] = []
+
+    # ---- sizing ---------------------------------------------------------------------------------
+
+    def max_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
+        """Blocks a request may hold at its peak, assuming no sharing (a recomputed n>1 request has none)."""
+        if self.contiguous:
+            return n * self.blocks_per_reservation
+        # The last sampled token is never written to the cache.
+        return n * cdiv(num_prompt_tokens + max_tokens - 1, self.block_size)
+
+    # ---- prefix cache ---------------------------------------------------------------------------
+
+    def _extend_hashes(self, seq: Sequence, num_blocks: int) -> None:
+        hashes, tokens, bs = seq.block_hashes, seq.token_ids, self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else 0, tokens[i * bs:(i + 1) * bs]))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """The longest run of cached full blocks matching the sequence; the last token is always computed."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, max_blocks)
+        hits = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = self.block_pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ---- allocation -----------------------------------------------------------------------------
+
+    def allocate_for_admission(self, request: Request, plan: list[tuple[Sequence, int]],
+                               hits: dict[int, list[int]]) -> bool:
+        """Admit a request from waiting: prefix hits plus new blocks for the planned tokens (or the
+        contiguous reservation). ``hits`` maps sample index to its cached blocks."""
+        pool = self.block_pool
+        if self.contiguous:
+            seqs = request.live_seqs()
+            need = len(seqs) * self.blocks_per_reservation
+            if need > pool.num_free_blocks:
+                return False
+            for seq in seqs:
+                seq.block_table = pool.allocate(self.blocks_per_reservation)
+                seq.table_changed()
+            return True
+        bs = self.block_size
+        need = sum(cdiv(len(hits[seq.index]) * bs + num_new, bs) - len(hits[seq.index])
+                   for seq, num_new in plan)
+        free_hits = {block for seq, _ in plan for block in hits[seq.index] if pool.ref_counts[block] == 0}
+        if need > pool.num_free_blocks - len(free_hits):
+            return False
+        # Take every hit before allocating anything, or an allocation could evict a block another sample hit.
+        for seq, _ in plan:
+            pool.touch(hits[seq.index])
+        for seq, num_new in plan:
+            cached = hits[seq.index]
+            seq.num_computed_tokens = len(cached) * bs
+            missing = cdiv(seq.num_computed_tokens + num_new, bs) - len(cached)
+            seq.block_table = cached + pool.allocate(missing)
+            seq.table_changed()
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_computed_tokens
+        return True
+
+    def allocate_slots(self, request: Request, plan: list[tuple[Sequence, int]]) -> bool:
+        """Blocks for a running request's planned tokens, copying shared partial blocks before a write."""
+        pool = self.block_pool
+        need, copy_on_write = self._count_growth(request, plan, pool, on_host=False)
+        if need > pool.num_free_blocks:
+            return False
+        for seq in copy_on_write:
+            self._copy_last_block(seq)
+        bs = self.block_size
+        for seq, num_new in plan:
+            missing = cdiv(seq.num_computed_tokens + num_new, bs) - len(seq.block_table)
+            if missing > 0:
+                seq.block_table.extend(pool.allocate(missing))
+                seq.table_changed()
+        return True
+
+    def _count_growth(self, request: Request, plan, pool: BlockPool,
+                      on_host: bool) -> tuple[int, list[Sequence]]:
+        """Blocks the plan needs, and the samples whose next write lands in a block another sample shares."""
+        bs = self.block_size
+        shares = request.params.n > 1 and not self.contiguous
+        pending_refs: dict[int, int] = {}
+        need = 0
+        copy_on_write = []
+        for seq, num_new in plan:
+            table = seq.host_block_table if on_host else seq.block_table
+            start = seq.num_computed_tokens
+            if shares and start % bs and num_new:
+                block = table[start // bs]
+                refs = pending_refs.get(block, int(pool.ref_counts[block]))
+                if refs > 1:    # the last sharer to write keeps the original block
+                    pending_refs[block] = refs - 1
+                    copy_on_write.append(seq)
+                    need += 1
+            need += max(0, cdiv(start + num_new, bs) - len(table))
+        return need, copy_on_write
+
+    def _copy_last_block(self, seq: Sequence) -> None:
+        pool = self.block_pool
+        index = seq.num_computed_tokens // self.block_size
+        src = seq.block_table[index]
+        dst = pool.allocate(1)[0]
+        pool.fill[dst] = pool.fill[src]
+        seq.block_table[index] = dst
+        seq.table_changed()
+        pool.free([src])
+        self.blocks_to_copy.append((src, dst))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give a sample the parent's computed prompt: shared blocks when paged, copies when contiguous."""
+        pool = self.block_pool
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        if self.contiguous:
+            for i in range(cdiv(parent.num_computed_tokens, self.block_size)):
+                src, dst = parent.block_table[i], child.block_table[i]
+                pool.fill[dst] = pool.fill[src]
+                self.blocks_to_copy.append((src, dst))
+            return
+        child.block_table = list(parent.block_table)
+        child.table_changed()
+        pool.incref(child.block_table)
+
+    def commit(self, seq: Sequence, num_new: int) -> None:
+        """The runner computed ``num_new`` more tokens: record block fill and cache the blocks now full."""
+        bs = self.block_size
+        old = seq.num_computed_tokens
+        new = seq.num_computed_tokens = old + num_new
+        table, fill = seq.block_table, self.block_pool.fill
+        if num_new == 1:    # a decode: one slot in one block
+            fill[table[old // bs]] = old % bs + 1
+        else:
+            for i in range(old // bs, cdiv(new, bs)):
+                fill[table[i]] = min(bs, new - i * bs)
+        if self.enable_prefix_caching and new // bs > old // bs:
+            self._extend_hashes(seq, new // bs)
+            for i in range(old // bs, new // bs):
+                self.block_pool.register(table[i], seq.block_hashes[i])
+
+    # ---- freeing --------------------------------------------------------------------------------
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release a sample's blocks, last block first so a prefix's end is evicted before its start."""
+        if seq.block_table:
+            self.block_pool.free(reversed(seq.block_table))
+            seq.block_table = []
+            seq.table_changed()
+        if seq.host_block_table:
+            self.host_pool.free(reversed(seq.host_block_table))
+            seq.host_block_table = []
+
+    def free_request(self, request: Request) -> None:
+        for seq in request.seqs:
+            self.free_sequence(seq)
+
+    # ---- swap -----------------------------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> bool:
+        """Move a request's device blocks to the host pool; False, changing nothing, if it is short."""
+        seqs = [seq for seq in request.seqs if seq.block_table]
+        moved = self._move_tables(seqs, self.block_pool, self.host_pool, to_host=True)
+        if moved is None:
+            return False
+        self.blocks_to_swap_out.extend(moved)
+        self.num_swapped_out_blocks += len(moved)
+        return True
+
+    def swap_in(self, request: Request, plan: list[tuple[Sequence, int]]) -> bool:
+        """Bring a swapped request back and allocate its planned tokens, atomically."""
+        seqs = [seq for seq in request.seqs if seq.host_block_table]
+        num_unique = len({block for seq in seqs for block in seq.host_block_table})
+        growth, _ = self._count_growth(request, plan, self.host_pool, on_host=True)
+        if num_unique + growth > self.block_pool.num_free_blocks:
+            return False
+        moved = self._move_tables(seqs, self.host_pool, self.block_pool, to_host=False)
+        self.blocks_to_swap_in.extend(moved)
+        self.num_swapped_in_blocks += len(moved)
+        if self.enable_prefix_caching:
+            for seq in seqs:
+                for i in range(min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))):
+                    self.block_pool.register(seq.block_table[i], seq.block_hashes[i])
+        allocated = self.allocate_slots(request, plan)
+        assert allocated, "swap_in counted its blocks"
+        return True
+
+    def _move_tables(self, seqs: list[Sequence], src_pool: BlockPool, dst_pool: BlockPool,
+                     to_host: bool) -> list[tuple[int, int]] | None:
+        """Map every distinct block of the samples' tables to a new block of dst_pool, keeping sharing."""
+        tables = [seq.block_table if to_host else seq.host_block_table for seq in seqs]
+        unique = list(dict.fromkeys(block for table in tables for block in table))
+        if len(unique) > dst_pool.num_free_blocks:
+            return None
+        targets = dst_pool.allocate(len(unique))
+        mapping = dict(zip(unique, targets, strict=True))
+        dst_pool.fill[targets] = src_pool.fill[unique]
+        for seq, table in zip(seqs, tables, strict=True):
+            new_table = [mapping[block] for block in table]
+            src_pool.free(reversed(table))
+            if to_host:
+                seq.host_block_table, seq.block_table = new_table, []
+            else:
+                seq.block_table, seq.host_block_table = new_table, []
+            seq.table_changed()
+        # allocate() gave each target one reference; samples sharing a block add the rest.
+        refs = np.bincount(np.asarray([mapping[b] for table in tables for b in table], dtype=np.int64),
+                           minlength=dst_pool.num_blocks)
+        dst_pool.ref_counts[targets] = refs[targets]
+        return list(zip(unique, targets, strict=True))
+
+    # ---- per-step drains and gauges -------------------------------------------------------------
+
+    def take_cache_moves(self) -> tuple[tuple, tuple, tuple]:
+        moves = (tuple(self.blocks_to_swap_out), tuple(self.blocks_to_swap_in), tuple(self.blocks_to_copy))
+        self.blocks_to_swap_out.clear()
+        self.blocks_to_swap_in.clear()
+        self.blocks_to_copy.clear()
+        return moves
+
+    def num_tokens_held(self) -> int:
+        """Token slots holding computed K/V in blocks in use (shared blocks counted once)."""
+        pool = self.block_pool
+        return int(pool.fill.sum(dtype=np.int64)) - pool.num_cached_free_blocks * self.block_size

@@ -1,0 +1,154 @@
+"""check_invariants(engine): the DESIGN.md invariants, checked against the engine's internals.
+
+Call it after every step (pass the StepResult to also check the stats and the
+snapshot against the engine). Works with the fake runner and the real one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.kv_cache_manager import cdiv
+from engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
+from engine.request import RequestStatus
+
+
+def check_invariants(engine, result=None) -> None:
+    scheduler = engine.scheduler
+    kv = scheduler.kv
+    requests = list(scheduler.requests.values())
+    _check_queues(scheduler, requests)
+    _check_pool(kv.block_pool, [seq.block_table for r in requests for seq in r.seqs])
+    _check_host_pool(kv.host_pool, [seq.host_block_table for r in requests for seq in r.seqs])
+    for request in requests:
+        _check_request(kv, request)
+    if not requests:
+        _check_idle(kv)
+    if result is not None:
+        _check_result(engine, result)
+
+
+def _check_queues(scheduler, requests) -> None:
+    queues = {"running": scheduler.running, "waiting": list(scheduler.waiting), "swapped": scheduler.swapped}
+    seen = [r.request_id for queue in queues.values() for r in queue]
+    assert len(seen) == len(set(seen)), "a request is in two queues"
+    assert set(seen) == {r.request_id for r in requests}, "queues and the request table disagree"
+    for name, queue in queues.items():
+        assert all(r.status == name for r in queue), f"status does not match queue {name}"
+    for queue in (scheduler.running, scheduler.swapped):
+        arrivals = [r.arrival_index for r in queue]
+        assert arrivals == sorted(arrivals), "running/swapped must be in arrival order"
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+
+
+def _check_pool(pool, tables) -> None:
+    n = pool.num_blocks
+    entries = np.asarray([b for table in tables for b in table], dtype=np.int64)
+    expected = np.bincount(entries, minlength=n) if len(entries) else np.zeros(n, dtype=np.int64)
+    assert len(expected) == n, "a block table points outside the pool"
+    bad = np.flatnonzero(pool.ref_counts != expected)
+    assert not len(bad), f"ref counts differ from block-table entries at blocks {bad.tolist()}"
+    free = set(pool.free_block_queue)
+    assert len(free) == len(pool.free_block_queue)
+    assert free == set(np.flatnonzero(pool.ref_counts == 0).tolist()), "free queue != blocks with ref count 0"
+    assert pool.num_free_blocks + pool.num_used_blocks == n
+    hashed = pool.hashes != 0
+    unreferenced = pool.ref_counts == 0
+    assert (pool.state[~unreferenced] == BLOCK_USED).all()
+    assert (pool.state[unreferenced & hashed] == BLOCK_CACHED).all()
+    assert (pool.state[unreferenced & ~hashed] == BLOCK_FREE).all()
+    assert pool.num_cached_free_blocks == int((unreferenced & hashed).sum())
+    assert (pool.fill[unreferenced & ~hashed] == 0).all(), "a free block claims filled slots"
+    assert ((pool.fill >= 0) & (pool.fill <= pool.block_size)).all()
+    assert (pool.fill[hashed] == pool.block_size).all(), "only full blocks may be cached"
+    assert len(pool.cached_blocks) == int(hashed.sum())
+    for block_hash, block in pool.cached_blocks.items():
+        assert int(pool.hashes[block]) == block_hash, "prefix-cache map and block hashes disagree"
+
+
+def _check_host_pool(pool, tables) -> None:
+    n = pool.num_blocks
+    entries = np.asarray([b for table in tables for b in table], dtype=np.int64)
+    expected = np.bincount(entries, minlength=n) if len(entries) else np.zeros(n, dtype=np.int64)
+    assert (pool.ref_counts == expected[:n]).all() and len(expected) == n, "host ref counts are wrong"
+    assert set(pool.free_block_queue) == set(np.flatnonzero(pool.ref_counts == 0).tolist())
+
+
+def _check_request(kv, request) -> None:
+    bs = kv.block_size
+    assert request.status != RequestStatus.FINISHED
+    for seq in request.seqs:
+        if seq.finish_reason is not None:
+            assert not seq.block_table and not seq.host_block_table, "a finished sample holds blocks"
+            continue
+        assert 0 <= seq.num_computed_tokens < seq.num_tokens, "a live sample's last token is never computed"
+        assert seq.num_output_tokens <= request.params.max_tokens
+        if request.status == RequestStatus.WAITING:
+            assert not seq.block_table and not seq.host_block_table and seq.num_computed_tokens == 0
+        elif request.status == RequestStatus.SWAPPED:
+            assert not seq.block_table
+            assert len(seq.host_block_table) == cdiv(seq.num_computed_tokens, bs)
+        elif kv.contiguous:
+            assert len(seq.block_table) == kv.blocks_per_reservation
+        else:
+            assert len(seq.block_table) == cdiv(seq.num_computed_tokens, bs), "table does not match computed"
+        for i in range(min(seq.num_computed_tokens // bs, len(seq.block_hashes), len(seq.block_table))):
+            block_hash = int(kv.block_pool.hashes[seq.block_table[i]])
+            assert block_hash in (0, seq.block_hashes[i]), "a block's cached hash does not match its content"
+
+
+def _check_idle(kv) -> None:
+    pool, host = kv.block_pool, kv.host_pool
+    assert pool.num_free_blocks == pool.num_blocks, "blocks leaked"
+    assert not pool.ref_counts.any() and not host.ref_counts.any(), "ref counts leaked"
+    assert (pool.state != BLOCK_USED).all()
+    assert host.num_free_blocks == host.num_blocks, "host blocks leaked"
+
+
+def _check_result(engine, result) -> None:
+    scheduler = engine.scheduler
+    pool = scheduler.kv.block_pool
+    stats, snap = result.stats, result.snapshot
+    assert stats.num_running == len(scheduler.running)
+    assert stats.num_waiting == len(scheduler.waiting)
+    assert stats.num_swapped == len(scheduler.swapped)
+    assert stats.num_free_blocks == pool.num_free_blocks
+    assert stats.num_cached_free_blocks == pool.num_cached_free_blocks
+    assert stats.num_total_blocks == pool.num_blocks
+    assert 0.0 <= stats.kv_usage <= 1.0 and 0.0 <= stats.kv_token_utilisation <= 1.0
+    assert stats.prefix_cache_hits <= stats.prefix_cache_queries
+    assert np.array_equal(snap.ref_counts, pool.ref_counts) and np.array_equal(snap.block_state, pool.state)
+    assert np.array_equal(snap.block_fill, pool.fill) and np.array_equal(snap.block_hashes, pool.hashes)
+    assert snap.ref_counts is not pool.ref_counts, "the snapshot must own its arrays"
+    views = {view.request_id: view for view in snap.requests}
+    assert set(views) == set(scheduler.requests)
+    for request_id, request in scheduler.requests.items():
+        view = views[request_id]
+        live = [seq for seq in request.seqs if seq.finish_reason is None]
+        assert view.queue == request.status
+        assert view.block_tables == tuple(tuple(seq.block_table) for seq in live)
+        assert view.num_output_tokens == request.seqs[0].num_output_tokens
+        assert view.num_computed_tokens == request.seqs[0].num_computed_tokens
+        assert view.used_slots <= view.reserved_slots
+    owners = np.zeros(pool.num_blocks, dtype=np.int64)
+    for view in snap.requests:
+        for table in view.block_tables:
+            np.add.at(owners, list(table), 1)
+    assert np.array_equal(owners, snap.ref_counts), "snapshot tables do not explain the ref counts"
+
+
+def run_checked(engine, max_steps: int = 10_000, on_step=None) -> list:
+    """Step until idle, checking invariants after every step; returns every RequestOutput produced."""
+    outputs = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        result = engine.step()
+        check_invariants(engine, result)
+        outputs.extend(result.outputs)
+        if on_step is not None:
+            on_step(result)
+    else:
+        raise AssertionError(f"engine did not finish within {max_steps} steps")
+    check_invariants(engine)
+    return outputs

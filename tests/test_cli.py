@@ -1,0 +1,133 @@
+"""The command line: flags, version, and one clear line (exit 2, no traceback) for each bad input."""
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import BertConfig, MambaConfig
+
+from app.cli import build_parser, main
+from engine import loader
+
+
+def run_cli(capsys, *argv):
+    status = main(list(argv))
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def assert_one_line_error(status, err, *needles):
+    assert status == 2
+    # Progress lines (e.g. "Converting ...") may come first; the error itself is one line.
+    errors = [line for line in err.splitlines() if line.startswith("kvscope: error:")]
+    assert len(errors) == 1, err
+    assert err.rstrip().endswith(errors[0])
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in errors[0]
+
+
+def test_transformers_does_not_mistake_our_kernels_package():
+    from transformers.utils.import_utils import is_kernels_available
+
+    import kernels  # noqa: F401  (ours, importable)
+
+    assert is_kernels_available() is False
+
+
+def test_help_lists_subcommands_and_vllm_named_flags():
+    text = build_parser().format_help()
+    for word in ("fetch-model", "chat", "bench", "runs", "screenshots", "--block-size", "--num-blocks",
+                 "--kv-cache-memory", "--gpu-memory-utilization", "--swap-space", "--max-model-len",
+                 "--max-num-seqs", "--max-num-batched-tokens", "--enable-prefix-caching",
+                 "--no-enable-prefix-caching", "--preemption-mode", "--device", "--dtype", "--seed"):
+        assert word in text
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith("kvscope ")
+
+
+def test_missing_model_path(capsys, tmp_path):
+    status, _, err = run_cli(capsys, "chat", "hi", "--model", str(tmp_path / "nope"))
+    assert_one_line_error(status, err, "does not exist", str(tmp_path / "nope"))
+
+
+def test_missing_gguf_file(capsys, tmp_path):
+    status, _, err = run_cli(capsys, "chat", "hi", "--model", str(tmp_path / "model.gguf"))
+    assert_one_line_error(status, err, "does not exist")
+
+
+def test_file_that_is_not_a_gguf(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_CACHE", str(tmp_path / "cache"))
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"this is not a gguf file" * 10)
+    status, _, err = run_cli(capsys, "chat", "hi", "--model", str(bogus))
+    assert_one_line_error(status, err, "not a readable GGUF")
+
+
+def test_directory_that_is_not_a_model(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    status, _, err = run_cli(capsys, "chat", "hi", "--model", str(tmp_path))
+    assert_one_line_error(status, err, "not a transformers model directory")
+
+
+def test_encoder_only_architecture(capsys, tmp_path):
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        tmp_path)
+    status, _, err = run_cli(capsys, "chat", "hi", "--model", str(tmp_path))
+    assert_one_line_error(status, err, "unsupported architecture", "bert")
+
+
+def test_architecture_without_attention_interface(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner
+
+    model = AutoModelForCausalLM.from_config(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=64))
+    with pytest.raises(loader.ModelError, match="AttentionInterface"):
+        ModelRunner(EngineConfig(num_blocks=4), model=model, tokenizer=object())
+
+
+def test_hub_id_without_network(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    status, _, err = run_cli(capsys, "chat", "hi", "--model", "someone/some-model-kvscope-test")
+    assert_one_line_error(status, err, "cannot fetch", "someone/some-model-kvscope-test")
+
+
+def test_no_space_for_the_model_cache(capsys, tmp_path, monkeypatch):
+    from models import tiny_model
+
+    # Skip the slow dequantisation: the write is what runs out of space.
+    model, tokenizer = tiny_model()
+    monkeypatch.setenv("KVSCOPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "_load_gguf", lambda gguf: (model, tokenizer))
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    status, _, err = run_cli(capsys, "fetch-model")
+    assert_one_line_error(status, err, "no space left on device", str(tmp_path / "cache"))
+    assert not (tmp_path / "cache" / "models" / loader.DEFAULT_MODEL_NAME).exists()
+
+
+def test_bad_block_size(capsys):
+    status, _, err = run_cli(capsys, "chat", "hi", "--block-size", "12")
+    assert_one_line_error(status, err, "block_size", "power of two")
+
+
+def test_real_process_prints_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "app.cli", "chat", "hi", "--model", str(tmp_path / "x")],
+                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0

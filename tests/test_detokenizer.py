@@ -1,0 +1,90 @@
+"""Incremental detokenizer: no split characters across deltas, stop strings cut and never streamed."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.fake_runner import FakeTokenizer
+
+TOKENIZER = FakeTokenizer()     # byte-level: multi-byte characters span several tokens
+
+
+def stream(text: str, stop=(), prompt="Q: "):
+    """Feed ``text`` byte by byte; returns (deltas, stopped, final text)."""
+    detok = IncrementalDetokenizer(TOKENIZER, TOKENIZER.encode(prompt), stop)
+    deltas = []
+    stopped = False
+    for token in TOKENIZER.encode(text):
+        stopped = detok.add_token(token)
+        deltas.append(detok.take_delta())
+        if stopped:
+            break
+    detok.finish(stopped)
+    deltas.append(detok.take_delta())
+    return deltas, stopped, detok.output_text
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "日本語のテキスト", "emoji 🎉🚀 end", "mixed ß→∑ ok"])
+def test_multibyte_characters_are_never_split(text):
+    deltas, stopped, final = stream(text)
+    assert not stopped
+    assert "".join(deltas) == text == final
+    assert all("\ufffd" not in delta for delta in deltas)
+    # A 4-byte emoji arrives whole: its first three tokens release nothing.
+    if "🎉" in text:
+        assert "🎉" in deltas
+
+
+def test_text_is_released_as_soon_as_a_character_completes():
+    deltas, _, _ = stream("aé")
+    assert deltas[:3] == ["a", "", "é"]
+
+
+def test_stop_string_is_cut_with_everything_after_it():
+    deltas, stopped, final = stream("hello STOP and more", stop=["STOP"])
+    assert stopped
+    assert final == "hello "
+    assert "".join(deltas) == "hello "
+
+
+def test_partial_stop_string_is_held_back_then_released():
+    # "ST" could start "STOP", so it is held until the text shows it is not the stop string.
+    detok = IncrementalDetokenizer(TOKENIZER, [65], ["STOP"])
+    released = []
+    for token in TOKENIZER.encode("a STx"):
+        assert not detok.add_token(token)
+        released.append(detok.take_delta())
+    assert released == ["a", " ", "", "", "STx"]
+
+
+def test_held_back_text_is_released_when_the_sample_finishes():
+    deltas, stopped, final = stream("ends with ST", stop=["STOP"])
+    assert not stopped
+    assert final == "ends with ST" == "".join(deltas)
+
+
+def test_earliest_of_several_stop_strings_wins():
+    _, stopped, final = stream("one two three", stop=["three", "two"])
+    assert stopped and final == "one "
+
+
+def test_stop_string_spanning_a_multibyte_character():
+    _, stopped, final = stream("café au lait", stop=["é a"])
+    assert stopped and final == "caf"
+
+
+def test_special_tokens_are_skipped():
+    detok = IncrementalDetokenizer(TOKENIZER, [], ())
+    for token in [*TOKENIZER.encode("hi"), TOKENIZER.eos_token_id]:
+        detok.add_token(token)
+    detok.finish()
+    assert detok.output_text == "hi"
+
+
+def test_invalid_bytes_are_flushed_at_finish():
+    detok = IncrementalDetokenizer(TOKENIZER, [], ())
+    detok.add_token(0xE6)   # the first byte of a three-byte character that never completes
+    assert detok.take_delta() == ""
+    detok.finish()
+    assert detok.take_delta() == "\ufffd"
