@@ -35,6 +35,7 @@ class AttentionContext:
     prefill_block_tables: torch.Tensor | None
     prefill_cu_seqlens: torch.Tensor | None
     prefill_context_lens: torch.Tensor | None
+    prefill_max_query_len: int
     decode_block_tables: torch.Tensor | None
     decode_context_lens: torch.Tensor | None
 
@@ -53,7 +54,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     parts = []
     if split:
         parts.append(kernels.paged_prefill_attention(q[:split], kv_layer, ctx.prefill_block_tables,
-                                                     ctx.prefill_cu_seqlens, ctx.prefill_context_lens, scale))
+                                                     ctx.prefill_cu_seqlens, ctx.prefill_context_lens, scale,
+                                                     ctx.prefill_max_query_len))
     if split < q.shape[0]:
         parts.append(kernels.paged_decode_attention(q[split:], kv_layer, ctx.decode_block_tables,
                                                     ctx.decode_context_lens, scale))
@@ -228,6 +230,8 @@ class ModelRunner:
             prefill_cu_seqlens=self._int32(np.cumsum([0] + [len(item.token_ids) for item in prefill]))
             if prefill else None,
             prefill_context_lens=self._int32([item.context_len for item in prefill]) if prefill else None,
+            # Known on the host: passing it spares the CUDA kernel a device-to-host sync per layer.
+            prefill_max_query_len=max((len(item.token_ids) for item in prefill), default=0),
             decode_block_tables=self._block_tables(decode) if decode else None,
             decode_context_lens=self._int32([item.context_len for item in decode]) if decode else None,
         )
