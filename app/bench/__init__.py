@@ -1,0 +1,1 @@
+"""`kvscope bench`: kvscope against transformers and against its own contiguous baseline."""

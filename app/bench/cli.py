@@ -1,0 +1,210 @@
+"""`kvscope bench [workloads|scheduler|logging|ui]`: the command line of every benchmark.
+
+``kvscope bench`` alone runs the workload comparison (issue 7); ``logging``
+measures the run log's cost (issue 6); ``scheduler`` and ``ui`` run the
+scheduler's and the app's own micro-benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from app.bench.systems import SYSTEMS
+from app.bench.workloads import WORKLOAD_NAMES
+
+WHAT = ("workloads", "scheduler", "logging", "ui")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser(
+        "bench", help="measure kvscope against transformers and its contiguous baseline",
+        description="Run every system side by side in one process: same model, dtype, threads, prompts "
+                    "and output lengths. Without WHAT, runs the workload comparison.")
+    bench.add_argument("what", nargs="?", default="workloads", choices=WHAT,
+                       help="workloads (default): the system comparison; scheduler: scheduler-only "
+                            "micro-benchmark; logging: run log on vs off; ui: app rendering cost")
+    bench.add_argument("--workload", default="mixed", choices=(*WORKLOAD_NAMES, "all"),
+                       help="for workloads and logging (default: mixed)")
+    bench.add_argument("--systems", default=None,
+                       help=f"comma-separated, from {','.join(SYSTEMS)} (default: each workload's own set)")
+    bench.add_argument("--dtype", default="float32",
+                       help="float32, bfloat16 or float16; a comma-separated list runs each in turn")
+    bench.add_argument("--requests", type=int, default=None,
+                       help="requests per workload (prompts, for parallel-sampling; running requests, for "
+                            "scheduler); default: the issue's")
+    bench.add_argument("--seed", type=int, default=0, help="workload seed")
+    bench.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    bench.add_argument("--model", default="default", help="as for kvscope itself (default: SmolLM2-135M)")
+    bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    bench.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
+    bench.add_argument("--no-log", action="store_true", help="do not record the kvscope runs in the run log")
+    bench.add_argument("--no-floor", action="store_true", help="skip timing the forward-only floor")
+    peers = bench.add_argument_group("transformers peers")
+    peers.add_argument("--hf-batch-size", type=int, default=16, help="hf-static: requests per static batch")
+    peers.add_argument("--hf-cb-max-requests", type=int, default=16, help="hf-cb: most requests per step")
+    peers.add_argument("--hf-cb-batch-tokens", type=int, default=512, help="hf-cb: most tokens per step")
+    peers.add_argument("--hf-cb-page-size", type=int, default=256, help="hf-cb: tokens per cache page")
+    bench.add_argument("--repeats", type=int, default=1, help="logging: off/on/on/off rounds (default 1)")
+    bench.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"workloads": run_workloads, "scheduler": run_scheduler, "logging": run_logging,
+            "ui": run_ui}[args.what](args)
+
+
+def _parse_dtypes(text: str) -> list[str]:
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise SystemExit(f"kvscope bench: --dtype takes {', '.join(DTYPES)} (comma-separated), got {text!r}")
+    return dtypes
+
+
+def _parse_systems(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    systems = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad or not systems:
+        raise SystemExit(f"kvscope bench: unknown system {', '.join(bad) or text!r}; "
+                         f"choose from {','.join(SYSTEMS)}")
+    return systems
+
+
+def _setup(args: argparse.Namespace):
+    """Threads and device, decided once for every system; returns the device name."""
+    import torch
+
+    from engine.model_runner import resolve_device
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return resolve_device(args.device).type
+
+
+def _log_opener(db: str | Path | None, model: str, device: str):
+    """open_log(config) for each kvscope run; warns once if the run log is off."""
+    from app.runlog import open_run_log
+
+    warned = []
+
+    def open_log(config):
+        logger = open_run_log(db, source="bench", config=config, model=model, device=device,
+                              dtype=config.dtype)
+        if logger.warning and not warned:
+            warned.append(logger.warning)
+            print(f"kvscope bench: {logger.warning}", file=sys.stderr)
+        return logger
+
+    return open_log
+
+
+def _load(args: argparse.Namespace, dtype: str, device: str):
+    import torch
+
+    from engine.loader import load_model
+
+    return load_model(args.model, getattr(torch, dtype), device)
+
+
+def run_workloads(args: argparse.Namespace) -> int:
+    from app.bench.harness import Bench, BenchOptions, environment_line
+    from app.bench.hf_cb import ContinuousSettings
+    from app.bench.hf_static import StaticSettings
+    from app.bench.report import add_ratios, format_table, json_lines
+    from app.bench.workloads import build_workloads
+
+    dtypes, systems = _parse_dtypes(args.dtype), _parse_systems(args.systems)
+    workloads = build_workloads(args.workload, args.requests, args.seed)
+    device = _setup(args)
+    print(f"kvscope bench: {environment_line()}", file=sys.stderr)
+    rows, notes = [], {}
+    for dtype in dtypes:
+        model, tokenizer = _load(args, dtype, device)
+        options = BenchOptions(
+            model=args.model, device=device, dtype=dtype, systems=systems, forward_floor=not args.no_floor,
+            static=StaticSettings(batch_size=args.hf_batch_size),
+            continuous=ContinuousSettings(page_size=args.hf_cb_page_size,
+                                          max_batch_tokens=args.hf_cb_batch_tokens,
+                                          max_requests_per_batch=args.hf_cb_max_requests),
+        )
+        open_log = None if args.no_log else _log_opener(args.db, args.model, device)
+        bench = Bench(model, tokenizer, options, open_log=open_log)
+        rows += bench.run(workloads)
+        notes |= bench.notes
+        del bench, model
+        gc.collect()
+    add_ratios(rows)
+    print(json_lines(rows) if args.json else format_table(rows, notes))
+    return 0
+
+
+def run_logging(args: argparse.Namespace) -> int:
+    from app.bench.harness import environment_line
+    from app.bench.logging_bench import LogUnavailable, run_logging_bench
+    from app.bench.workloads import build_workloads
+    from engine import LLMEngine
+
+    dtype = _parse_dtypes(args.dtype)[0]
+    workload = build_workloads(args.workload, args.requests, args.seed)[0]
+    device = _setup(args)
+    print(f"kvscope bench logging: {environment_line()}", file=sys.stderr)
+    model, tokenizer = _load(args, dtype, device)
+    with tempfile.TemporaryDirectory(prefix="kvscope-bench-") as scratch:
+        # A fresh database unless --db names one, so its size is this bench's alone.
+        db = Path(args.db).expanduser() if args.db else Path(scratch) / "runs.db"
+        try:
+            result = run_logging_bench(
+                lambda config: LLMEngine(config, model=model, tokenizer=tokenizer),
+                _log_opener(db, args.model, device), workload,
+                db_path=db, model=args.model, device=device, dtype=dtype, repeats=args.repeats,
+                progress=lambda line: print(line, file=sys.stderr, flush=True))
+        except LogUnavailable:  # the opener has printed why
+            print("kvscope bench logging: nothing to measure without the run log", file=sys.stderr)
+            return 2
+    if not args.db:
+        result.db_path = "a temporary database, now removed"
+    print(json.dumps(result.as_json()) if args.json else result.text())
+    return 0
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    try:
+        from app.bench.scheduler import print_scheduler_bench, run_scheduler_bench
+    except ImportError as exc:
+        print(f"kvscope bench scheduler: not available in this build ({exc})", file=sys.stderr)
+        return 1
+    sizes = {} if args.requests is None else {"num_requests": args.requests}
+    if args.json:
+        print(json.dumps({"bench": "scheduler", **run_scheduler_bench(**sizes)}))
+    else:
+        print_scheduler_bench(**sizes)
+    return 0
+
+
+def run_ui(args: argparse.Namespace) -> int:
+    try:
+        from app.bench_ui import run_ui_bench
+    except ImportError as exc:
+        print(f"kvscope bench ui: not available in this build ({exc})", file=sys.stderr)
+        return 1
+    from engine import EngineConfig
+
+    config = EngineConfig(model=args.model, device=args.device, dtype=_parse_dtypes(args.dtype)[0])
+    sizes = {} if args.requests is None else {"num_requests": args.requests}
+    if not args.json:
+        run_ui_bench(config, **sizes)  # prints its own report
+        return 0
+    with contextlib.redirect_stdout(sys.stderr):
+        result = run_ui_bench(config, **sizes)
+    print(json.dumps({"bench": "ui", **result}))
+    return 0

@@ -1,0 +1,146 @@
+"""Runs the chosen systems over the chosen workloads, in one process, on one set of weights per dtype.
+
+Every system of an invocation sees the same model weights, dtype, torch threads,
+prompts and output lengths. Each gets one small untimed generation first (warm-up),
+then the workload's requests all at once, timed until the last token.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from app.bench.floor import ForwardFloor
+from app.bench.hf_cb import ContinuousBatchRun, ContinuousSettings
+from app.bench.hf_static import StaticBatchRun, StaticSettings
+from app.bench.kvscope_system import OVERHEAD_BATCH, VARIANTS, KvscopeRun, engine_config
+from app.bench.metrics import PeakRss, RunRecord, summarise
+from app.bench.systems import HF_CB, HF_STATIC, PAGED, SYSTEMS, systems_for
+from app.bench.workloads import BenchRequest, Workload, warm_up_request
+
+FLOOR_SYSTEM = PAGED
+
+
+@dataclass
+class BenchOptions:
+    model: str = "default"
+    device: str = "cpu"
+    dtype: str = "float32"
+    systems: tuple[str, ...] | None = None     # None: each workload's defaults
+    static: StaticSettings = field(default_factory=StaticSettings)
+    continuous: ContinuousSettings = field(default_factory=ContinuousSettings)
+    forward_floor: bool = True
+
+
+class Bench:
+    """Runs every (workload, system) pair for one dtype and returns report rows and notes.
+
+    ``open_log(config)`` gives a run logger for each kvscope run (or None);
+    ``progress`` receives one line per finished system.
+    """
+
+    def __init__(self, model, tokenizer, options: BenchOptions, open_log: Callable | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.options = options
+        self.open_log = open_log
+        self.progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.pad_token_id = _pad_token_id(model, tokenizer)
+        self.floor = ForwardFloor(model) if options.forward_floor else None
+        self.notes: dict[tuple[str, str], list[str]] = {}
+
+    def run(self, workloads: list[Workload]) -> list[dict]:
+        rows = []
+        for workload in workloads:
+            for system in systems_for(workload.name, self.options.systems):
+                record = self.run_system(system, workload)
+                row = summarise(record, workload.name, self.options.dtype, len(workload.requests))
+                row["settings"] = record.settings
+                if system == FLOOR_SYSTEM and self.floor is not None:
+                    self._add_floor(row, record, workload)
+                rows.append(row)
+                self.progress(f"  {workload.name} {self.options.dtype} {system}: "
+                              f"{row['output_tokens_per_s']:.1f} output tok/s in {row['wall_s']:.1f}s")
+                self._note(workload, f"{system} settings: {_settings_text(record.settings)}")
+                self._note_findings(workload, row)
+        return rows
+
+    def run_system(self, system: str, workload: Workload) -> RunRecord:
+        warm_up = warm_up_request(workload.requests[0].n)
+        if system not in SYSTEMS:
+            raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        with PeakRss() as rss:
+            record = self._dispatch(system, workload, warm_up)
+            gc.collect()
+        record.peak_rss_mb = rss.peak_mb
+        if record.num_output_tokens != workload.num_output_tokens:
+            raise RuntimeError(f"{system} produced {record.num_output_tokens} output tokens on "
+                               f"{workload.name}, expected {workload.num_output_tokens}")
+        return record
+
+    def _dispatch(self, system: str, workload: Workload, warm_up: BenchRequest) -> RunRecord:
+        if system == HF_STATIC:
+            return StaticBatchRun(self.model, self.pad_token_id, self.options.static).run(workload, warm_up)
+        if system == HF_CB:
+            run = ContinuousBatchRun(self.model, self.pad_token_id, self.options.continuous)
+            return run.run(workload, warm_up)
+        config = engine_config(VARIANTS[system], workload, model=self.options.model,
+                               device=self.options.device, dtype=self.options.dtype)
+        return KvscopeRun(VARIANTS[system], self.make_engine, self.open_log).run(workload, warm_up, config)
+
+    def make_engine(self, config):
+        from engine import LLMEngine
+
+        return LLMEngine(config, model=self.model, tokenizer=self.tokenizer)
+
+    def _add_floor(self, row: dict, record: RunRecord, workload: Workload) -> None:
+        seconds = self.floor.seconds(record.step_shapes)
+        floor_tok_s = record.num_output_tokens / seconds if seconds else None
+        row["forward_floor_output_tokens_per_s"] = floor_tok_s
+        row["fraction_of_floor"] = row["output_tokens_per_s"] / floor_tok_s if floor_tok_s else None
+        if floor_tok_s:
+            self._note(workload, f"forward-only floor for the {len(record.step_shapes)} batches "
+                                 f"{FLOOR_SYSTEM} ran: {floor_tok_s:.1f} output tok/s; "
+                                 f"{FLOOR_SYSTEM} reached {row['fraction_of_floor']:.0%} of it")
+
+    def _note_findings(self, workload: Workload, row: dict) -> None:
+        system = row["system"]
+        wasted = row.get("wasted_token_fraction")
+        if wasted is not None:
+            self._note(workload, f"{system} generated {row['generated_tokens']:,} tokens for "
+                                 f"{row['output_tokens']:,} useful: {wasted:.0%} wasted")
+        if row.get("engine_overhead") is not None:
+            at_full = row.get(f"engine_overhead_at_{OVERHEAD_BATCH}")
+            full = f", {at_full:.1%} at a running batch >= {OVERHEAD_BATCH}" if at_full is not None else ""
+            self._note(workload, f"{system} time outside the model forward: "
+                                 f"{row['engine_overhead']:.1%} of step time{full}")
+
+    def _note(self, workload: Workload, text: str) -> None:
+        self.notes.setdefault((workload.name, self.options.dtype), []).append(text)
+
+
+def _pad_token_id(model, tokenizer) -> int:
+    for candidate in (getattr(tokenizer, "pad_token_id", None), model.generation_config.pad_token_id,
+                      getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(candidate, int):
+            return candidate
+    return 0
+
+
+def _settings_text(settings: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items())
+
+
+def environment_line() -> str:
+    import platform
+
+    import transformers
+
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"{torch.get_num_threads()} torch threads, {platform.processor() or platform.machine()}, "
+            f"python {platform.python_version()}")

@@ -1,0 +1,85 @@
+"""The bench's output: ratios of kvscope paged to every other system, a table, and JSON lines."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from app.bench.metrics import REPORT_KEYS, ratio
+from app.bench.systems import PAGED
+
+REFERENCE_SYSTEM = PAGED
+RATIO_KEY = "paged_ratio"
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Set each row's ``paged_ratio``: kvscope-paged output tok/s over this one's (same workload, dtype)."""
+    reference = {(r["workload"], r["dtype"]): r["output_tokens_per_s"]
+                 for r in rows if r["system"] == REFERENCE_SYSTEM}
+    for row in rows:
+        paged = reference.get((row["workload"], row["dtype"]))
+        mine = row["output_tokens_per_s"]
+        row[RATIO_KEY] = None if row["system"] == REFERENCE_SYSTEM else ratio(paged, mine)
+    return rows
+
+
+def json_lines(rows: list[dict]) -> str:
+    """One object per row: the issue's keys first, then whatever else the system measured."""
+    lines = []
+    for row in rows:
+        ordered = {key: row.get(key) for key in REPORT_KEYS}
+        ordered.update((k, v) for k, v in row.items() if k not in REPORT_KEYS)
+        lines.append(json.dumps({k: _finite(v) for k, v in ordered.items()}))
+    return "\n".join(lines)
+
+
+def _finite(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+# (header, key, format) per column.
+_COLUMNS = (
+    ("system", "system", "{}"),
+    ("out tok/s", "output_tokens_per_s", "{:.1f}"),
+    ("all tok/s", "total_tokens_per_s", "{:.1f}"),
+    ("batch mean", "mean_batch", "{:.1f}"),
+    ("max", "max_batch", "{}"),
+    ("KV util", "kv_token_utilisation", "{:.0%}"),
+    ("TTFT p50", "ttft_p50_s", "{:.2f}s"),
+    ("p99", "ttft_p99_s", "{:.2f}s"),
+    ("ITL p50", "itl_p50_s", "{:.0f}ms", 1000),
+    ("p99", "itl_p99_s", "{:.0f}ms", 1000),
+    ("preempt", "preemptions", "{}"),
+    ("prefill computed", "prefill_tokens_computed", "{:,}"),
+    ("RSS MiB", "peak_rss_mb", "{:,.0f}"),
+    ("paged x", RATIO_KEY, "{:.2f}x"),
+)
+
+
+def _cell(row: dict, column: tuple) -> str:
+    value = row.get(column[1])
+    if value is None:
+        return "-"
+    scale = column[3] if len(column) > 3 else 1
+    return column[2].format(value * scale)
+
+
+def format_table(rows: list[dict], notes: dict[tuple[str, str], list[str]] | None = None) -> str:
+    """One block per (workload, dtype): a header line, the systems, then that block's notes."""
+    blocks = []
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["workload"], row["dtype"]), []).append(row)
+    for (workload, dtype), members in groups.items():
+        first = members[0]
+        title = (f"{workload} · {dtype} · {first['requests']} requests · "
+                 f"{first['output_tokens']:,} output tokens")
+        cells = [[c[0] for c in _COLUMNS]] + [[_cell(r, c) for c in _COLUMNS] for r in members]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
+        lines = [title]
+        for line in cells:
+            lines.append("  ".join(text.ljust(w) if i == 0 else text.rjust(w)
+                                   for i, (text, w) in enumerate(zip(line, widths, strict=True))))
+        lines.extend(f"  {note}" for note in (notes or {}).get((workload, dtype), []))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)

@@ -1,0 +1,183 @@
+"""Load-generator presets: the situations a teacher wants to show, built from app/prompts/*.txt.
+
+Each preset sizes its requests from the running engine (pool, max_model_len,
+token budget), so the same preset overloads a small pool and a large one, and
+chunks prefill whatever the budget is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import SamplingParams
+
+PROMPTS_DIR = Path(__file__).with_name("prompts")
+CHAT_TEMPLATE_MARGIN = 48  # tokens a chat template adds around the messages, with room to spare
+
+
+@functools.cache
+def prompt_file(name: str) -> str:
+    return (PROMPTS_DIR / name).read_text(encoding="utf-8").strip()
+
+
+@functools.cache
+def prompt_lines(name: str) -> tuple[str, ...]:
+    return tuple(line.strip() for line in prompt_file(name).splitlines() if line.strip())
+
+
+@dataclass(frozen=True)
+class PresetContext:
+    """What a preset may know about the engine it loads."""
+
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    count_tokens: Callable[[str], int]
+    count_chat: Callable[[list[dict]], int] | None = None   # chat prompt length, template included
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.block_size * self.num_blocks
+
+    def chat_tokens(self, messages: list[dict]) -> int:
+        if self.count_chat is not None:
+            return self.count_chat(messages)
+        return sum(self.count_tokens(m["content"]) for m in messages) + CHAT_TEMPLATE_MARGIN
+
+    @classmethod
+    def from_engine(cls, engine, info) -> PresetContext:
+        tokenizer = engine.tokenizer
+        encode = getattr(tokenizer, "encode", None)
+        count = (lambda text: len(encode(text))) if callable(encode) else (lambda text: len(text) // 4 + 1)
+        template = getattr(tokenizer, "apply_chat_template", None)
+        count_chat = (lambda messages: len(template(messages, add_generation_prompt=True))) \
+            if callable(template) else None
+        return cls(info.block_size, info.num_blocks, info.max_model_len,
+                   engine.config.max_num_batched_tokens, count, count_chat)
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    prompt: Any                 # chat messages, or plain text
+    params: SamplingParams
+    delay_steps: int = 0        # add it this many engine steps after the preset starts
+
+
+@dataclass(frozen=True)
+class Preset:
+    key: str
+    title: str
+    description: str
+    default_count: int
+    plan: Callable[[int, PresetContext], list[PlannedRequest]]
+
+
+def _user(text: str, system: str | None = None) -> list[dict]:
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": text}]
+
+
+def _fit(text: str, budget: int, ctx: PresetContext) -> str:
+    """Cut ``text`` at paragraph, then word boundaries until it holds at most ``budget`` tokens."""
+    if ctx.count_tokens(text) <= budget:
+        return text
+    paragraphs = text.split("\n\n")
+    while len(paragraphs) > 1 and ctx.count_tokens("\n\n".join(paragraphs)) > budget:
+        paragraphs.pop()
+    words = "\n\n".join(paragraphs).split(" ")
+    while len(words) > 1 and ctx.count_tokens(" ".join(words)) > budget:
+        words = words[: max(1, len(words) * 9 // 10)]
+    return " ".join(words)
+
+
+def _document(min_tokens: int, ctx: PresetContext) -> str:
+    """The long document, repeated until it reaches ``min_tokens``."""
+    base = prompt_file("long_document.txt")
+    text = base
+    while ctx.count_tokens(text) < min_tokens:
+        text += "\n\n" + base
+    return text
+
+
+def plan_chat_burst(count: int, ctx: PresetContext) -> list[PlannedRequest]:
+    questions = prompt_lines("chat_questions.txt")
+    return [PlannedRequest(_user(questions[i % len(questions)]),
+                           SamplingParams(max_tokens=96, temperature=0.7, top_p=0.9, seed=i))
+            for i in range(count)]
+
+
+def plan_shared_prefix(count: int, ctx: PresetContext) -> list[PlannedRequest]:
+    """One request computes the long system prompt; the rest arrive once its blocks are cached."""
+    system = _fit(prompt_file("system_prompt.txt"), ctx.max_model_len // 2, ctx)
+    questions = prompt_lines("support_questions.txt")
+    prefill_steps = -(-ctx.count_tokens(system) // ctx.max_num_batched_tokens)
+    return [PlannedRequest(_user(questions[i % len(questions)], system),
+                           SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=i),
+                           delay_steps=0 if i == 0 else prefill_steps + 1)
+            for i in range(count)]
+
+
+def plan_long_prompts(count: int, ctx: PresetContext) -> list[PlannedRequest]:
+    """Prompts longer than one step's token budget, so each prefill is split into chunks."""
+    max_tokens = 64
+    room = ctx.max_model_len - max_tokens - CHAT_TEMPLATE_MARGIN
+    target = min(room, max(3 * ctx.max_num_batched_tokens, ctx.max_model_len // 2))
+    if target < 32:
+        raise ValueError(f"max_model_len {ctx.max_model_len} leaves no room for a long prompt")
+    document = _fit(_document(target, ctx), target, ctx)
+    instructions = prompt_lines("long_prompt_tasks.txt")
+    return [PlannedRequest(_user(f"{document}\n\n{instructions[i % len(instructions)]}"),
+                           SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9, seed=i))
+            for i in range(count)]
+
+
+def plan_parallel_sampling(count: int, ctx: PresetContext) -> list[PlannedRequest]:
+    """n=4: the four samples share the prompt's blocks and copy the last one on their first write."""
+    prompts = prompt_lines("sampling_prompts.txt")
+    return [PlannedRequest(_user(prompts[i % len(prompts)]),
+                           SamplingParams(n=4, max_tokens=64, temperature=1.0, top_p=0.95, seed=i))
+            for i in range(count)]
+
+
+def plan_overload(count: int, ctx: PresetContext) -> list[PlannedRequest]:
+    """Requests that together need about 1.5x the pool's tokens, so the scheduler must preempt."""
+    questions = prompt_lines("chat_questions.txt")
+    per_request = -(-3 * ctx.pool_tokens // (2 * count))
+    planned = []
+    for i in range(count):
+        messages = _user(questions[i % len(questions)])
+        prompt_tokens = ctx.chat_tokens(messages)
+        max_tokens = max(16, min(per_request, ctx.max_model_len) - prompt_tokens)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
+        planned.append(PlannedRequest(messages, params))
+    return planned
+
+
+PRESETS: dict[str, Preset] = {preset.key: preset for preset in (
+    Preset("burst", "Chat burst", "N short chat questions at once: watch the pool fill and drain.",
+           16, plan_chat_burst),
+    Preset("shared", "Shared system prompt",
+           "One long system prompt, N questions: its blocks are computed once and shared (ref > 1).",
+           12, plan_shared_prefix),
+    Preset("long", "Long prompts", "Prompts longer than one step's token budget: prefill runs in chunks.",
+           3, plan_long_prompts),
+    Preset("sample", "Parallel sampling n=4",
+           "Four samples per prompt share its blocks; the first write to the shared last block copies it.",
+           4, plan_parallel_sampling),
+    Preset("overload", "Overload the pool",
+           "More KV demand than the pool holds: requests are preempted (recompute or swap).",
+           24, plan_overload),
+)}
+
+
+def build(key: str, count: int, ctx: PresetContext) -> list[PlannedRequest]:
+    if key not in PRESETS:
+        raise ValueError(f"unknown preset {key!r}; choose one of {', '.join(PRESETS)}")
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+    return PRESETS[key].plan(count, ctx)

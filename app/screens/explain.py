@@ -1,0 +1,79 @@
+"""The help screen: what each panel means, in plain words, and the keys."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Footer, Markdown
+
+EXPLAIN = """\
+# What you are looking at
+
+kvscope runs a language model inside this window and shows how it uses memory while it
+writes. The model keeps a **key-value (KV) cache**: for every token it has read or written,
+a few vectors per layer. That cache is cut into **blocks** of a fixed number of tokens
+(the *block size*), like pages of memory in an operating system.
+
+## Block map
+One cell is one physical block of the pool. A coloured cell is **in use**, and its colour
+is the request that owns it (each request keeps its colour). The glyph's height shows how
+full the block is: only a request's *last* block is ever partly filled. A **digit on a
+coloured background** is a block **shared** by that many block tables (a common prompt
+prefix, or the samples of an `n > 1` request). **░** is a **cached** block: nobody uses it,
+but it still holds a prompt prefix that a new request can reuse until the block is needed
+for something else. **·** is free. The bottom line shows the **host pool**, where swapped-out
+requests' blocks (**▚**) wait. When the pool has more blocks than the panel has cells, one
+cell stands for several blocks; the caption says how many. Move the cursor (arrows, or the
+mouse) to inspect a block; **Enter** selects its request.
+
+## Block table
+The selected request's **block table**: logical block 0, 1, 2… of its sequence and the
+physical block each one lives in. The blocks need not be next to each other; that is the
+point of paging. `*` marks a shared block.
+
+## Queues
+**Running** requests are in the batch now. **Waiting** ones have not started (or were
+pushed out and will recompute). **Swapped** ones had their blocks moved to the host pool.
+*prefill* is how much of the prompt is computed, *cached* how many prompt tokens came from
+the prefix cache, *preempt* how often the request was pushed out.
+
+## Counters
+**Free blocks** (cached ones count as free), **KV usage** (blocks in use), **token
+utilisation** (slots holding a token, out of the slots handed out), the **prefix-cache hit
+rate** in tokens, **preemptions**, and blocks **swapped** out and back in.
+
+## Paged vs contiguous
+Before paging, servers reserved one contiguous region of `max_model_len` tokens for every
+request, whatever it actually wrote. This panel shows what that would reserve for the
+requests alive now, and how much of it would be empty, next to what paging holds.
+
+## Throughput and System
+Prompt and generated tokens per second, the time of one engine step, and KV usage over the
+last steps. System shows CPU, memory and (with an NVIDIA GPU) GPU figures.
+
+## Chat and load
+Type in the chat box and press **Enter**; the reply streams in and its blocks are tinted in
+the map. Ask a follow-up: the conversation so far is sent again, and its blocks come back
+from the prefix cache. The load generator sends a **burst** of questions, many requests
+sharing one **long system prompt**, **long prompts** (their prefill is split into chunks),
+**parallel sampling** (`n = 4`, copy-on-write), or enough work to **overload** the pool and
+force preemption.
+
+## Teaching controls
+**F2** pauses and resumes, **F3** runs exactly one step, **F4/F5** lower and raise a
+steps-per-second cap so a class can follow. **F7** switches preemption between *recompute*
+and *swap*, **F8** turns the prefix cache on or off (each restarts the engine). **F9** opens
+the run history and replay, **F10** saves an SVG screenshot, **Esc** aborts the chat reply.
+**Ctrl+P** lists every action.
+"""
+
+
+class ExplainScreen(ModalScreen):
+    BINDINGS = [Binding("escape,f1,q", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="explain"):
+            yield Markdown(EXPLAIN)
+        yield Footer()

@@ -1,0 +1,128 @@
+"""Past runs from the run log: a list, and for the highlighted run its summary and charts."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.content import Content
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Label, Sparkline, Static
+
+from app.runlog import RunLogReader, SchemaError
+from app.screens.replay import ReplayScreen
+
+
+def describe_run(run: dict) -> str:
+    config = run.get("config") or {}
+
+    def number(key: str, fmt: str = ",") -> str:
+        value = run.get(key)
+        return "–" if value is None else format(value, fmt)
+
+    hits = run.get("prefix_cache_hits") or 0
+    queries = run.get("prefix_cache_queries") or 0
+    lines = [
+        f"[b]Run {run['id']}[/b] · {run.get('status')} · started {(run.get('started_at') or '')[:19]} by "
+        f"{run.get('source')}",
+        f"$model · {run.get('device')} · {run.get('dtype')} · {config.get('allocator', '?')} · "
+        f"preempt {config.get('preemption_mode', '?')} · prefix cache "
+        f"{'on' if config.get('enable_prefix_caching', True) else 'off'}",
+        f"pool {number('num_blocks')} blocks × {number('block_size')} tokens",
+        f"steps {number('num_steps')} · requests {number('num_requests')} "
+        f"({number('num_finished_requests')} finished) · output tokens {number('num_output_tokens')}",
+        f"mean {number('mean_tokens_per_s', ',.1f')} tok/s · peak KV usage "
+        f"{100 * (run.get('peak_kv_usage') or 0):.1f}% · preemptions {number('num_preemptions')} · "
+        f"prefix hits {100 * hits / queries if queries else 0:.1f}%",
+    ]
+    return "\n".join(lines)
+
+
+class HistoryScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "app.pop_screen", "Back"),
+        Binding("enter", "replay", "Replay"),
+        Binding("r", "reload", "Reload"),
+    ]
+
+    def __init__(self, db_path: str | Path | None) -> None:
+        super().__init__(id="history")
+        self.db_path = db_path
+        self.reader: RunLogReader | None = None
+        self.run_id: int | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static("[b]Run history[/b]", id="history-title")
+        with Horizontal(id="history-body"):
+            yield DataTable(id="runs", cursor_type="row", zebra_stripes=True, classes="panel")
+            with Vertical(id="run-detail", classes="panel"):
+                yield Static("", id="run-summary")
+                yield Label("generated tokens/s over the run", classes="chart-label")
+                yield Sparkline([], id="run-throughput")
+                yield Label("KV usage over the run", classes="chart-label")
+                yield Sparkline([], id="run-kv")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#runs", DataTable)
+        for column in ("id", "started", "model", "source", "requests", "tokens", "tok/s", "status"):
+            table.add_column(column, key=column)
+        self.action_reload()
+
+    def _open(self) -> RunLogReader | None:
+        if self.db_path is None:
+            self._say("The run log is off (--no-log), so there is no history to show.")
+            return None
+        try:
+            return RunLogReader(self.db_path)
+        except FileNotFoundError:
+            self._say(f"No run log yet at {self.db_path}: runs appear here once the engine has stepped.")
+        except (SchemaError, sqlite3.Error, OSError) as exc:
+            self._say(f"Cannot read the run log at {self.db_path}: {exc}")
+        return None
+
+    def _say(self, text: str) -> None:
+        self.query_one("#run-summary", Static).update(Content(text))
+
+    def action_reload(self) -> None:
+        if self.reader is None:
+            self.reader = self._open()
+        if self.reader is None:
+            return
+        table = self.query_one("#runs", DataTable)
+        table.clear()
+        runs = self.reader.list_runs()
+        for run in runs:
+            rate = run.get("mean_tokens_per_s")
+            table.add_row(str(run["id"]), (run.get("started_at") or "")[:19].replace("T", " "),
+                          Content(str(run.get("model") or "")), run.get("source") or "",
+                          str(run.get("num_requests") or 0), f"{run.get('num_output_tokens') or 0:,}",
+                          "–" if rate is None else f"{rate:,.1f}", run.get("status") or "",
+                          key=str(run["id"]))
+        if not runs:
+            self._say("The run log is empty.")
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if event.row_key is None or self.reader is None:
+            return
+        self.run_id = int(event.row_key.value)
+        run = self.reader.run(self.run_id)
+        self.query_one("#run-summary", Static).update(
+            Content.from_markup(describe_run(run), model=str(run.get("model") or "")))
+        steps = self.reader.steps(self.run_id)
+        self.query_one("#run-throughput", Sparkline).data = [s.generation_tokens_per_s for s in steps]
+        self.query_one("#run-kv", Sparkline).data = [100 * s.kv_usage for s in steps]
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_replay()
+
+    def action_replay(self) -> None:
+        if self.reader is not None and self.run_id is not None:
+            self.app.push_screen(ReplayScreen(self.reader, self.run_id))
+
+    def on_unmount(self) -> None:
+        if self.reader is not None:
+            self.reader.close()

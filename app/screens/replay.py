@@ -1,0 +1,205 @@
+"""Replay a logged run step by step with the live view's own map, queues and counters.
+
+Frames are decoded on demand: moving forward one step reads the next frame of an
+open stream (one delta); any other move asks the reader for that step, which
+decodes from the keyframe before it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.content import Content
+from textual.screen import Screen
+from textual.timer import Timer
+from textual.widgets import Footer, Input, Static
+
+from app.messages import BlockHighlighted, RequestSelected
+from app.runlog import ReplayFrame, RunLogReader
+from app.screens.main import titled
+from app.widgets.block_inspector import BlockInspector
+from app.widgets.block_legend import BlockLegend
+from app.widgets.block_map import BlockMap
+from app.widgets.block_table import BlockTable
+from app.widgets.counters import Counters
+from app.widgets.paged_vs_contiguous import PagedVsContiguous
+from app.widgets.queues import QueuesTable
+
+SPEEDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0)  # steps per second
+DEFAULT_SPEED = 3
+
+
+def describe_events(frame: ReplayFrame) -> str:
+    if not frame.events:
+        return ""
+    shown = [f"{e.kind} {e.request_id or ''}".strip() for e in frame.events[:4]]
+    more = f" +{len(frame.events) - 4}" if len(frame.events) > 4 else ""
+    return " · events: " + ", ".join(shown) + more
+
+
+class ReplayScreen(Screen):
+    BINDINGS = [
+        Binding("left,p", "step(-1)", "Prev", priority=True),
+        Binding("right,n", "step(1)", "Next", priority=True),
+        Binding("pageup", "step(-10)", "-10", show=False),
+        Binding("pagedown", "step(10)", "+10", show=False),
+        Binding("home", "jump_to_index(0)", "First", show=False),
+        Binding("end", "jump_to_index(-1)", "Last", show=False),
+        Binding("space", "toggle_play", "Play/Pause", priority=True),
+        Binding("minus", "speed(-1)", "Slower"),
+        Binding("plus,equals_sign", "speed(1)", "Faster"),
+        Binding("g", "focus_jump", "Jump to step"),
+        Binding("escape", "app.pop_screen", "Back"),
+    ]
+
+    def __init__(self, reader: RunLogReader, run_id: int) -> None:
+        super().__init__(id="replay")
+        self.reader = reader
+        self.run_id = run_id
+        self.run = reader.run(run_id)
+        self.steps = reader.recorded_steps(run_id)
+        self.index = 0
+        self.frame: ReplayFrame | None = None
+        self.speed_index = DEFAULT_SPEED
+        self._timer: Timer | None = None
+        self._stream: Iterator[ReplayFrame] | None = None
+        self._stream_index = -1
+        config = self.run.get("config") or {}
+        self.max_model_len = config.get("max_model_len")
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="replay-status")
+        with Horizontal(id="replay-top"):
+            with Vertical(id="map-column"):
+                yield titled(BlockMap(id="block-map", classes="panel"), "Block map")
+                yield BlockLegend(id="legend")
+                yield titled(BlockInspector(id="inspector", classes="panel"), "Block")
+            with Vertical(id="replay-side"):
+                yield titled(Counters(id="counters", classes="panel"), "Counters")
+                yield titled(PagedVsContiguous(id="paged", classes="panel"), "Paged vs contiguous")
+                yield titled(BlockTable(id="block-table", classes="panel"), "Block table")
+        yield titled(QueuesTable(id="queues", classes="panel"), "Queues")
+        yield Input(placeholder="step number, then Enter", type="integer", id="jump")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        if self.steps:
+            self.show_index(0)
+        else:
+            self.query_one("#replay-status", Static).update(f"Run {self.run_id} has no recorded steps.")
+
+    @property
+    def playing(self) -> bool:
+        return self._timer is not None
+
+    # --- frames --------------------------------------------------------------------------------
+
+    def _frame_at(self, index: int) -> ReplayFrame:
+        if self._stream is not None and index == self._stream_index + 1:
+            frame = next(self._stream, None)
+            if frame is not None and frame.stats.step == self.steps[index]:
+                self._stream_index = index
+                return frame
+        if index == 0:
+            self._stream = self.reader.iter_snapshots(self.run_id)
+            self._stream_index = 0
+            return next(self._stream)
+        self._stream = None
+        return self.reader.snapshot_at(self.run_id, self.steps[index])
+
+    def show_index(self, index: int) -> None:
+        if not self.steps:
+            return
+        self.index = min(max(index, 0), len(self.steps) - 1)
+        self.frame = frame = self._frame_at(self.index)
+        snapshot = frame.snapshot
+        self.query_one(BlockMap).show_snapshot(snapshot)
+        self.query_one(BlockInspector).show_snapshot(snapshot)
+        self.query_one(BlockTable).show_snapshot(snapshot)
+        self.query_one(QueuesTable).show_snapshot(snapshot)
+        self.query_one(Counters).show_stats(frame.stats)
+        self.query_one(PagedVsContiguous).show_snapshot(snapshot, self._max_model_len(frame))
+        self._update_status()
+
+    def _max_model_len(self, frame: ReplayFrame) -> int:
+        # Runs logged without a resolved max_model_len: the longest request seen is a lower bound.
+        if self.max_model_len:
+            return int(self.max_model_len)
+        longest = max((v.num_prompt_tokens + v.max_tokens for v in frame.snapshot.requests), default=1)
+        return max(longest, frame.snapshot.block_size)
+
+    def _update_status(self) -> None:
+        state = f"▶ playing at {SPEEDS[self.speed_index]:g} steps/s" if self.playing else "■ paused"
+        events = describe_events(self.frame) if self.frame else ""
+        text = (f"[b]Replay[/b] · run {self.run_id} · $model · step {self.steps[self.index]:,} "
+                f"({self.index + 1:,} of {len(self.steps):,} recorded) · {state}{events}")
+        self.query_one("#replay-status", Static).update(
+            Content.from_markup(text, model=str(self.run.get("model") or "")))
+
+    # --- controls ---------------------------------------------------------------------------------
+
+    def action_step(self, delta: int) -> None:
+        self.show_index(self.index + delta)
+
+    def action_jump_to_index(self, index: int) -> None:
+        self.show_index(index if index >= 0 else len(self.steps) + index)
+
+    def jump_to_step(self, step: int) -> None:
+        """Show ``step``, or the last recorded step before it."""
+        self.show_index(max(bisect.bisect_right(self.steps, step) - 1, 0))
+
+    def action_toggle_play(self) -> None:
+        if self.playing:
+            self._stop_timer()
+        else:
+            if self.index == len(self.steps) - 1:
+                self.show_index(0)
+            self._start_timer()
+        self._update_status()
+
+    def action_speed(self, delta: int) -> None:
+        self.speed_index = min(max(self.speed_index + delta, 0), len(SPEEDS) - 1)
+        if self.playing:
+            self._stop_timer()
+            self._start_timer()
+        self._update_status()
+
+    def _start_timer(self) -> None:
+        self._timer = self.set_interval(1 / SPEEDS[self.speed_index], self._advance)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+
+    def _advance(self) -> None:
+        if self.index >= len(self.steps) - 1:
+            self._stop_timer()
+            self._update_status()
+            return
+        self.show_index(self.index + 1)
+
+    def action_focus_jump(self) -> None:
+        self.query_one("#jump", Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        if event.value.strip().isdigit():
+            self.jump_to_step(int(event.value))
+        event.input.value = ""
+        self.query_one(BlockMap).focus()  # hand the keys back to the replay controls
+
+    # --- between the panels ------------------------------------------------------------------------
+
+    def on_request_selected(self, message: RequestSelected) -> None:
+        message.stop()
+        self.query_one(BlockMap).select_request(message.request_id)
+        self.query_one(BlockTable).select(message.request_id)
+
+    def on_block_highlighted(self, message: BlockHighlighted) -> None:
+        message.stop()
+        self.query_one(BlockInspector).inspect(message.first_block, message.last_block)

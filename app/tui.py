@@ -1,0 +1,257 @@
+"""The kvscope Textual app: starts the engine thread, routes its messages, holds the teaching controls."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+
+from app.engine_worker import EngineWorker, build_engine
+from app.messages import (
+    ChatSubmitted,
+    EngineFailed,
+    EngineInfo,
+    EngineReady,
+    EngineStarting,
+    EngineStepped,
+    PresetLaunched,
+    RequestRejected,
+    RunStateChanged,
+)
+from app.paths import default_db_path
+from app.presets import PRESETS
+from app.screens.explain import ExplainScreen
+from app.screens.history import HistoryScreen
+from app.screens.main import MainScreen
+from app.widgets.block_map import BlockMap
+from app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
+from app.widgets.load_generator import LoadGenerator
+from app.widgets.system import SystemSampler
+from engine.config import EngineConfig, SamplingParams
+from themes import (
+    BLOCK_VARIABLE_DEFAULTS,
+    DEFAULT_THEME,
+    KVSCOPE_DARK,
+    KVSCOPE_LIGHT,
+    THEME_CSS_PATHS,
+    THEMES,
+)
+
+APP_CSS = Path(__file__).with_name("kvscope.tcss")
+RATE_CAPS = (None, 50.0, 20.0, 10.0, 5.0, 2.0, 1.0, 0.5)  # steps per second, fastest first
+CHAT_TEMPERATURE = 0.7
+CHAT_TOP_P = 0.9
+
+
+@dataclass(frozen=True)
+class AppAction:
+    """One user action: its key (if any), footer label and command-palette help."""
+
+    keys: str | None
+    action: str
+    title: str
+    help: str
+
+
+ACTIONS = (
+    AppAction("f1", "explain", "Explain", "What each panel means, in plain words"),
+    AppAction("f2", "toggle_pause", "Pause", "Pause or resume the engine"),
+    AppAction("f3", "single_step", "Step", "Pause and run exactly one engine step"),
+    AppAction("f4", "slower", "Slower", "Lower the steps-per-second cap so a class can follow"),
+    AppAction("f5", "faster", "Faster", "Raise the steps-per-second cap, up to no cap"),
+    AppAction("f6", "launch_preset", "Load", "Send the load preset selected in the load generator"),
+    AppAction("f7", "toggle_preemption", "Preempt mode",
+              "Switch preemption between recompute and swap (restarts the engine)"),
+    AppAction("f8", "toggle_prefix_caching", "Prefix cache",
+              "Turn prefix caching on or off (restarts the engine)"),
+    AppAction("f9", "history", "History", "Browse logged runs and replay one step by step"),
+    AppAction("f10", "screenshot_svg", "Screenshot", "Save an SVG screenshot of the window"),
+    AppAction("escape", "abort_reply", "Abort reply", "Abort the chat reply being written"),
+    AppAction("ctrl+t", "toggle_theme", "Theme", "Switch between the kvscope dark and light themes"),
+    AppAction(None, "toggle_allocator", "Switch allocator",
+              "Switch between the paged and the contiguous allocator (restarts the engine)"),
+    AppAction(None, "abort_all", "Abort all requests", "Abort every running, waiting and swapped request"),
+    AppAction(None, "restart_engine", "Restart engine", "Build a fresh engine with the current settings"),
+)
+
+
+class KVScopeApp(App):
+    TITLE = "kvscope"
+    CSS_PATH = [APP_CSS, *THEME_CSS_PATHS]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    BINDINGS = [Binding(a.keys, a.action, a.title) for a in ACTIONS if a.keys]
+
+    def __init__(self, config: EngineConfig, *, db_path: str | Path | None = None, log_enabled: bool = True,
+                 engine_factory: Callable = build_engine, system_sampler: SystemSampler | None = None,
+                 paused: bool = False, steps_per_s_cap: float | None = None,
+                 screenshot_dir: str | Path | None = None, chat_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        super().__init__()
+        self.config = config
+        self.log_enabled = log_enabled
+        self.db_path = (Path(db_path) if db_path else default_db_path()) if log_enabled else None
+        self.screenshot_dir = Path(screenshot_dir or os.getcwd())
+        self.main = MainScreen(system_sampler=system_sampler, chat_max_tokens=chat_max_tokens)
+        self.worker = EngineWorker(self, config, engine_factory=engine_factory, log_factory=self._open_log,
+                                   paused=paused, steps_per_s_cap=steps_per_s_cap)
+        for theme in THEMES:
+            self.register_theme(theme)
+        self.theme = DEFAULT_THEME
+
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        return BLOCK_VARIABLE_DEFAULTS
+
+    def get_default_screen(self) -> Screen:
+        return self.main
+
+    def on_ready(self) -> None:
+        # Started once the live view is composed, so the first messages find their panels.
+        self.run_worker(self.worker.run, thread=True, name="engine", group="engine", exit_on_error=False)
+
+    def on_unmount(self) -> None:
+        self.worker.stop()
+
+    def _open_log(self, config: EngineConfig, info: EngineInfo):
+        from app.runlog import open_run_log
+
+        # Log the resolved max_model_len so a replay can draw the contiguous comparison.
+        if config.max_model_len is None:
+            config = dataclasses.replace(config, max_model_len=info.max_model_len)
+        return open_run_log(self.db_path, source="app", config=config, model=info.model_name,
+                            device=info.device, dtype=info.dtype, enabled=self.log_enabled)
+
+    # --- from the engine thread -------------------------------------------------------------------
+
+    def on_engine_starting(self, message: EngineStarting) -> None:
+        self.main.show_starting(message.config.model)
+
+    def on_engine_ready(self, message: EngineReady) -> None:
+        self.main.engine_ready(message.info)
+        if message.log_warning:
+            self.notify(message.log_warning, title="Run log", severity="warning", timeout=12)
+
+    def on_engine_stepped(self, message: EngineStepped) -> None:
+        self.worker.ack()
+        if self.main.is_attached:  # steps still arrive while the app shuts down
+            self.main.ingest(message.result)
+
+    def on_engine_failed(self, message: EngineFailed) -> None:
+        # The engine thread has paused; requests in flight (the chat reply too) go on after a resume.
+        self.notify(message.error, title="Engine", severity="error", timeout=15)
+
+    def on_request_rejected(self, message: RequestRejected) -> None:
+        self.main.query_one(ChatPane).on_rejected(message.request_id, message.error)
+        self.notify(message.error, title=f"Request {message.request_id} refused", severity="error",
+                    timeout=10)
+
+    def on_run_state_changed(self, message: RunStateChanged) -> None:
+        self.main.show_state(message.state)
+
+    # --- from the panels ----------------------------------------------------------------------------
+
+    def on_chat_submitted(self, message: ChatSubmitted) -> None:
+        params = SamplingParams(max_tokens=message.max_tokens, temperature=CHAT_TEMPERATURE, top_p=CHAT_TOP_P)
+        self.worker.submit(message.request_id, list(message.messages), params)
+        self.main.query_one(BlockMap).set_chat_request(message.request_id)
+
+    def on_preset_launched(self, message: PresetLaunched) -> None:
+        self.worker.launch_preset(message.preset_key, message.count)
+        self.notify(f"{PRESETS[message.preset_key].title}: {message.count} sent", timeout=3)
+
+    # --- actions -----------------------------------------------------------------------------------------
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for action in ACTIONS:
+            key = f" ({action.keys})" if action.keys else ""
+            yield SystemCommand(action.title + key, action.help, getattr(self, f"action_{action.action}"))
+
+    def action_explain(self) -> None:
+        if not isinstance(self.screen, ExplainScreen):
+            self.push_screen(ExplainScreen())
+
+    def action_history(self) -> None:
+        if not isinstance(self.screen, HistoryScreen):
+            self.push_screen(HistoryScreen(self.db_path))
+
+    def action_toggle_pause(self) -> None:
+        if self.worker.state.paused:
+            self.worker.resume()
+        else:
+            self.worker.pause()
+
+    def action_single_step(self) -> None:
+        self.worker.step_once()
+
+    def _set_cap(self, direction: int) -> None:
+        index = RATE_CAPS.index(self.worker.state.steps_per_s_cap) if \
+            self.worker.state.steps_per_s_cap in RATE_CAPS else 0
+        cap = RATE_CAPS[min(max(index + direction, 0), len(RATE_CAPS) - 1)]
+        self.worker.set_rate_cap(cap)
+        self.notify("no step cap" if cap is None else f"at most {cap:g} steps/s", timeout=2)
+
+    def action_slower(self) -> None:
+        self._set_cap(+1)
+
+    def action_faster(self) -> None:
+        self._set_cap(-1)
+
+    def action_launch_preset(self) -> None:
+        self.main.query_one(LoadGenerator).launch()
+
+    @property
+    def running_config(self) -> EngineConfig:
+        """The config of the engine now running (the requested one until it has started)."""
+        return self.main.engine_info.config if self.main.engine_info else self.config
+
+    def _rebuild(self, **changes) -> None:
+        config = dataclasses.replace(self.running_config, **changes)
+        self.config = config
+        self.worker.rebuild(config)
+        self.notify(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in changes.items()) or "restarting",
+                    title="Restarting the engine", timeout=4)
+
+    def action_toggle_preemption(self) -> None:
+        current = self.running_config.preemption_mode
+        self._rebuild(preemption_mode="swap" if current == "recompute" else "recompute")
+
+    def action_toggle_prefix_caching(self) -> None:
+        current = self.running_config.enable_prefix_caching
+        self._rebuild(enable_prefix_caching=not current)
+
+    def action_toggle_allocator(self) -> None:
+        current = self.running_config.allocator
+        self._rebuild(allocator="contiguous" if current == "paged" else "paged")
+
+    def action_restart_engine(self) -> None:
+        self._rebuild()
+
+    def action_abort_reply(self) -> None:
+        request_id = self.main.query_one(ChatPane).abort()
+        if request_id is not None:
+            self.worker.abort(request_id)
+            self.main.block_map.set_chat_request(None)
+
+    def action_abort_all(self) -> None:
+        snapshot = self.main.latest.snapshot if self.main.latest else None
+        for view in snapshot.requests if snapshot else ():
+            self.worker.abort(view.request_id)
+
+    def action_toggle_theme(self) -> None:
+        self.theme = KVSCOPE_LIGHT.name if self.theme == KVSCOPE_DARK.name else KVSCOPE_DARK.name
+
+    def action_screenshot_svg(self) -> None:
+        self.screenshot_dir.mkdir(parents=True, exist_ok=True)
+        path = self.save_screenshot(path=str(self.screenshot_dir))
+        self.notify(f"saved {path}", title="Screenshot", timeout=6)
+
+
+def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool) -> int:
+    app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled)
+    app.run()
+    return app.return_code or 0

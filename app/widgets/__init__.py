@@ -1,0 +1,1 @@
+"""kvscope's widgets: one per file."""

@@ -1,0 +1,70 @@
+"""The selected request's block tables: logical → physical block, per sample, and the last block's fill."""
+
+from __future__ import annotations
+
+from textual.content import Content
+
+from app.widgets.steady_static import SteadyStatic
+from engine.outputs import CacheSnapshot, RequestView
+from themes.palette import NUM_OWNER_COLOURS, owner_variable
+
+HINT = "Select a request (in the queues, or Enter on the map) to see its block table."
+
+
+def _table_line(label: str, table: tuple[int, ...], snapshot: CacheSnapshot, colour: str,
+                host: bool = False) -> Content:
+    entries = []
+    for logical, physical in enumerate(table):
+        shared = not host and snapshot.ref_counts[physical] > 1
+        marker = "*" if shared else ""
+        prefix = "h" if host else ""
+        entries.append(f"{logical}→[{colour}]{prefix}{physical}{marker}[/]")
+    return Content.from_markup(f"[dim]{label}[/] " + "  ".join(entries))
+
+
+def describe_request(view: RequestView, snapshot: CacheSnapshot) -> Content:
+    colour = "$" + owner_variable(view.arrival_index % NUM_OWNER_COLOURS)
+    num_blocks = len({b for table in view.block_tables for b in table})
+    head = [f"[b {colour}]{view.request_id}[/] · {view.queue} · {num_blocks} device blocks"]
+    tables = [t for t in view.block_tables if t]
+    if tables:
+        last = tables[0][-1]
+        head.append(f"last block {int(snapshot.block_fill[last])}/{snapshot.block_size} slots")
+    if any(t for t in view.block_tables if any(snapshot.ref_counts[b] > 1 for b in t)):
+        head.append("* shared")
+    lines = [Content.from_markup(" · ".join(head))]
+    for sample, table in enumerate(view.block_tables):
+        lines.append(_table_line(f"sample {sample}" if len(view.block_tables) > 1 else "table",
+                                 table, snapshot, colour))
+    for sample, table in enumerate(view.host_block_tables):
+        if table:
+            lines.append(_table_line(f"host {sample}", table, snapshot, colour, host=True))
+    if not view.block_tables and not any(view.host_block_tables):
+        lines.append(Content("holds no blocks yet (waiting)"))
+    return Content("\n").join(lines)
+
+
+class BlockTable(SteadyStatic):
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(HINT, id=id, classes=classes)
+        self.request_id: str | None = None
+        self._snapshot: CacheSnapshot | None = None
+
+    def select(self, request_id: str | None) -> None:
+        self.request_id = request_id
+        self._redraw()
+
+    def show_snapshot(self, snapshot: CacheSnapshot) -> None:
+        self._snapshot = snapshot
+        self._redraw()
+
+    def _redraw(self) -> None:
+        if self._snapshot is None or self.request_id is None:
+            self.show(Content(HINT))
+            return
+        view = next((v for v in self._snapshot.requests if v.request_id == self.request_id), None)
+        if view is None:
+            self.show(Content.from_markup("[b]$rid[/b] has finished: its blocks went back to the pool.",
+                                            rid=self.request_id))
+        else:
+            self.show(describe_request(view, self._snapshot))

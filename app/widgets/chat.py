@@ -1,0 +1,119 @@
+"""The chat pane: multi-turn chat through the model's chat template, streamed token by token.
+
+The pane keeps the conversation and the id of the reply in flight; the app sends
+each turn to the engine and feeds the outputs back. Every turn resends the whole
+conversation, so the second turn's prompt starts with the first turn's tokens
+and the prefix cache hands back their blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
+from textual.widgets import Input, Static
+
+from app.messages import ChatSubmitted
+from engine.outputs import RequestOutput
+
+PLACEHOLDER = "Ask the model… (Enter sends, Esc aborts the reply)"
+DEFAULT_MAX_TOKENS = 256
+
+
+class ChatPane(Vertical):
+    def __init__(self, *, max_tokens: int = DEFAULT_MAX_TOKENS, id: str | None = None,
+                 classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.max_tokens = max_tokens
+        self.messages: list[dict] = []
+        self.current_request: str | None = None
+        self._reply = ""
+        self._reply_bubble: Static | None = None
+        self._turns = itertools.count(1)
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="chat-log"):
+            yield Static("Type a question below. Its blocks light up in the map while the reply streams.",
+                         classes="chat-hint")
+        yield Input(placeholder=PLACEHOLDER, id="chat-input")
+
+    @property
+    def chat_log(self) -> VerticalScroll:
+        return self.query_one("#chat-log", VerticalScroll)
+
+    def _bubble(self, text: str, kind: str) -> Static:
+        bubble = Static(Content(text), classes=f"bubble {kind}")
+        self.chat_log.mount(bubble)
+        self.chat_log.scroll_end(animate=False)
+        return bubble
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        text = event.value.strip()
+        if not text:
+            return
+        if self.current_request is not None:
+            self.notify("A reply is still streaming; press Esc to abort it.", severity="warning")
+            return
+        event.input.value = ""
+        self.chat_log.query(".chat-hint").remove()
+        self.messages.append({"role": "user", "content": text})
+        self._bubble(text, "user")
+        self._reply = ""
+        self._reply_bubble = self._bubble("…", "assistant streaming")
+        self.current_request = f"chat-{next(self._turns)}"
+        self.post_message(ChatSubmitted(self.current_request, tuple(self.messages), self.max_tokens))
+
+    def on_output(self, output: RequestOutput) -> None:
+        if output.request_id != self.current_request:
+            return
+        if output.text_delta:
+            self._reply += output.text_delta
+            self._reply_bubble.update(Content(self._reply))
+            self.chat_log.scroll_end(animate=False)
+        if output.finished:
+            self._finish(output)
+
+    def _finish(self, output: RequestOutput) -> None:
+        bubble = self._reply_bubble
+        bubble.remove_class("streaming")
+        if output.finish_reason == "error":
+            self._fail(output.error or "the engine could not finish this reply")
+            return
+        text = output.text or self._reply
+        note = {"abort": " [aborted]", "length": " [max tokens]"}.get(output.finish_reason or "", "")
+        bubble.update(Content(text + note))
+        if text:
+            self.messages.append({"role": "assistant", "content": text})
+        self.current_request = None
+
+    def _fail(self, error: str) -> None:
+        """The turn never ran (or died): show why, and take the question out of the conversation."""
+        self._reply_bubble.remove_class("streaming")
+        self._reply_bubble.add_class("error")
+        self._reply_bubble.update(Content(f"⚠ {error}"))
+        if self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
+        self.current_request = None
+
+    def abort(self) -> str | None:
+        """Stop showing the reply in flight at once; returns its request id for the engine to abort."""
+        request_id = self.current_request
+        if request_id is not None:
+            self._reply_bubble.remove_class("streaming")
+            self._reply_bubble.update(Content(self._reply + " [aborted]"))
+            if self._reply:
+                self.messages.append({"role": "assistant", "content": self._reply})
+            self.current_request = None
+        return request_id
+
+    def on_rejected(self, request_id: str, error: str) -> None:
+        if request_id == self.current_request:
+            self._fail(error)
+
+    def interrupt(self, reason: str) -> None:
+        """The engine went away (rebuilt or failed) with a reply in flight."""
+        if self.current_request is not None:
+            self._fail(reason)

@@ -1,0 +1,42 @@
+"""The pool's counters: free blocks, KV usage, token utilisation, prefix-cache hits, preemptions, swaps."""
+
+from __future__ import annotations
+
+from textual.content import Content
+
+from app.widgets.formatting import bar, percent
+from app.widgets.steady_static import SteadyStatic
+from engine.outputs import StepStats
+
+BAR_WIDTH = 8
+
+
+def describe_stats(stats: StepStats) -> str:
+    """Markup text of the counters; what the panel shows, and what the tests read."""
+    hits = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+    lines = [
+        f"step         {stats.step:,}",
+        f"free blocks  {stats.num_free_blocks:,} / {stats.num_total_blocks:,} "
+        f"[dim]({stats.num_cached_free_blocks:,} cached)[/]",
+        f"KV usage    {percent(stats.kv_usage)} [$accent]{bar(stats.kv_usage, BAR_WIDTH)}[/]",
+        f"token util. {percent(stats.kv_token_utilisation)} "
+        f"[$success]{bar(stats.kv_token_utilisation, BAR_WIDTH)}[/]",
+        f"prefix hits {percent(hits)} [dim]{stats.prefix_cache_hits:,}/{stats.prefix_cache_queries:,} tok[/]",
+        f"preemptions  {stats.num_preemptions:,}",
+        f"swap out/in  {stats.num_swapped_out_blocks:,} / {stats.num_swapped_in_blocks:,} blocks",
+    ]
+    if stats.num_host_blocks:
+        lines.append(f"host pool    {stats.num_host_blocks - stats.num_free_host_blocks:,} / "
+                     f"{stats.num_host_blocks:,} blocks")
+    return "\n".join(lines)
+
+
+class Counters(SteadyStatic):
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__("waiting for the first step…", id=id, classes=classes)
+        self.stats: StepStats | None = None
+
+    def show_stats(self, stats: StepStats) -> None:
+        if stats != self.stats:
+            self.stats = stats
+            self.show(Content.from_markup(describe_stats(stats)))

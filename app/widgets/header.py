@@ -1,0 +1,72 @@
+"""The top line: model, device, dtype, block size, the pool, max concurrency, allocator, and the run state."""
+
+from __future__ import annotations
+
+from textual.content import Content
+from textual.widgets import Static
+
+from app.messages import EngineInfo, RunState
+from app.widgets.formatting import mebibytes
+
+WIDE = 150  # narrower than this, the header uses the compact description
+
+
+def describe_engine_compact(info: EngineInfo) -> str:
+    """For narrow windows: the same facts in a third of the width."""
+    config = info.config
+    caching = "prefix✓" if config.enable_prefix_caching else "prefix✗"
+    size = f" {mebibytes(info.kv_cache_bytes)}" if info.kv_cache_bytes else ""
+    return (f"[b]$model[/b] · {info.device} {info.dtype} · {info.num_blocks:,}×{info.block_size} tok{size} · "
+            f"{info.max_concurrency:.1f}x@{info.max_model_len:,} · [b]{config.allocator}[/b] "
+            f"{config.preemption_mode} {caching}")
+
+
+def describe_engine(info: EngineInfo) -> str:
+    config = info.config
+    pool = f"pool {info.num_blocks:,} blocks = {info.num_tokens:,} tokens"
+    if info.kv_cache_bytes:
+        pool += f" ({mebibytes(info.kv_cache_bytes)})"
+    caching = "prefix cache on" if config.enable_prefix_caching else "prefix cache off"
+    return (f"[b]$model[/b] · {info.device} · {info.dtype} · block {info.block_size} · {pool} · "
+            f"max concurrency {info.max_concurrency:.1f}x at {info.max_model_len:,} tokens · "
+            f"[b]{config.allocator}[/b] · preempt: {config.preemption_mode} · {caching}")
+
+
+def describe_state(state: RunState) -> str:
+    cap = f" · cap {state.steps_per_s_cap:g} steps/s" if state.steps_per_s_cap else ""
+    return ("[b $warning]■ paused[/]" if state.paused else "[b $success]▶ running[/]") + cap
+
+
+class EngineHeader(Static):
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__("kvscope · starting the engine…", id=id, classes=classes)
+        self.info: EngineInfo | None = None
+        self.state: RunState | None = None
+        self.starting: str | None = None
+
+    def show_starting(self, model: str) -> None:
+        self.starting = model
+        self._redraw()
+
+    def show_engine(self, info: EngineInfo) -> None:
+        self.info, self.starting = info, None
+        self._redraw()
+
+    def show_state(self, state: RunState) -> None:
+        self.state = state
+        self._redraw()
+
+    def on_resize(self) -> None:
+        self._redraw()
+
+    def _redraw(self) -> None:
+        parts = ["[b $accent]kvscope[/]"]
+        if self.starting is not None:
+            parts.append("loading $model…")
+        elif self.info is not None:
+            compact = self.size.width and self.size.width < WIDE
+            parts.append(describe_engine_compact(self.info) if compact else describe_engine(self.info))
+        if self.state is not None:
+            parts.append(describe_state(self.state))
+        model = self.starting if self.starting is not None else (self.info.model_name if self.info else "")
+        self.update(Content.from_markup(" │ ".join(parts), model=model))

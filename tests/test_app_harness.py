@@ -1,0 +1,114 @@
+"""Shared pieces for the app tests (no tests here): fake engines, a fixed clock, fixed system figures.
+
+Imported as a plain module (tests/ is on sys.path through conftest.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from app.bench_ui import RecordingEngine
+from app.screenshots import wait_until
+from app.tui import KVScopeApp
+from app.widgets.system import SystemSample
+from engine.config import EngineConfig
+from engine.fake_runner import fake_engine
+
+STEP_SECONDS = 0.02
+
+
+class FixedClockEngine(RecordingEngine):
+    """Every step reports the same duration, so rates and latencies drawn on screen are reproducible."""
+
+    def step(self):
+        result = self._engine.step()
+        stats = result.stats
+        stats = dataclasses.replace(
+            stats, time=1_700_000_000 + stats.step * STEP_SECONDS, duration=STEP_SECONDS,
+            forward_duration=STEP_SECONDS / 2, prompt_tokens_per_s=stats.num_prefill_tokens / STEP_SECONDS,
+            generation_tokens_per_s=stats.num_decode_tokens / STEP_SECONDS)
+        result = dataclasses.replace(result, stats=stats)
+        self.stats.append(stats)
+        self.num_finished += sum(output.finished for output in result.outputs)
+        return result
+
+
+class FixedSampler:
+    def sample(self) -> SystemSample:
+        return SystemSample(cpu_percent=42.0, ram_used=6 * 2**30, ram_total=16 * 2**30,
+                            process_rss=300 * 2**20, gpus=(), gpu_note="no NVIDIA GPU: GPU figures off")
+
+
+class FakeEngines:
+    """Engine factory for the app: FakeRunner engines, each wrapped so the test can read every step."""
+
+    def __init__(self, *, fixed_clock: bool = False, fail_steps: int = 0, **runner_kwargs) -> None:
+        self.runner_kwargs = {"num_host_blocks": 32, **runner_kwargs}
+        self.fixed_clock = fixed_clock
+        self.fail_steps = fail_steps
+        self.built: list[RecordingEngine] = []
+
+    def __call__(self, config: EngineConfig, previous=None):
+        wrapper = FixedClockEngine if self.fixed_clock else RecordingEngine
+        engine = wrapper(fake_engine(config, **self.runner_kwargs))
+        if self.fail_steps:
+            engine = FailingEngine(engine, self.fail_steps)
+        self.built.append(engine)
+        return engine
+
+    @property
+    def engine(self):
+        return self.built[-1]
+
+
+class FailingEngine(RecordingEngine):
+    """The first ``failures`` steps raise, as an engine bug would."""
+
+    def __init__(self, engine, failures: int) -> None:
+        super().__init__(engine)
+        self.failures = failures
+
+    def step(self):
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("simulated engine bug")
+        return self._engine.step()
+
+
+def make_app(engines: FakeEngines | None = None, *, config: EngineConfig | None = None,
+             **kwargs) -> KVScopeApp:
+    config = config or EngineConfig(block_size=16, num_blocks=128, max_model_len=512)
+    kwargs.setdefault("log_enabled", False)
+    kwargs.setdefault("paused", True)
+    kwargs.setdefault("system_sampler", FixedSampler())
+    return KVScopeApp(config, engine_factory=engines or FakeEngines(), **kwargs)
+
+
+async def until(pilot, condition, timeout: float = 15.0) -> None:
+    assert await wait_until(pilot, condition, timeout, poll=0.01), "the app did not get there in time"
+
+
+async def started(pilot) -> None:
+    await until(pilot, lambda: pilot.app.main.engine_info is not None)
+
+
+def step_number(app) -> int:
+    return app.main.latest.stats.step if app.main.latest else 0
+
+
+async def single_steps(pilot, count: int) -> None:
+    """Press F3 ``count`` times, each time waiting for that step to reach the UI."""
+    app = pilot.app
+    for _ in range(count):
+        target = step_number(app) + 1
+        await pilot.press("f3")
+        await until(pilot, lambda target=target: step_number(app) >= target)
+    app.main.paint(force=True)
+    await pilot.pause()
+
+
+async def type_chat(pilot, text: str) -> None:
+    chat_input = pilot.app.main.query_one("#chat-input")
+    chat_input.focus()
+    chat_input.value = text
+    await pilot.press("enter")

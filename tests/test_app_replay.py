@@ -1,0 +1,97 @@
+"""History and replay screens over a real run log written by a FakeRunner engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_app_harness import FakeEngines, make_app, started, until
+
+from app.presets import PresetContext, build
+from app.runlog import RunLogReader, open_run_log
+from app.screens.history import HistoryScreen
+from app.screens.replay import ReplayScreen
+from app.widgets.block_map import BlockMap
+from app.widgets.counters import Counters
+from app.widgets.queues import QueuesTable
+from engine.config import EngineConfig
+from engine.fake_runner import fake_engine
+
+pytestmark = pytest.mark.anyio
+
+NUM_STEPS = 30
+
+
+@pytest.fixture
+def run_log(tmp_path):
+    """A logged run of 30 steps: a chat burst on a small pool, so requests come, grow and finish."""
+    path = tmp_path / "runs.db"
+    config = EngineConfig(num_blocks=64, max_model_len=256)
+    engine = fake_engine(config, num_host_blocks=8)
+    logger = open_run_log(path, source="script", config=config, model="fake", device="cpu", dtype="float32")
+    assert logger.enabled, logger.warning
+    context = PresetContext(16, 64, 256, config.max_num_batched_tokens, lambda text: len(text.encode()))
+    for i, planned in enumerate(build("burst", 5, context)):
+        engine.add_request(planned.prompt, planned.params, request_id=f"r{i}")
+        logger.request_added(f"r{i}", str(planned.prompt), 0, 1)
+    for _ in range(NUM_STEPS):
+        logger.step(engine.step())
+    logger.close()
+    return path, logger.run_id
+
+
+async def test_history_lists_the_run_and_replay_shows_the_recorded_steps(run_log):
+    path, run_id = run_log
+    reader = RunLogReader(path)
+    try:
+        recorded = reader.steps(run_id)
+        tenth = reader.snapshot_at(run_id, recorded[9].step)
+    finally:
+        reader.close()
+    # The app logs its own run into the same file; the history lists it first (newest).
+    app = make_app(FakeEngines(), db_path=path, log_enabled=True)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await started(pilot)
+        await pilot.press("f9")
+        history = app.screen
+        assert isinstance(history, HistoryScreen)
+        runs = history.query_one("#runs")
+        await until(pilot, lambda: runs.row_count == 2)
+        runs.move_cursor(row=runs.get_row_index(str(run_id)))
+        await until(pilot, lambda: history.run_id == run_id)
+        assert "Run" in str(history.query_one("#run-summary").render())
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, ReplayScreen))
+        replay = app.screen
+        assert replay.query_one(Counters).stats == recorded[0]
+
+        await pilot.press("right")
+        assert replay.query_one(Counters).stats == recorded[1]
+
+        await pilot.press("g")
+        await pilot.press(*str(recorded[9].step), "enter")
+        assert replay.frame.stats == recorded[9]
+        shown = replay.query_one(BlockMap).snapshot
+        assert np.array_equal(shown.block_state, tenth.snapshot.block_state)
+        assert shown.requests == tenth.snapshot.requests
+        table = replay.query_one(QueuesTable)
+        assert set(table.rows) == {v.request_id for v in tenth.snapshot.requests}
+
+        await pilot.press("plus", "minus")
+        await pilot.press("space")
+        assert replay.playing
+        await until(pilot, lambda: replay.index >= 11)
+        await pilot.press("space")
+        assert not replay.playing and replay.index < len(recorded) - 1
+        assert replay.frame.stats == recorded[replay.index]
+
+        await pilot.press("escape", "escape")
+        assert app.screen is app.main
+
+
+async def test_history_without_a_log_says_so(tmp_path):
+    app = make_app(FakeEngines(), db_path=tmp_path / "none.db", log_enabled=False)
+    app.db_path = tmp_path / "none.db"
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(pilot)
+        await pilot.press("f9")
+        assert "No run log yet" in str(app.screen.query_one("#run-summary").render())

@@ -1,0 +1,69 @@
+"""SVG snapshots of the main screen, the chat and the explain screen at fixed sizes.
+
+Deterministic by construction: a FakeRunner engine that starts paused and is
+single-stepped, a fixed clock for every step's timing, and fixed system figures.
+Update with `pytest tests/test_app_snapshots.py --snapshot-update` and look at the SVGs.
+"""
+
+from __future__ import annotations
+
+from test_app_harness import FakeEngines, make_app, single_steps, started, type_chat, until
+
+from app.messages import RequestSelected
+from app.widgets.block_map import BlockMap
+
+
+def _app(**kwargs):
+    return make_app(FakeEngines(fixed_clock=True), **kwargs)
+
+
+async def _busy_pool(pilot) -> None:
+    """A shared system prompt, a chat burst, one request selected, the cursor on a shared block."""
+    app = pilot.app
+    await started(pilot)
+    app.worker.launch_preset("shared", 3)
+    app.worker.launch_preset("burst", 4)
+    await single_steps(pilot, 10)
+    snapshot = app.main.latest.snapshot
+    app.main.post_message(RequestSelected(snapshot.requests[-1].request_id))
+    block_map = app.main.query_one(BlockMap)
+    block_map.focus()
+    shared = next(b for b in range(snapshot.num_blocks) if snapshot.ref_counts[b] > 1)
+    block_map.move_cursor_to_block(shared)
+    app.main.paint(force=True)
+    await pilot.pause()
+
+
+def test_main_screen(snap_compare):
+    assert snap_compare(_app(), terminal_size=(160, 48), run_before=_busy_pool)
+
+
+def test_main_screen_80x24(snap_compare):
+    assert snap_compare(_app(), terminal_size=(80, 24), run_before=_busy_pool)
+
+
+async def _two_turn_chat(pilot) -> None:
+    app = pilot.app
+    await started(pilot)
+    chat = app.main.query_one("#chat")
+    await type_chat(pilot, "What is a KV cache?")
+    await pilot.press("f2")
+    await until(pilot, lambda: chat.current_request is None)
+    await pilot.press("f2")
+    await until(pilot, lambda: app.worker.state.paused)
+    await type_chat(pilot, "And why page it?")
+    await single_steps(pilot, 5)
+
+
+def test_chat(snap_compare):
+    assert snap_compare(_app(chat_max_tokens=20), terminal_size=(120, 36), run_before=_two_turn_chat)
+
+
+async def _explain(pilot) -> None:
+    await started(pilot)
+    await pilot.press("f1")
+    await pilot.pause()
+
+
+def test_explain_screen(snap_compare):
+    assert snap_compare(_app(), terminal_size=(100, 30), run_before=_explain)

@@ -1,0 +1,185 @@
+"""The panels' arithmetic on hand-made snapshots: map cells, block details, paged vs contiguous, presets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.bench_ui import synthetic_snapshot
+from app.engine_worker import engine_info
+from app.presets import PRESETS, PresetContext, build
+from app.widgets import block_cells as cells
+from app.widgets.block_inspector import describe_block, describe_cell
+from app.widgets.paged_vs_contiguous import compare_allocations
+from engine.config import RequestError
+from engine.fake_runner import fake_engine
+from engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView
+
+
+def view(request_id: str, arrival: int, *tables: tuple[int, ...], queue: str = "running") -> RequestView:
+    return RequestView(request_id=request_id, queue=queue, arrival_index=arrival, block_tables=tables,
+                       host_block_tables=(), num_prompt_tokens=20, num_output_tokens=5, max_tokens=64,
+                       num_computed_tokens=25, num_cached_tokens=0, num_preemptions=0,
+                       num_samples=len(tables),
+                       reserved_slots=0, used_slots=0)
+
+
+def snapshot(num_blocks: int = 8, block_size: int = 4, allocator: str = "paged") -> CacheSnapshot:
+    """Blocks 0-1: r0's full blocks, 1 shared with r1; 2: r0's half-full last block; 3: r1's last (1/4);
+    4: cached free; the rest free."""
+    state = np.full(num_blocks, BLOCK_FREE, dtype=np.int8)
+    state[[0, 1, 2, 3]] = BLOCK_USED
+    state[4] = BLOCK_CACHED
+    refs = np.zeros(num_blocks, dtype=np.int32)
+    refs[[0, 2, 3]] = 1
+    refs[1] = 2
+    fill = np.zeros(num_blocks, dtype=np.int16)
+    fill[[0, 1, 4]] = block_size
+    fill[2], fill[3] = 2, 1
+    hashes = np.zeros(num_blocks, dtype=np.uint64)
+    hashes[[0, 1, 4]] = [11, 22, 44]
+    return CacheSnapshot(step=7, block_size=block_size, num_blocks=num_blocks, allocator=allocator,
+                         block_state=state, ref_counts=refs, block_fill=fill, block_hashes=hashes,
+                         requests=(view("r0", 0, (0, 1, 2)), view("r1", 1, (1, 3))))
+
+
+def glyphs(codes: np.ndarray) -> str:
+    return "".join(cells.GLYPHS[cells.decode(code)[2]] for code in codes)
+
+
+def test_layout_prefers_wide_cells_and_aggregates_only_when_it_must():
+    assert cells.fit_layout(100, 80, 10) == cells.MapLayout(100, 20, 4, 1)
+    assert cells.fit_layout(600, 80, 10) == cells.MapLayout(600, 80, 1, 1)
+    big = cells.fit_layout(4096, 80, 10)
+    assert (big.cell_width, big.blocks_per_cell) == (1, 6) and big.num_cells * 6 >= 4096
+    assert big.cell_at(3, 2) == 163 and big.blocks_of(163) == range(978, 984)
+    assert big.cell_at(80, 0) is None
+
+
+def test_cell_codes_show_state_fill_sharing_and_owner():
+    snap = snapshot()
+    codes = cells.cell_codes(snap, cells.fit_layout(8, 8, 1))
+    assert glyphs(codes) == "█2▄▂░···"   # 2/4 and 1/4 filled: four and two eighths
+    bases = [cells.decode(c)[0] for c in codes]
+    assert bases[0] == cells.STYLE_OWNER + 0 and bases[2] == cells.STYLE_OWNER + 0
+    assert bases[1] == cells.STYLE_SHARED + 0     # shared: first owner's colour
+    assert bases[3] == cells.STYLE_OWNER + 1
+    assert bases[4] == cells.STYLE_CACHED and bases[5] == cells.STYLE_FREE
+
+
+def test_selection_chat_and_cursor_overlays():
+    snap = snapshot()
+    layout = cells.fit_layout(8, 8, 1)
+    codes = cells.cell_codes(snap, layout, selected=cells.request_mask(snap, "r1"),
+                             chat=cells.request_mask(snap, "r0"), cursor=5)
+    overlays = [cells.decode(c)[1] for c in codes]
+    assert overlays == [cells.OVERLAY_CHAT, cells.OVERLAY_SELECTED, cells.OVERLAY_CHAT,
+                        cells.OVERLAY_SELECTED, 0, cells.OVERLAY_CURSOR, 0, 0]
+    assert glyphs(codes)[0] == cells.HIGHLIGHTED_FULL_GLYPH   # a full block lets its highlight show
+    assert cells.request_mask(snap, "gone") is None
+
+
+def test_aggregated_cells_count_blocks_in_use():
+    snap = snapshot()
+    layout = cells.MapLayout(8, 4, 1, 2)
+    codes = cells.cell_codes(snap, layout)
+    assert glyphs(codes) == "██░·"
+    assert cells.decode(codes[0])[0] == cells.STYLE_SHARED + 0
+
+
+def test_owner_index_matches_the_snapshot():
+    for seed in range(3):
+        snap = synthetic_snapshot(512, 40, seed=seed)
+        assert np.array_equal(cells.owner_index(snap), snap.owner_index())
+
+
+def test_block_details_name_owners_and_logical_indices():
+    snap = snapshot()
+    shared = describe_block(snap, 1).plain
+    assert "Block 1" in shared and "ref 2" in shared and "4/4 slots" in shared and f"{22:016x}" in shared
+    assert "r0 logical 1" in shared and "r1 logical 0" in shared
+    assert "cached prefix, free" in describe_block(snap, 4).plain
+    assert "Blocks 0–3 (one cell): 4 in use, 0 cached, 0 free" in describe_cell(snap, 0, 3).plain
+
+
+def test_paged_vs_contiguous_arithmetic():
+    snap = snapshot()
+    cmp = compare_allocations(snap, max_model_len=10)   # 10 tokens -> 3 blocks of 4 per sequence
+    assert cmp.num_sequences == 2
+    assert cmp.num_tokens == (4 + 4 + 2) + (4 + 1)
+    assert cmp.contiguous_slots == 2 * 12
+    assert cmp.paged_slots == 4 * 4 and cmp.paged_tokens == 4 + 4 + 2 + 1
+    assert cmp.contiguous_waste == pytest.approx(1 - 15 / 24)
+    assert cmp.paged_waste == pytest.approx(1 - 11 / 16)
+
+
+def test_paged_vs_contiguous_when_the_engine_is_contiguous():
+    cmp = compare_allocations(snapshot(allocator="contiguous"), max_model_len=10)
+    assert cmp.paged_slots == 3 * 4 + 2 * 4      # each sequence's filled blocks only
+    assert cmp.paged_tokens == cmp.num_tokens
+
+
+@pytest.mark.parametrize("key", list(PRESETS))
+def test_every_preset_is_accepted_by_an_engine(key):
+    from engine.config import EngineConfig
+
+    config = EngineConfig(num_blocks=256, max_model_len=1024, max_num_batched_tokens=256)
+    engine = fake_engine(config)
+    context = PresetContext.from_engine(engine, engine_info(engine))
+    planned = build(key, PRESETS[key].default_count, context)
+    assert len(planned) == PRESETS[key].default_count
+    for i, item in enumerate(planned):
+        try:
+            engine.add_request(item.prompt, item.params, request_id=f"{key}-{i}")
+        except RequestError as exc:
+            pytest.fail(f"{key}: {exc}")
+    if key == "long":
+        assert all(len(engine.tokenizer.apply_chat_template(p.prompt)) > 256 for p in planned)
+    if key == "overload":
+        template = engine.tokenizer.apply_chat_template
+        demand = sum(len(template(p.prompt)) + p.params.max_tokens for p in planned)
+        assert demand > 1.3 * 256 * 16
+    if key == "shared":
+        assert planned[0].delay_steps == 0 and all(p.delay_steps > 0 for p in planned[1:])
+    if key == "sample":
+        assert all(p.params.n == 4 for p in planned)
+
+
+def test_preset_rejects_bad_input():
+    context = PresetContext(16, 64, 256, 128, len)
+    with pytest.raises(ValueError):
+        build("nope", 3, context)
+    with pytest.raises(ValueError):
+        build("burst", 0, context)
+
+
+def test_system_sampler_reads_the_machine_and_says_quietly_when_there_is_no_gpu():
+    from app.widgets.system import SystemSampler, describe_sample
+
+    sample = SystemSampler().sample()
+    assert sample.ram_total > sample.ram_used > 0 and sample.process_rss > 0
+    text = describe_sample(sample)
+    if sample.gpus:
+        assert "GPU" in text and sample.gpu_note is None
+    else:
+        assert sample.gpu_note and "no NVIDIA GPU" in text and "error" not in text.lower()
+
+
+def test_ui_bench_rate_is_generated_tokens_over_the_busy_span():
+    import dataclasses
+
+    from app.bench_ui import generation_rate
+    from engine.outputs import StepStats
+
+    base = StepStats(step=0, time=0.0, duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_running=0,
+                     num_waiting=0, num_swapped=0, num_free_blocks=0, num_cached_free_blocks=0,
+                     num_total_blocks=1, kv_usage=0.0, kv_token_utilisation=0.0, prefix_cache_queries=0,
+                     prefix_cache_hits=0, num_preemptions=0, num_swapped_out_blocks=0, num_swapped_in_blocks=0,
+                     prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0)
+    steps = [dataclasses.replace(base, step=1, time=11.0, duration=1.0, num_prefill_tokens=50,
+                                 generation_tokens_per_s=4.0),       # 4 tokens, from 10.0 to 11.0
+             dataclasses.replace(base, step=2, time=12.0),           # idle step: not busy
+             dataclasses.replace(base, step=3, time=14.0, duration=2.0, num_decode_tokens=4,
+                                 generation_tokens_per_s=2.0)]       # 4 tokens, ends at 14.0
+    assert generation_rate(steps) == pytest.approx(8 / 4.0)
+    assert generation_rate([]) == 0.0

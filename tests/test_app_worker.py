@@ -1,0 +1,169 @@
+"""The engine thread on its own: commands in, one message per step out, errors as messages."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from test_app_harness import FakeEngines
+
+from app.engine_worker import EngineWorker
+from app.messages import EngineFailed, EngineReady, EngineStepped, RequestRejected, RunStateChanged
+from engine.config import EngineConfig, SamplingParams
+
+
+class Inbox:
+    """Stands in for the app: keeps what the worker posts, acknowledges steps at once."""
+
+    def __init__(self) -> None:
+        self.messages: list = []
+        self.changed = threading.Condition()
+        self.worker: EngineWorker | None = None
+
+    def post_message(self, message) -> bool:
+        with self.changed:
+            self.messages.append(message)
+            self.changed.notify_all()
+        if isinstance(message, EngineStepped):
+            self.worker.ack()
+        return True
+
+    def of(self, kind) -> list:
+        with self.changed:
+            return [m for m in self.messages if isinstance(m, kind)]
+
+    def wait_for(self, condition, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not condition():
+                remaining = deadline - time.monotonic()
+                assert remaining > 0, "the worker did not get there in time"
+                self.changed.wait(remaining)
+
+
+def start(engines: FakeEngines, **kwargs) -> tuple[EngineWorker, Inbox, threading.Thread]:
+    inbox = Inbox()
+    config = EngineConfig(num_blocks=64, max_model_len=256)
+    worker = EngineWorker(inbox, config, engine_factory=engines, **kwargs)
+    inbox.worker = worker
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    inbox.wait_for(lambda: inbox.of(EngineReady))
+    return worker, inbox, thread
+
+
+def stop(worker: EngineWorker, thread: threading.Thread) -> None:
+    worker.stop()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_runs_requests_to_completion_posting_one_message_per_step():
+    engines = FakeEngines()
+    worker, inbox, thread = start(engines)
+    worker.submit("a", "hello there", SamplingParams(max_tokens=5, temperature=0.0))
+    worker.submit("b", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))
+    inbox.wait_for(lambda: sum(o.finished for m in inbox.of(EngineStepped) for o in m.result.outputs) == 2)
+    stop(worker, thread)
+    steps = [m.result.stats.step for m in inbox.of(EngineStepped)]
+    assert steps == [s.step for s in engines.engine.stats]
+    assert steps == sorted(set(steps))
+
+
+def test_idle_engine_does_not_step():
+    engines = FakeEngines()
+    worker, inbox, thread = start(engines)
+    time.sleep(0.2)
+    stop(worker, thread)
+    assert inbox.of(EngineStepped) == []
+
+
+def test_paused_worker_steps_only_on_request():
+    engines = FakeEngines()
+    worker, inbox, thread = start(engines, paused=True)
+    worker.submit("a", "x" * 40, SamplingParams(max_tokens=50))
+    worker.step_once()
+    worker.step_once()
+    inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 2)
+    time.sleep(0.2)
+    assert len(inbox.of(EngineStepped)) == 2
+    worker.resume()
+    inbox.wait_for(lambda: inbox.of(EngineStepped)[-1].result.outputs
+                   and inbox.of(EngineStepped)[-1].result.outputs[0].finished)
+    stop(worker, thread)
+    states = [m.state.paused for m in inbox.of(RunStateChanged)]
+    assert states[-1] is False
+
+
+def test_rejected_request_becomes_a_message_and_the_engine_keeps_serving():
+    engines = FakeEngines()
+    worker, inbox, thread = start(engines)
+    worker.submit("too-long", "y" * 400, SamplingParams(max_tokens=8))
+    worker.submit("ok", "fine", SamplingParams(max_tokens=4))
+    inbox.wait_for(lambda: any(o.finished and o.request_id == "ok"
+                               for m in inbox.of(EngineStepped) for o in m.result.outputs))
+    stop(worker, thread)
+    rejected = inbox.of(RequestRejected)
+    assert [r.request_id for r in rejected] == ["too-long"]
+    assert "max_model_len" in rejected[0].error
+
+
+def test_a_failing_step_pauses_with_an_error_and_resume_goes_on():
+    engines = FakeEngines(fail_steps=1)
+    worker, inbox, thread = start(engines)
+    worker.submit("a", "hello", SamplingParams(max_tokens=3))
+    inbox.wait_for(lambda: inbox.of(EngineFailed))
+    assert worker.state.paused
+    worker.resume()
+    inbox.wait_for(lambda: any(o.finished for m in inbox.of(EngineStepped) for o in m.result.outputs))
+    stop(worker, thread)
+    assert "simulated engine bug" in inbox.of(EngineFailed)[0].error
+
+
+def test_shared_prefix_preset_staggers_arrivals_after_the_first_prefill():
+    engines = FakeEngines()
+    worker, inbox, thread = start(engines, paused=True)
+    worker.launch_preset("shared", 3)
+    worker.step_once()
+    inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 1)
+    first = inbox.of(EngineStepped)[0].result.snapshot
+    assert [v.request_id for v in first.requests] == ["shared-0"]
+    for _ in range(4):
+        worker.step_once()
+    inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 5)
+    stop(worker, thread)
+    later = inbox.of(EngineStepped)[-1].result.snapshot
+    assert {v.request_id for v in later.requests} == {"shared-0", "shared-1", "shared-2"}
+    assert any(v.num_cached_tokens > 0 for v in later.requests if v.request_id != "shared-0")
+
+
+def test_rebuild_replaces_the_engine_and_the_log():
+    engines = FakeEngines()
+    logs = []
+
+    class Log:
+        warning = None
+
+        def __init__(self, config):
+            self.config, self.closed, self.steps, self.added = config, None, 0, []
+            logs.append(self)
+
+        def request_added(self, request_id, text, num_prompt_tokens, n):
+            self.added.append((request_id, num_prompt_tokens, n))
+
+        def step(self, result):
+            self.steps += 1
+
+        def close(self, status="finished"):
+            self.closed = status
+
+    worker, inbox, thread = start(engines, log_factory=lambda config, info: Log(config))
+    worker.submit("a", "abcd", SamplingParams(max_tokens=2))
+    inbox.wait_for(lambda: logs[0].steps >= 2)
+    worker.rebuild(EngineConfig(num_blocks=64, max_model_len=256, preemption_mode="swap"))
+    inbox.wait_for(lambda: len(inbox.of(EngineReady)) == 2)
+    stop(worker, thread)
+    assert len(engines.built) == 2
+    assert logs[0].closed == "finished" and logs[1].config.preemption_mode == "swap"
+    assert logs[0].added == [("a", 4, 1)]
+    assert logs[1].closed == "finished"

@@ -1,0 +1,134 @@
+"""The bench's systems on a tiny random-weight model: transformers' peers, the real engine, the CLI."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+
+import pytest
+import torch
+from models import tiny_model
+
+from app.bench.harness import Bench, BenchOptions
+from app.bench.hf_cb import ContinuousBatchRun, ContinuousSettings
+from app.bench.hf_static import StaticBatchRun, StaticSettings
+from app.bench.metrics import REPORT_KEYS
+from app.bench.report import add_ratios, format_table
+from app.bench.systems import SYSTEMS
+from app.bench.workloads import BenchRequest, Workload, warm_up_request
+from app.cli import build_parser, main
+
+OUTPUT_LENGTHS = (2, 5, 3)
+SMALL_CB = ContinuousSettings(page_size=16, max_batch_tokens=64, max_requests_per_batch=4)
+
+
+def _workload(n: int = 1, temperature: float = 0.0) -> Workload:
+    requests = tuple(BenchRequest(tuple(range(2000 + 7 * i, 2000 + 7 * i + p)), o, n)
+                     for i, (p, o) in enumerate(zip((9, 4, 13), OUTPUT_LENGTHS, strict=True)))
+    return Workload("tiny", requests, max_model_len=64, kv_cache_tokens=512, temperature=temperature)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices gain nothing from a second thread, and on a busy machine spinning threads cost a lot.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama")
+
+
+def test_hf_static_counts_only_each_requests_own_tokens(tiny):
+    model, tok = tiny
+    run = StaticBatchRun(model, tok.pad_token_id, StaticSettings(batch_size=2))
+    record = run.run(_workload(), warm_up_request())
+    # Batches [2, 5] and [3]: 2*5 + 1*3 = 13 tokens generated, 10 of them asked for.
+    assert record.num_output_tokens == 10
+    assert record.extra["generated_tokens"] == 13
+    assert record.extra["wasted_token_fraction"] == pytest.approx(3 / 13)
+    assert [len(t) for t in record.token_times] == list(OUTPUT_LENGTHS)
+    assert record.batch_sizes == [2] * 5 + [1] * 3
+    assert record.prefill_tokens_computed == 2 * 9 + 13
+    assert 0 < record.kv_used_slots < record.kv_reserved_slots
+
+
+def test_hf_static_parallel_sampling(tiny):
+    model, tok = tiny
+    workload = _workload(n=2, temperature=0.8)
+    run = StaticBatchRun(model, tok.pad_token_id, StaticSettings(batch_size=4))
+    record = run.run(workload, warm_up_request(2))
+    assert record.num_output_tokens == workload.num_output_tokens == 20
+
+
+def test_hf_cb_gives_each_request_its_own_length(tiny):
+    model, tok = tiny
+    record = ContinuousBatchRun(model, tok.pad_token_id, SMALL_CB).run(_workload(), warm_up_request())
+    assert record.num_output_tokens == sum(OUTPUT_LENGTHS)
+    assert [len(t) for t in record.token_times] == list(OUTPUT_LENGTHS)
+    assert record.settings["num_blocks"] == 512 // 16 and record.settings["max_requests_per_batch"] == 4
+    assert model.config._attn_implementation == "sdpa"   # the manager put the model back as it found it
+
+
+def test_harness_runs_every_system_on_one_model(tiny):
+    model, tok = tiny
+    options = BenchOptions(model="tiny", device="cpu", dtype="float32", systems=SYSTEMS, continuous=SMALL_CB)
+    bench = Bench(model, tok, options, progress=lambda line: None)
+    rows = add_ratios(bench.run([_workload()]))
+    assert [r["system"] for r in rows] == list(SYSTEMS)
+    for row in rows:
+        assert set(REPORT_KEYS) <= set(row)
+        assert row["output_tokens"] == sum(OUTPUT_LENGTHS) and row["output_tokens_per_s"] > 0
+        assert row["peak_rss_mb"] > 0
+    paged = rows[0]
+    assert paged["forward_floor_output_tokens_per_s"] > 0 and paged["fraction_of_floor"] > 0
+    assert paged["paged_ratio"] is None and all(r["paged_ratio"] > 0 for r in rows[1:])
+    table = format_table(rows, bench.notes)
+    assert "forward-only floor" in table and "hf-cb settings" in table and "wasted" in table
+
+
+def test_cli_parses_the_bench_command():
+    args = build_parser().parse_args(["bench", "--workload", "overload", "--systems", "hf-cb", "--json"])
+    assert (args.what, args.workload, args.systems, args.json) == ("workloads", "overload", "hf-cb", True)
+    assert build_parser().parse_args(["bench", "logging"]).what == "logging"
+
+
+def test_cli_rejects_unknown_systems_and_dtypes():
+    with pytest.raises(SystemExit, match="unknown system"):
+        main(["bench", "--systems", "vllm"])
+    with pytest.raises(SystemExit, match="--dtype"):
+        main(["bench", "--dtype", "int4"])
+
+
+def test_cli_runs_the_workloads_end_to_end(tiny, tmp_path, capsys, monkeypatch):
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    asked = []
+
+    def small_workloads(name, num_requests, seed):
+        asked.append((name, num_requests, seed))
+        return [_workload()]
+
+    monkeypatch.setattr("app.bench.workloads.build_workloads", small_workloads)
+    code = main(["bench", "--model", str(tmp_path / "tiny"), "--requests", "3", "--json", "--device", "cpu",
+                 "--systems", "kvscope-paged,hf-static", "--db", str(tmp_path / "runs.db"), "--no-floor"])
+    assert code == 0 and asked == [("mixed", 3, 0)]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["workload"], r["system"]) for r in lines] == [("tiny", "kvscope-paged"), ("tiny", "hf-static")]
+    assert lines[1]["paged_ratio"] > 0 and lines[0]["requests"] == 3
+    with sqlite3.connect(tmp_path / "runs.db") as db:
+        assert db.execute("SELECT source, status FROM runs").fetchall() == [("bench", "finished")]
+
+
+def test_cli_sub_benches_say_when_they_are_missing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "app.bench_ui", None)
+    monkeypatch.setitem(sys.modules, "app.bench.scheduler", None)
+    assert main(["bench", "ui"]) == 1
+    assert main(["bench", "scheduler"]) == 1
+    err = capsys.readouterr().err
+    assert "kvscope bench ui: not available" in err and "kvscope bench scheduler: not available" in err
