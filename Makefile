@@ -26,7 +26,7 @@ run: model
 
 test: model
 	$(BIN)/ruff check .
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist load
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
