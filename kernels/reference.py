@@ -26,11 +26,13 @@ class _Workspace(threading.local):
     """Grow-only scratch buffers, one per (device, dtype) and per thread, reused across layers and steps."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.buffers: dict[tuple[torch.device, torch.dtype, bool], torch.Tensor] = {}
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(shape)
-        key = (device, dtype)
+        # Tensors made under inference_mode cannot be written outside it (and the engine runs inside it while
+        # tests and callers may not), so each mode keeps its own buffer.
+        key = (device, dtype, torch.is_inference_mode_enabled())
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(numel, dtype=dtype, device=device)

@@ -220,3 +220,15 @@ def test_ragged_decode_batch_is_split_into_length_buckets():
 @pytest.mark.parametrize("context_lens", [[5] * 30, [300] * 10 + [290] * 10, [3, 1000]])
 def test_similar_or_few_lengths_stay_one_bucket(context_lens):
     assert len(reference._length_buckets(context_lens)) == 1
+
+
+def test_workspace_serves_callers_inside_and_outside_inference_mode():
+    """The engine gathers under inference_mode; a later plain caller must not get that read-only buffer."""
+    from kernels.reference import _workspace
+
+    device = torch.device("cpu")
+    with torch.inference_mode():
+        _workspace.take((8, 8), torch.float32, device)
+    outside = _workspace.take((8, 8), torch.float32, device)
+    outside.fill_(1.0)
+    assert not outside.is_inference()
