@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.config import SamplingParams
 
 
-@dataclass(frozen=True)
-class BatchItem:
+class BatchItem(NamedTuple):
     """One sequence's share of a step: a prefill chunk or a single decode token.
 
     The runner writes K/V for ``token_ids`` at positions ``start_pos ..`` into the

@@ -90,6 +90,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # False skips turning tokens into text (outputs carry token ids only), as vLLM's option of the same
+    # name does: for callers that only want ids, like the bench with its synthetic prompts.
+    detokenize: bool = True
 
     def validate(self) -> None:
         """Raise RequestError naming the first bad field. Called by add_request."""
@@ -107,6 +110,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
+        if self.stop and not self.detokenize:
+            raise RequestError("stop strings need detokenize=True: they are matched against the text")
 
     @property
     def greedy(self) -> bool:

@@ -2,9 +2,12 @@
 
 Decoding one token at a time is wrong for byte-level and SentencePiece
 tokenizers: a multi-byte character can span tokens, and a token's leading space
-depends on the token before it. So each new token is decoded together with a
-short window of the tokens before it, and text is released only when the window
-no longer ends in a replacement character (a character still being assembled).
+depends on the token before it. A fast (Rust) tokenizer has its own streaming
+decoder for this, tokenizers' DecodeStream, which is used when present: one call
+per token. Other tokenizers get the same behaviour from a window: each new token
+is decoded together with a few tokens before it, and text is released only when
+the window no longer ends in a replacement character (a character still being
+assembled).
 
 Stop strings: text that could still be the start of a stop string is held back,
 so a stop string is never streamed and then retracted. When one matches, it and
@@ -18,42 +21,91 @@ _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+class _DecodeStreamText:
+    """New text per token from tokenizers' DecodeStream; remembers the tokens it has not released yet."""
+
+    def __init__(self, backend, prompt_token_ids) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._stream = DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=True)
+        self._unreleased: list[int] = []
+
+    def step(self, token_id: int) -> str:
+        text = self._stream.step(self._backend, token_id)
+        if text is None:
+            self._unreleased.append(token_id)
+            return ""
+        self._unreleased.clear()
+        return text
+
+    def flush(self) -> str:
+        """Whatever the pending tokens decode to on their own, replacement characters included."""
+        pending, self._unreleased = self._unreleased, []
+        return self._backend.decode(pending, skip_special_tokens=True) if pending else ""
+
+
+class _WindowText:
+    """New text per token for any tokenizer with ``decode``: two decodes of a short window."""
+
+    def __init__(self, tokenizer, prompt_token_ids) -> None:
+        self._tokenizer = tokenizer
+        self._token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        # _token_ids[_prefix_offset:_read_offset] is the window already turned into text.
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids)
+        self._prefix_text = self._decode(self._token_ids)
+
+    def _decode(self, ids) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+    def step(self, token_id: int) -> str:
+        self._token_ids.append(token_id)
+        window_text = self._decode(self._token_ids[self._prefix_offset:])
+        if len(window_text) <= len(self._prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
+            return ""    # nothing printable yet, or a character still being assembled
+        new_text = window_text[len(self._prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        self._prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
+        return new_text
+
+    def flush(self) -> str:
+        if self._read_offset == len(self._token_ids):
+            return ""
+        rest = self._decode(self._token_ids[self._prefix_offset:])[len(self._prefix_text):]
+        self._read_offset = len(self._token_ids)
+        return rest
+
+
+def _text_stream(tokenizer, prompt_token_ids):
+    from_rust = getattr(tokenizer, "_tokenizer", None)    # transformers' fast tokenizers wrap one
+    if type(from_rust).__module__.startswith("tokenizers"):
+        return _DecodeStreamText(from_rust, prompt_token_ids)
+    return _WindowText(tokenizer, prompt_token_ids)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids, stop=()) -> None:
-        self.tokenizer = tokenizer
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self.token_ids = context
-        # token_ids[prefix_offset:read_offset] is the window already turned into text.
-        self.prefix_offset = 0
-        self.read_offset = len(context)
-        self._prefix_text = self._decode(context)
+        self._stream = _text_stream(tokenizer, prompt_token_ids)
         self.stop = tuple(stop)
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""          # decoded output text, cut at a stop string
         self.released = 0       # text[:released] has been handed out
         self._taken = 0         # text[:_taken] has been returned by take_delta
 
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
-
     def add_token(self, token_id: int) -> bool:
         """Decode one more token. True when a stop string matched (the text is cut before it)."""
-        self.token_ids.append(token_id)
-        window_text = self._decode(self.token_ids[self.prefix_offset:])
-        if len(window_text) <= len(self._prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
-            return False    # nothing printable yet, or a character still being assembled
-        new_text = window_text[len(self._prefix_text):]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
-        self._prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        return self._append_text(new_text)
+        new_text = self._stream.step(token_id)
+        return self._append_text(new_text) if new_text else False
 
     def _append_text(self, new_text: str) -> bool:
-        search_from = max(0, len(self.text) - self._max_stop_len + 1)
-        self.text += new_text
         if not self.stop:
+            self.text += new_text
             self.released = len(self.text)
             return False
+        search_from = max(0, len(self.text) - self._max_stop_len + 1)
+        self.text += new_text
         cut = min((i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]
@@ -73,10 +125,9 @@ class IncrementalDetokenizer:
 
     def finish(self, stopped_by_string: bool = False) -> None:
         """The sample is done: release everything, including an unfinished character."""
-        if not stopped_by_string and self.read_offset < len(self.token_ids):
-            rest = self._decode(self.token_ids[self.prefix_offset:])[len(self._prefix_text):]
-            self.read_offset = len(self.token_ids)
-            if self._append_text(rest):
+        if not stopped_by_string:
+            rest = self._stream.flush()
+            if rest and self._append_text(rest):
                 return
         self.released = len(self.text)
 

@@ -126,6 +126,16 @@ class KVCacheManager:
                 seq.table_changed()
         return True
 
+    def append_slot(self, seq: Sequence) -> bool:
+        """Room for one more token of an unshared sample; False, changing nothing, if no block is free."""
+        if seq.num_computed_tokens < len(seq.block_table) * self.block_size:
+            return True
+        if not self.block_pool.free_block_queue:
+            return False
+        seq.block_table.extend(self.block_pool.allocate(1))
+        seq.table_changed()
+        return True
+
     def _count_growth(self, request: Request, plan, pool: BlockPool,
                       on_host: bool) -> tuple[int, list[Sequence]]:
         """Blocks the plan needs, and the samples whose next write lands in a block another sample shares."""

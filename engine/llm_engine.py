@@ -15,7 +15,7 @@ from engine.outputs import (
     StepResult,
     StepStats,
 )
-from engine.request import Request, Sequence
+from engine.request import Request, RequestStatus, Sequence
 from engine.scheduler import Scheduler
 
 _PREVIEW_CHARS = 80
@@ -59,8 +59,10 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         token_ids, preview = self._tokenize(prompt)
         self._check_fits(len(token_ids), params)
+        stop_token_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self._eos_token_ids)
         request = Request(request_id, token_ids, params, next(self._arrivals), time.time(),
-                          tokenizer=self.tokenizer, prompt_preview=preview)
+                          tokenizer=self.tokenizer, prompt_preview=preview, stop_token_ids=stop_token_ids,
+                          max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len))
         self.scheduler.add(request)
         return request_id
 
@@ -187,7 +189,7 @@ class LLMEngine:
         failed = self._fail_requests(scheduled, results, outputs) if None in results else ()
         commit = self.scheduler.kv.commit
         now = self._now
-        new_token: dict[Request, int | None] = {}     # requests that sampled, with sample 0's token
+        grouped: dict[Request, int | None] = {}   # n > 1 requests that sampled, with sample 0's token
         num_generated = 0
         for (request, seq, num_new), item, sampled in zip(scheduled, items, results, strict=True):
             if failed and request in failed:
@@ -195,17 +197,23 @@ class LLMEngine:
             commit(seq, num_new)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-            if not item.sample_indices:
+            sample_indices = item.sample_indices
+            if not sample_indices:
                 continue    # mid-prefill
+            num_generated += len(sampled)
+            if len(request.seqs) == 1:
+                token = sampled[0]
+                self._append_token(request, seq, token)
+                outputs.append(self._make_output(request, (token,)))
+                continue
             if not request.forked:
                 self._fork(request)
-            new_token.setdefault(request, None)
-            for sample_index, token in zip(item.sample_indices, sampled, strict=True):
+            grouped.setdefault(request, None)
+            for sample_index, token in zip(sample_indices, sampled, strict=True):
                 self._append_token(request, request.seqs[sample_index], token)
                 if sample_index == 0:
-                    new_token[request] = token
-            num_generated += len(sampled)
-        for request, token in new_token.items():
+                    grouped[request] = token
+        for request, token in grouped.items():
             outputs.append(self._make_output(request, () if token is None else (token,)))
         return num_generated
 
@@ -228,17 +236,15 @@ class LLMEngine:
         request.forked = True
 
     def _append_token(self, request: Request, seq: Sequence, token: int) -> None:
-        seq.token_ids.append(token)
+        token_ids = seq.token_ids
+        token_ids.append(token)
         if request.first_token_time is None:
             request.first_token_time = self._now
-        params = request.params
-        by_stop_string = seq.detokenizer is not None and seq.detokenizer.add_token(token)
-        num_tokens = len(seq.token_ids)
-        if by_stop_string or (not params.ignore_eos and token in self._eos_token_ids):
+        detokenizer = seq.detokenizer
+        by_stop_string = detokenizer is not None and detokenizer.add_token(token)
+        if by_stop_string or token in request.stop_token_ids:
             reason = "stop"
-        elif params.stop_token_ids and token in params.stop_token_ids:
-            reason = "stop"
-        elif num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
+        elif len(token_ids) >= request.max_num_tokens:
             reason = "length"
         else:
             return
@@ -268,14 +274,13 @@ class LLMEngine:
         seqs = request.seqs
         samples = (_sample_output(seqs[0]),) if len(seqs) == 1 else tuple(_sample_output(s) for s in seqs)
         first = samples[0]
-        detokenizer = request.seqs[0].detokenizer
+        detokenizer = seqs[0].detokenizer
+        # Positional: this runs for every request every step, and keywords cost a third more.
         return RequestOutput(
-            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            new_token_ids=new_token_ids, text_delta=detokenizer.take_delta() if detokenizer else "",
-            token_ids=first.token_ids, text=first.text, finished=request.is_finished,
-            finish_reason=first.finish_reason, num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions, metrics=request.metrics(), samples=samples,
-            error=request.error)
+            request.request_id, request.prompt_token_ids, new_token_ids,
+            detokenizer.take_delta() if detokenizer else "", first.token_ids, first.text,
+            request.status == RequestStatus.FINISHED, first.finish_reason, request.num_cached_tokens,
+            request.num_preemptions, request.metrics(), samples, request.error)
 
     def _snapshot(self) -> CacheSnapshot:
         scheduler = self.scheduler
@@ -304,15 +309,11 @@ class LLMEngine:
             block_tables = tuple(seq.table_tuple() for seq in live)
             host_block_tables = tuple(tuple(seq.host_block_table) for seq in live if seq.host_block_table)
             reserved, used = self._shared_slots(live)
-        view = request.view = RequestView(
-            request_id=request.request_id, queue=request.status, arrival_index=request.arrival_index,
-            block_tables=block_tables, host_block_tables=host_block_tables,
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_output_tokens=len(first.token_ids) - first.num_prompt_tokens,
-            max_tokens=request.params.max_tokens, num_computed_tokens=first.num_computed_tokens,
-            num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,
-            num_samples=request.params.n, reserved_slots=reserved, used_slots=used,
-            prompt_preview=request.prompt_preview)
+        view = request.view = RequestView(    # positional, as in _make_output
+            request.request_id, request.status, request.arrival_index, block_tables, host_block_tables,
+            first.num_prompt_tokens, len(first.token_ids) - first.num_prompt_tokens, request.params.max_tokens,
+            first.num_computed_tokens, request.num_cached_tokens, request.num_preemptions, request.params.n,
+            reserved, used, request.prompt_preview)
         return view
 
     def _shared_slots(self, live: list[Sequence]) -> tuple[int, int]:
@@ -346,6 +347,6 @@ class LLMEngine:
 
 def _sample_output(seq: Sequence) -> SampleOutput:
     detokenizer = seq.detokenizer
-    return SampleOutput(index=seq.index, token_ids=tuple(seq.token_ids[seq.num_prompt_tokens:]),
-                        text=detokenizer.output_text if detokenizer else "", finish_reason=seq.finish_reason)
+    return SampleOutput(seq.index, tuple(seq.token_ids[seq.num_prompt_tokens:]),
+                        detokenizer.output_text if detokenizer else "", seq.finish_reason)
 

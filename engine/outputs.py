@@ -2,11 +2,17 @@
 
 The snapshot keeps per-block state in small read-only numpy arrays, so taking
 one every step is a handful of array copies, not thousands of Python objects.
+
+The records made once per request per step (outputs, views, metrics, events)
+are NamedTuples: as immutable as a frozen dataclass, but built in a third of
+the time, which matters at 256 requests a step. Per-step records stay
+dataclasses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,24 +24,21 @@ BLOCK_CACHED = 2    # ref count 0 but still holds a prefix hash: reusable until 
 FinishReason = str  # "stop" | "length" | "abort" | "error"
 
 
-@dataclass(frozen=True)
-class RequestMetrics:
+class RequestMetrics(NamedTuple):
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
 
 
-@dataclass(frozen=True)
-class SampleOutput:
+class SampleOutput(NamedTuple):
     index: int
     token_ids: tuple[int, ...]
     text: str
     finish_reason: FinishReason | None
 
 
-@dataclass(frozen=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
     request_id: str
     prompt_token_ids: tuple[int, ...]
     new_token_ids: tuple[int, ...]      # sample 0's tokens produced by this step
@@ -78,8 +81,7 @@ class StepStats:
     num_free_host_blocks: int = 0
 
 
-@dataclass(frozen=True)
-class RequestView:
+class RequestView(NamedTuple):
     """One request as the block map and the queue tables see it."""
 
     request_id: str
@@ -141,8 +143,7 @@ class StepResult:
     events: tuple[EngineEvent, ...] = ()
 
 
-@dataclass(frozen=True)
-class EngineEvent:
+class EngineEvent(NamedTuple):
     """Something the run log and the UI want to know about, beyond the counters."""
 
     kind: str                           # preempt | swap_out | swap_in | evict | abort | error | finish

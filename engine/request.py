@@ -67,8 +67,12 @@ class Request:
     """A sequence group: one prompt, its sampling parameters and ``params.n`` samples."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_index: int, arrival_time: float, tokenizer=None, prompt_preview: str = ""):
+                 arrival_index: int, arrival_time: float, tokenizer=None, prompt_preview: str = "",
+                 stop_token_ids: frozenset[int] = frozenset(), max_num_tokens: int | None = None):
         self.request_id = request_id
+        # The stop rules, resolved once: a sample stops on any of these tokens, or at this length.
+        self.stop_token_ids = stop_token_ids
+        self.max_num_tokens = max_num_tokens or len(prompt_token_ids) + params.max_tokens
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.params = params
         self.arrival_index = arrival_index
@@ -87,10 +91,6 @@ class Request:
         self.finished_time: float | None = None
         self._metrics: RequestMetrics | None = None
         self.view: RequestView | None = None   # cached snapshot view; None when stale
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
 
     def schedulable_seqs(self) -> list[Sequence]:
         """Samples that run this step: sample 0 until the fork, then every unfinished sample."""
@@ -114,6 +114,6 @@ class Request:
 
 
 def _detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingParams):
-    if tokenizer is None:
+    if tokenizer is None or not params.detokenize:
         return None
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop)

@@ -104,6 +104,9 @@ class Scheduler:
         index = 0
         while index < len(running) and self._budget > 0:
             request = running[index]
+            index += 1
+            if self._schedule_decode(request, scheduled):
+                continue
             plan = self._plan(request)
             while not self.kv.allocate_slots(request, plan):
                 victim = running.pop()
@@ -112,7 +115,25 @@ class Scheduler:
                 if victim is request:
                     return  # it was the most recent arrival left, so nobody is behind it
             self._take(request, plan, scheduled)
-            index += 1
+
+    def _schedule_decode(self, request: Request, scheduled) -> bool:
+        """The step's common case, without building a plan: one sample decoding one token.
+
+        False, changing nothing, for anything else (a prefill chunk, n > 1, no free block for the
+        token), which the general path then handles.
+        """
+        seqs = request.seqs
+        if len(seqs) != 1:
+            return False
+        seq = seqs[0]
+        if len(seq.token_ids) - seq.num_computed_tokens != 1 or not self.kv.append_slot(seq):
+            return False
+        scheduled.append((request, seq, 1))
+        self._budget -= 1
+        request.view = None
+        if self.kv.block_pool.evicted:
+            self._record_evictions(request)
+        return True
 
     def _schedule_swapped(self, scheduled) -> None:
         while self.swapped and self._budget > 0 and len(self.running) < self.max_num_seqs:
@@ -166,8 +187,11 @@ class Scheduler:
             self._budget -= num_new
         request.view = None
         if self.kv.block_pool.evicted:
-            evicted = self.kv.block_pool.drain_evicted()
-            self.events.append(EngineEvent("evict", request.request_id, tuple(evicted)))
+            self._record_evictions(request)
+
+    def _record_evictions(self, request: Request) -> None:
+        evicted = self.kv.block_pool.drain_evicted()
+        self.events.append(EngineEvent("evict", request.request_id, tuple(evicted)))
 
     def _enter_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -210,9 +234,11 @@ class Scheduler:
                 samples = tuple(range(request.params.n))    # the prompt completes: every sample draws
             if num_new == 1 and start >= seq.num_prompt_tokens:
                 num_decode += 1
+                token_ids: tuple[int, ...] = (seq.token_ids[start],)
             else:
                 num_prefill += num_new
-            items.append(BatchItem(seq.seq_id, request.request_id, tuple(seq.token_ids[start:end]), start,
-                                   seq.table_tuple(), samples, request.params))
+                token_ids = tuple(seq.token_ids[start:end])
+            items.append(BatchItem(seq.seq_id, request.request_id, token_ids, start, seq.table_tuple(), samples,
+                                   request.params))
         return tuple(items), num_prefill, num_decode
 

@@ -88,3 +88,56 @@ def test_invalid_bytes_are_flushed_at_finish():
     assert detok.take_delta() == ""
     detok.finish()
     assert detok.take_delta() == "\ufffd"
+
+
+# The same behaviour through a real fast tokenizer, where tokenizers' own DecodeStream does the decoding.
+TEXTS = ["héllo wörld", "日本語のテキスト", "emoji 🎉🚀 end", "mixed ß→∑ ok", " leading space", "a\n\nb  c"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from models import tokenizer
+
+    return tokenizer()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_fast_tokenizer_streams_what_a_whole_decode_gives(smollm2_tokenizer, text):
+    tok = smollm2_tokenizer
+    prompt_ids = tok.encode("Question: say it.", add_special_tokens=False)
+    output_ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    deltas = []
+    for token in output_ids:
+        detok.add_token(token)
+        deltas.append(detok.take_delta())
+    detok.finish()
+    deltas.append(detok.take_delta())
+    whole = tok.decode(prompt_ids + output_ids, skip_special_tokens=True)
+    expected = whole[len(tok.decode(prompt_ids, skip_special_tokens=True)):]
+    assert "".join(deltas) == expected == detok.output_text
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
+def test_fast_tokenizer_stop_string_and_special_tokens(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    detok = IncrementalDetokenizer(tok, tok.encode("Hi", add_special_tokens=False), ["STOP"])
+    stopped = False
+    for token in [*tok.encode("one two STOP three", add_special_tokens=False), tok.eos_token_id]:
+        stopped = detok.add_token(token)
+        if stopped:
+            break
+    assert stopped
+    detok.finish(stopped)
+    assert detok.output_text == "one two "
+
+
+def test_fast_tokenizer_flushes_an_unfinished_character(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    emoji_ids = tok.encode("🎉", add_special_tokens=False)
+    assert len(emoji_ids) > 1, "the emoji must span tokens for this test to mean anything"
+    detok = IncrementalDetokenizer(tok, [], ())
+    detok.add_token(emoji_ids[0])
+    assert detok.take_delta() == ""
+    detok.finish()
+    assert detok.take_delta() == "\ufffd"

@@ -165,8 +165,8 @@ def test_n_greater_than_one_counts_every_sample(tmp_path):
     logger = open_log(tmp_path / "runs.db")
     first = base.step()
     output = first.outputs[0]
-    samples = (output.samples[0], dataclasses.replace(output.samples[0], index=1, text="other"))
-    final = dataclasses.replace(output, finished=True, finish_reason="length", samples=samples)
+    samples = (output.samples[0], output.samples[0]._replace(index=1, text="other"))
+    final = output._replace(finished=True, finish_reason="length", samples=samples)
     logger.step(dataclasses.replace(first, outputs=[final]))
     logger.close()
     (row,) = RunLogReader(tmp_path / "runs.db").rows("requests", logger.run_id)

@@ -51,19 +51,20 @@ def random_snapshots(seed: int, num_frames: int, num_blocks: int) -> list[CacheS
             if roll < 0.5:  # decode: counters move, the table may grow
                 tables = tuple(t + (int(rng.integers(num_blocks)),) if rng.random() < 0.3 else t
                                for t in view.block_tables)
-                view = dataclasses.replace(view, queue="running", block_tables=tables,
-                                           num_output_tokens=view.num_output_tokens + 1,
-                                           num_computed_tokens=view.num_computed_tokens + 7)
+                view = view._replace(queue="running", block_tables=tables,
+                                     num_output_tokens=view.num_output_tokens + 1,
+                                     num_computed_tokens=view.num_computed_tokens + 7)
             elif roll < 0.6:  # preempted or swapped out: the table shrinks or moves to the host
-                view = dataclasses.replace(view, queue=str(rng.choice(["waiting", "swapped"])),
-                                           block_tables=((),) * len(view.block_tables),
-                                           host_block_tables=(tuple(rng.integers(0, 9, 3).tolist()),),
-                                           num_preemptions=view.num_preemptions + 1, num_computed_tokens=0)
+                view = view._replace(queue=str(rng.choice(["waiting", "swapped"])),
+                                     block_tables=((),) * len(view.block_tables),
+                                     host_block_tables=(tuple(rng.integers(0, 9, 3).tolist()),),
+                                     num_preemptions=view.num_preemptions + 1, num_computed_tokens=0)
             elif roll < 0.65:  # n > 1 forks its table
-                view = dataclasses.replace(view, block_tables=view.block_tables * 2, num_samples=2)
+                view = view._replace(block_tables=view.block_tables * 2, num_samples=2)
             views[request_id] = view
         if rng.random() < 0.1:
-            views = dict(rng.permutation(list(views.items())).tolist()) if views else views
+            items = list(views.items())
+            views = {items[i][0]: items[i][1] for i in rng.permutation(len(items))}
         arrays = (rng.integers(0, 3, num_blocks).astype(np.int8),
                   rng.integers(0, 4, num_blocks).astype(np.int32),
                   rng.integers(0, 17, num_blocks).astype(np.int16),

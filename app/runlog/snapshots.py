@@ -14,10 +14,10 @@ a frame the writer had to drop does not break the chain.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import operator
 import struct
+import typing
 import zlib
 
 import numpy as np
@@ -26,13 +26,12 @@ from engine.outputs import CacheSnapshot, RequestView
 
 KEYFRAME_INTERVAL = 50
 BLOCK_ARRAYS = ("block_state", "ref_counts", "block_fill", "block_hashes")
-COUNTER_FIELDS = tuple(f.name for f in dataclasses.fields(RequestView) if f.type in ("int", int))
+_VIEW_TYPES = typing.get_type_hints(RequestView)
+COUNTER_FIELDS = tuple(name for name in RequestView._fields if _VIEW_TYPES[name] is int)
 TABLE_FIELDS = ("block_tables", "host_block_tables")
 # Everything else but the id (queue, prompt preview, fields added later) is stored by value.
-VALUE_FIELDS = tuple(
-    f.name for f in dataclasses.fields(RequestView)
-    if f.name not in COUNTER_FIELDS + TABLE_FIELDS + ("request_id",)
-)
+VALUE_FIELDS = tuple(name for name in RequestView._fields
+                     if name not in COUNTER_FIELDS + TABLE_FIELDS + ("request_id",))
 _HEAD = struct.Struct("<I")
 
 
