@@ -9,6 +9,7 @@ is registered for that name, so transformers builds no dense mask at all.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -206,51 +207,75 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.int64, device=device or self.device)
 
     def _prepare(self, items: list[BatchItem], num_prefill: int):
-        bs = self.block_size
+        """Flatten the batch (prefill chunks first, then decodes) into the forward's inputs.
+
+        Decodes are the many small items, so they are handled as columns with numpy, not one by one.
+        """
+        prefill, decode = items[:num_prefill], items[num_prefill:]
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[np.ndarray] = []
         logit_rows: list[int] = []
-        for item in items:
+        for item in prefill:
             n = len(item.token_ids)
             pos = np.arange(item.start_pos, item.start_pos + n)
             table = np.asarray(item.block_table, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
             token_ids.extend(item.token_ids)
             positions.extend(range(item.start_pos, item.start_pos + n))
             if item.sample_indices:
                 logit_rows.append(len(token_ids) - 1)
-        num_prefill_tokens = sum(len(item.token_ids) for item in items[:num_prefill])
-        prefill, decode = items[:num_prefill], items[num_prefill:]
+        num_prefill_tokens = len(token_ids)
+        decode_tables = decode_lens = None
+        if decode:
+            starts = np.fromiter((item.start_pos for item in decode), dtype=np.int64, count=len(decode))
+            decode_tables = self._padded_tables(decode, starts + 1)
+            rows = np.arange(len(decode))
+            slots.append(decode_tables[rows, starts // self.block_size].astype(np.int64) * self.block_size
+                         + starts % self.block_size)
+            token_ids.extend(item.token_ids[0] for item in decode)
+            positions.extend(starts.tolist())
+            logit_rows.extend(num_prefill_tokens + row for row, item in enumerate(decode) if item.sample_indices)
+            decode_lens = (starts + 1).astype(np.int32)
         ctx = AttentionContext(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
+            slot_mapping=self._tensor(np.concatenate(slots)),
             num_prefill_tokens=num_prefill_tokens,
-            prefill_block_tables=self._block_tables(prefill) if prefill else None,
+            prefill_block_tables=self._tensor(self._padded_tables(prefill, [i.context_len for i in prefill]))
+            if prefill else None,
             prefill_cu_seqlens=self._int32(np.cumsum([0] + [len(item.token_ids) for item in prefill]))
             if prefill else None,
             prefill_context_lens=self._int32([item.context_len for item in prefill]) if prefill else None,
             # Known on the host: passing it spares the CUDA kernel a device-to-host sync per layer.
             prefill_max_query_len=max((len(item.token_ids) for item in prefill), default=0),
-            decode_block_tables=self._block_tables(decode) if decode else None,
-            decode_context_lens=self._int32([item.context_len for item in decode]) if decode else None,
+            decode_block_tables=self._tensor(decode_tables) if decode else None,
+            decode_context_lens=self._tensor(decode_lens) if decode else None,
         )
         device = self.device
         return (ctx, torch.tensor([token_ids], device=device), torch.tensor([positions], device=device),
                 torch.tensor(logit_rows, dtype=torch.int64, device=device))
 
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
     def _int32(self, values) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values, dtype=np.int32), device=self.device)
 
-    def _block_tables(self, items: list[BatchItem]) -> torch.Tensor:
-        needed = [-(-item.context_len // self.block_size) for item in items]
-        table = np.empty((len(items), max(needed)), dtype=np.int32)
-        for row, (item, count) in enumerate(zip(items, needed)):
-            table[row, :count] = item.block_table[:count]
-            # Pad with the row's own block: masked-out keys then never come from another request's
-            # blocks, so a NaN there cannot leak in through 0 * NaN.
-            table[row, count:] = item.block_table[0]
-        return torch.from_numpy(table).to(self.device)
+    def _padded_tables(self, items: list[BatchItem], context_lens) -> np.ndarray:
+        """int32 [items, most blocks any context needs]: each row the blocks its context uses.
+
+        Rows are padded with their own first block: masked-out keys then never come from another request's
+        blocks, so a NaN there cannot leak in through 0 * NaN.
+        """
+        needed = [-(-int(length) // self.block_size) for length in context_lens]
+        tables = [item.block_table if len(item.block_table) == count else item.block_table[:count]
+                  for item, count in zip(items, needed)]
+        width = max(needed)
+        padded = np.repeat(np.fromiter((t[0] for t in tables), dtype=np.int32, count=len(tables)), width)
+        padded = padded.reshape(len(tables), width)
+        in_table = np.arange(width) < np.asarray(needed)[:, None]
+        padded[in_table] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(needed))
+        return padded
 
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[list[int] | None]:
         rows, owners = [], []
@@ -258,8 +283,9 @@ class ModelRunner:
             for sample_index in item.sample_indices:
                 rows.append(SampleRow(item.params, sample_index, item.context_len - 1))
                 owners.append(slot)
-        expanded = logits[torch.tensor(owners, dtype=torch.int64, device=logits.device)] if rows else logits
-        tokens = self.sampler.sample(expanded, rows) if rows else []
+        if len(owners) > logits.shape[0]:   # an n > 1 prompt completed: its samples draw from one row
+            logits = logits[torch.tensor(owners, dtype=torch.int64, device=logits.device)]
+        tokens = self.sampler.sample(logits, rows) if rows else []
         grouped: list[list[int] | None] = []
         cursor = 0
         for item in items:

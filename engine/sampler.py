@@ -9,15 +9,14 @@ nor on whether the request was preempted and recomputed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from engine.config import SamplingParams
 
 
-@dataclass(frozen=True)
-class SampleRow:
+class SampleRow(NamedTuple):    # one per sampled row per step: cheap to build
     params: SamplingParams
     sample_index: int
     position: int

@@ -126,6 +126,7 @@ def test_stop_token_ids_and_stop_strings():
     ([1], SamplingParams(top_p=0.0), "top_p"),
     ([1], SamplingParams(top_p=1.5), "top_p"),
     ([1], SamplingParams(top_k=-2), "top_k"),
+    ([1], SamplingParams(stop=["x"], detokenize=False), "stop strings need detokenize"),
 ])
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(prompt, params, message):
     engine = make_engine(num_blocks=16, max_model_len=128)
@@ -249,3 +250,12 @@ def test_engine_builds_a_model_runner_when_none_is_given(monkeypatch):
     config = EngineConfig(block_size=4)
     engine = LLMEngine(config, model="m", tokenizer=None)
     assert built["args"] == (config, "m", None) and engine.num_blocks == 8
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text():
+    prompts = [[5, 6, 7], [8, 9]]
+    with_text = make_engine().generate(prompts, greedy(12))
+    ids_only = make_engine().generate(prompts, greedy(12, detokenize=False))
+    assert [o.token_ids for o in ids_only] == [o.token_ids for o in with_text]
+    assert all(o.text for o in with_text)
+    assert all(o.text == "" and o.text_delta == "" for o in ids_only)

@@ -45,7 +45,8 @@ def engine_config(variant: KvscopeVariant, workload, *, model: str, device: str,
 
 def sampling_params(request, temperature: float, seed: int) -> SamplingParams:
     return SamplingParams(n=request.n, max_tokens=request.max_tokens, temperature=temperature,
-                          seed=seed if temperature > 0 else None, ignore_eos=True)
+                          seed=seed if temperature > 0 else None, ignore_eos=True,
+                          detokenize=False)
 
 
 class _StepTally:
