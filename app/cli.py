@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0)
     add_engine_flags(chat)
+    add_log_flags(chat)
     chat.set_defaults(func=_chat)
 
     for module in ("app.bench.cli", "app.runs_cli", "app.screenshots"):
@@ -105,16 +106,21 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from app.runlog import record_run
     from engine import LLMEngine, SamplingParams
 
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    params.validate()   # a bad flag fails before the model loads
     engine = LLMEngine(config_from_args(args))
     print(engine.banner, file=sys.stderr)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    engine.add_request([{"role": "user", "content": args.prompt}], params)
-    while engine.has_unfinished_requests():
-        for output in engine.step().outputs:
-            print(output.text_delta, end="", flush=True)
-    print()
+    with record_run(engine, source="chat", db_path=args.db, enabled=not args.no_log) as log:
+        if log.warning:
+            print(f"kvscope: {log.warning}", file=sys.stderr)
+        engine.add_request([{"role": "user", "content": args.prompt}], params)
+        while engine.has_unfinished_requests():
+            for output in engine.step().outputs:
+                print(output.text_delta, end="", flush=True)
+        print()
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 
 from engine.config import EngineConfig, RequestError, SamplingParams
 from engine.outputs import (
@@ -42,6 +43,9 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []    # aborts between steps, reported by the next step
         self._now = 0.0
+        # Told of every accepted request and every step, e.g. a run log (app.runlog.record_run). Anything
+        # with request_added(request_id, prompt_text, num_prompt_tokens, n) and step(result) methods.
+        self.observers: list = []
 
     @property
     def num_blocks(self) -> int:
@@ -64,7 +68,27 @@ class LLMEngine:
                           tokenizer=self.tokenizer, prompt_preview=preview, stop_token_ids=stop_token_ids,
                           max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len))
         self.scheduler.add(request)
+        if self.observers:
+            text = self._prompt_text(prompt, token_ids)
+            self._notify("request_added", request_id, text, len(token_ids), params.n)
         return request_id
+
+    def _prompt_text(self, prompt, token_ids: list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        if prompt and isinstance(prompt[0], dict):
+            return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else f"<{len(token_ids)} token ids>"
+
+    def _notify(self, method: str, *args) -> None:
+        """Call every observer; one that raises is dropped with a warning, and the engine goes on."""
+        for observer in list(self.observers):
+            try:
+                getattr(observer, method)(*args)
+            except Exception as exc:
+                self.observers.remove(observer)
+                warnings.warn(f"kvscope: removed the engine observer {observer!r}: its {method}() raised {exc!r}",
+                              RuntimeWarning, stacklevel=3)
 
     def _new_request_id(self) -> str:
         while True:
@@ -182,7 +206,10 @@ class LLMEngine:
         snapshot = self._snapshot()
         duration = time.perf_counter() - start
         stats = self._stats(batch, duration, forward_duration, num_generated)
-        return StepResult(outputs=outputs, stats=stats, snapshot=snapshot, events=events)
+        result = StepResult(outputs=outputs, stats=stats, snapshot=snapshot, events=events)
+        if self.observers:
+            self._notify("step", result)
+        return result
 
     def _process_results(self, scheduled, items, results, outputs: list[RequestOutput]) -> int:
         """Commit computed tokens, append sampled ones, apply stop rules; returns tokens generated."""

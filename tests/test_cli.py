@@ -131,3 +131,23 @@ def test_real_process_prints_no_traceback(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0
+
+
+def test_chat_streams_an_answer_and_logs_the_run(capsys, tmp_path):
+    from app.runlog import RunLogReader
+
+    db = tmp_path / "runs.db"
+    status, out, err = run_cli(capsys, "chat", "Say hello.", "--max-tokens", "6", "--device", "cpu",
+                               "--dtype", "float32", "--num-blocks", "64", "--db", str(db))
+    assert status == 0, err
+    answer = out.strip()
+    assert answer
+    (run,) = RunLogReader(db).list_runs()
+    assert run["source"] == "chat" and run["status"] == "finished"
+    (request,) = RunLogReader(db).rows("requests", run["id"])
+    assert request["prompt_text"] == "user: Say hello." and request["output_text"].strip() == answer
+
+
+def test_chat_refuses_bad_sampling_flags_before_loading_the_model(capsys):
+    status, _, err = run_cli(capsys, "chat", "hi", "--temperature", "-1", "--model", "/nonexistent/model")
+    assert_one_line_error(status, err, "temperature must be >= 0")

@@ -259,3 +259,31 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text():
     assert [o.token_ids for o in ids_only] == [o.token_ids for o in with_text]
     assert all(o.text for o in with_text)
     assert all(o.text == "" and o.text_delta == "" for o in ids_only)
+
+
+def test_an_observer_that_raises_is_dropped_and_the_engine_goes_on():
+    class Broken:
+        def request_added(self, *args):
+            pass
+
+        def step(self, result):
+            raise OSError("disk full")
+
+    seen = []
+
+    class Counting:
+        def request_added(self, request_id, text, num_prompt_tokens, n):
+            seen.append((request_id, text, num_prompt_tokens, n))
+
+        def step(self, result):
+            seen.append(result.stats.step)
+
+    engine = make_engine()
+    broken, counting = Broken(), Counting()
+    engine.observers += [broken, counting]
+    engine.add_request("hi", greedy(3), request_id="a")
+    with pytest.warns(RuntimeWarning, match="disk full"):
+        outputs = run_checked(engine)
+    assert engine.observers == [counting]
+    assert seen == [("a", "hi", 2, 1), *range(1, engine.step_counter + 1)]
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 3

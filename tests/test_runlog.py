@@ -409,3 +409,49 @@ def test_step_stats_round_trip_keeps_every_field(tmp_path):
     stats = RunLogReader(tmp_path / "runs.db").steps(logger.run_id)
     assert all(isinstance(s, StepStats) for s in stats)
     assert [dataclasses.asdict(s) for s in stats] == [dataclasses.asdict(r.stats) for r in results]
+
+
+def test_a_script_logs_its_engine_with_record_run(tmp_path):
+    from app.runlog import record_run
+    from engine import SamplingParams
+    from engine.fake_runner import fake_engine
+
+    engine = fake_engine(EngineConfig(block_size=4), num_blocks=32, max_model_len=64)
+    with record_run(engine, db_path=tmp_path / "runs.db") as log:
+        outputs = engine.generate(["hello there", [70, 71, 72]],
+                                  SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    reader = RunLogReader(tmp_path / "runs.db")
+    run = reader.run(log.run_id)
+    assert run["source"] == "script" and run["status"] == "finished"
+    assert run["num_steps"] == engine.step_counter
+    rows = {row["request_id"]: row for row in reader.rows("requests", log.run_id)}
+    assert [rows[o.request_id]["output_text"] for o in outputs] == [o.text for o in outputs]
+    assert rows[outputs[0].request_id]["prompt_text"] == "hello there"
+    assert rows[outputs[1].request_id]["prompt_text"] == "FGH"     # token ids, decoded
+    assert all(row["finish_reason"] == "length" for row in rows.values())
+
+
+def test_a_script_that_raises_leaves_a_crashed_run(tmp_path):
+    from app.runlog import record_run
+    from engine.fake_runner import fake_engine
+
+    engine = fake_engine(EngineConfig(block_size=4), num_blocks=32, max_model_len=64)
+    db = tmp_path / "runs.db"
+    with pytest.raises(RuntimeError, match="the script failed"), record_run(engine, db_path=db) as log:
+        engine.step()
+        raise RuntimeError("the script failed")
+    assert RunLogReader(db).run(log.run_id)["status"] == "crashed"
+
+
+def test_record_run_with_a_bad_path_warns_and_the_engine_runs_on(tmp_path):
+    from app.runlog import record_run
+    from engine import SamplingParams
+    from engine.fake_runner import fake_engine
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    engine = fake_engine(EngineConfig(block_size=4), num_blocks=32, max_model_len=64)
+    with record_run(engine, db_path=blocker / "runs.db") as log:
+        (output,) = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert not log.enabled and str(blocker) in log.warning and engine.observers == []
+    assert len(output.token_ids) == 3

@@ -16,7 +16,7 @@ from app.runlog.schema import SchemaError, connect, prepare
 from app.runlog.writer import RunLogger, utc_now
 from engine.config import EngineConfig
 
-SOURCES = ("app", "bench", "script")
+SOURCES = ("app", "bench", "chat", "script")
 
 
 def kvscope_version() -> str:
@@ -56,6 +56,20 @@ def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, 
         _close_quietly(db)
         return RunLogger.disabled(path, explain(path, exc))
     return RunLogger(path, db=db, run_id=run_id)
+
+
+def record_run(engine, *, source: str = "script", db_path: str | Path | None = None,
+               enabled: bool = True) -> RunLogger:
+    """Log everything ``engine`` does from now on as one run; close the logger (or use it in a
+    ``with`` block) to end the run. Like open_run_log, it never raises for a bad database."""
+    runner = engine.runner
+    logger = open_run_log(db_path, source=source, config=engine.config, enabled=enabled,
+                          model=str(getattr(runner, "model_name", engine.config.model)),
+                          device=str(getattr(runner, "device", engine.config.device)),
+                          dtype=str(getattr(runner, "dtype", engine.config.dtype)).removeprefix("torch."))
+    if logger.enabled:
+        engine.observers.append(logger)
+    return logger
 
 
 def explain(path: Path, exc: Exception) -> str:

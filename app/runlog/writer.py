@@ -64,6 +64,14 @@ class RunLogger:
     def disabled(cls, path: Path | None, warning: str | None = None) -> RunLogger:
         return cls(path, warning=warning)
 
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        # Ctrl-C is the user ending the run; anything else escaping the block ended it abnormally.
+        crashed = exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
+        self.close("crashed" if crashed else "finished")
+
     @property
     def enabled(self) -> bool:
         return self._db is not None and not self._failed
