@@ -7,6 +7,7 @@ import sqlite3
 
 import pytest
 
+from app.bench import kernels_bench
 from app.bench.floor import grid, interpolate
 from app.bench.hf_static import static_batch_kv_slots, useful_output_tokens
 from app.bench.kvscope_system import VARIANTS, KvscopeRun, engine_config
@@ -235,3 +236,20 @@ def test_logging_bench_reports_ratio_and_database_size(tmp_path):
 def test_warm_up_request_is_small():
     request = warm_up_request(4)
     assert request.n == 4 and len(request.prompt_token_ids) == 32 and request.max_tokens == 8
+
+
+def test_kernel_bench_reports_decode_and_prefill_per_dtype():
+    shape = kernels_bench.AttentionShape(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    decode = (kernels_bench.DecodeCase(1, 9, 9), kernels_bench.DecodeCase(3, 5, 40))
+    prefill = (kernels_bench.PrefillCase(((0, 6), (5, 3))),)
+    rows = kernels_bench.run_kernel_bench(dtypes=("float32", "bfloat16"), decode_cases=decode, prefill_cases=prefill,
+                                          shape=shape, repeats=2, warmup=1)
+    assert [(r["kernel"], r["dtype"], r["seqs"]) for r in rows] == [
+        (kernel, dtype, seqs) for dtype in ("float32", "bfloat16")
+        for kernel, seqs in (("decode", 1), ("decode", 3), ("prefill", 2))]
+    assert rows[0]["context_tokens"] == 9 and rows[2]["query_tokens"] == 9
+    assert rows[0]["kv_mib"] * 2**20 == 2 * 9 * 2 * 16 * 4  # keys and values of every context token, fp32
+    assert all(r["median_ms"] >= r["min_ms"] > 0 and r["gb_per_s"] > 0 for r in rows)
+    lines = kernels_bench.format_table(rows, shape).splitlines()
+    assert "Hq=4 Hkv=2 D=16 block 4" in lines[0] and "GB/s" in lines[1]
+    assert [line.split()[:2] for line in lines[2:]] == [[r["kernel"], r["dtype"]] for r in rows]

@@ -6,6 +6,7 @@ through a padding column of a block table, cannot go unnoticed.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import reference
-from kernels.testing import naive_attention, random_layout
+from kernels.testing import PagedLayout, naive_attention, random_layout
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
@@ -36,24 +37,58 @@ def make_query(num_tokens: int, num_q_heads: int, head_dim: int, dtype: torch.dt
     return torch.randn(num_q_heads, num_tokens, head_dim, generator=gen).to(dtype).transpose(0, 1)
 
 
+# Each decode path forced on whatever shape: "tiled" also shrinks tiles and chunks, so that short contexts
+# span several tiles and a batch several chunks.
+DECODE_PATHS = {
+    "padded": ({"_PADDED_MAX_KEYS": 10**9}, "_PaddedDecode"),
+    "tiled": ({"_PADDED_MAX_KEYS": 0, "_TILE": 8, "_CHUNK_KEYS": 24}, "_TiledDecode"),
+}
+
+
+@contextlib.contextmanager
+def decode_path(path: str | None):
+    settings = DECODE_PATHS[path][0] if path else {}
+    saved = {name: getattr(reference, name) for name in settings}
+    reference.clear_workspace()  # plans are cached per step; the settings change what a plan holds
+    try:
+        for name, value in settings.items():
+            setattr(reference, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(reference, name, value)
+        reference.clear_workspace()
+
+
+def decode_plan():
+    return reference._plans.entries["decode"][2]
+
+
+def last_positions(context_lens: list[int]) -> list[torch.Tensor]:
+    return [torch.tensor([length - 1]) for length in context_lens]
+
+
+@pytest.mark.parametrize("path", [None, "padded", "tiled"])
 @FAST
 @given(
     dtype=DTYPES, group=GROUPS, head_dim=HEAD_DIMS, block_size=BLOCK_SIZES,
     num_kv_heads=st.integers(1, 2), context_lens=st.lists(st.integers(1, 150), min_size=1, max_size=6),
     seed=st.integers(0, 2**16),
 )
-def test_decode_matches_naive(dtype, group, head_dim, block_size, num_kv_heads, context_lens, seed):
+def test_decode_matches_naive(path, dtype, group, head_dim, block_size, num_kv_heads, context_lens, seed):
     gen = torch.Generator().manual_seed(seed)
     layout = random_layout(context_lens, block_size, num_kv_heads, head_dim, dtype, gen)
     query = make_query(len(context_lens), num_kv_heads * group, head_dim, dtype, gen)
     scale = head_dim ** -0.5
 
-    out = reference.paged_decode_attention(
-        query, layout.kv_layer, layout.block_tables, layout.context_lens, scale
-    )
+    with decode_path(path):
+        out = reference.paged_decode_attention(
+            query, layout.kv_layer, layout.block_tables, layout.context_lens, scale
+        )
+        if path:
+            assert type(decode_plan()).__name__ == DECODE_PATHS[path][1]
 
-    last_positions = [torch.tensor([length - 1]) for length in context_lens]
-    assert_matches(out, naive_attention(query, layout, last_positions, scale), dtype)
+    assert_matches(out, naive_attention(query, layout, last_positions(context_lens), scale), dtype)
 
 
 @FAST
@@ -113,15 +148,29 @@ def test_prefill_skips_sequences_without_queries():
     assert_matches(out, expected, torch.float32)
 
 
-def test_decode_output_survives_the_next_call():
+@pytest.mark.parametrize("path", ["padded", "tiled"])
+def test_decode_output_survives_the_next_call(path):
     """The gather workspace is reused across calls; outputs must never alias it."""
     gen = torch.Generator().manual_seed(2)
     layout = random_layout([40, 70], 16, 1, 64, torch.float32, gen)
     query = make_query(2, 3, 64, torch.float32, gen)
     args = (layout.kv_layer, layout.block_tables, layout.context_lens, 0.125)
-    first = reference.paged_decode_attention(query, *args)
+    with decode_path(path):
+        first = reference.paged_decode_attention(query, *args)
+        kept = first.clone()
+        reference.paged_decode_attention(make_query(2, 3, 64, torch.float32, gen), *args)
+    assert torch.equal(first, kept)
+
+
+@pytest.mark.parametrize("query_lens", [[0, 4], [3, 4]])
+def test_prefill_output_survives_the_next_call(query_lens):
+    gen = torch.Generator().manual_seed(12)
+    layout = random_layout([20, 9], 8, 1, 64, torch.float32, gen)
+    cu_seqlens = torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32)
+    args = (layout.kv_layer, layout.block_tables, cu_seqlens, layout.context_lens, 0.125)
+    first = reference.paged_prefill_attention(make_query(sum(query_lens), 2, 64, torch.float32, gen), *args)
     kept = first.clone()
-    reference.paged_decode_attention(make_query(2, 3, 64, torch.float32, gen), *args)
+    reference.paged_prefill_attention(make_query(sum(query_lens), 2, 64, torch.float32, gen), *args)
     assert torch.equal(first, kept)
 
 
@@ -201,25 +250,82 @@ def test_transformers_does_not_take_our_kernels_for_the_hub_kernels_package():
     assert not is_kernels_available()
 
 
-def test_ragged_decode_batch_is_split_into_length_buckets():
-    gen = torch.Generator().manual_seed(7)
-    context_lens = torch.randint(1, 400, (40,), generator=gen).tolist()
-    buckets = reference._length_buckets(context_lens)
-    assert 1 < len(buckets) <= reference._MAX_BUCKETS
-    assert sorted(i for rows in buckets for i in rows) == list(range(40))
-    assert all(len(rows) >= reference._MIN_BUCKET_SEQS for rows in buckets)
-
+@pytest.mark.parametrize("context_lens, path", [
+    ([37], "_PaddedDecode"), ([5] * 30, "_PaddedDecode"), ([100, 3, 150], "_PaddedDecode"),
+    ([600], "_TiledDecode"), ([5] * 200, "_TiledDecode"), ([3, 1000], "_TiledDecode"),
+])
+def test_small_batches_take_one_padded_sdpa_call_larger_ones_tiles(context_lens, path):
+    """Padded: one gather and one SDPA call, fewest ops; tiled: no padding but a tile's tail, fewest bytes."""
+    gen = torch.Generator().manual_seed(len(context_lens))
     layout = random_layout(context_lens, 16, 1, 64, torch.float32, gen)
-    query = make_query(40, 3, 64, torch.float32, gen)
-    args = (layout.kv_layer, layout.block_tables, layout.context_lens, 0.1)
-    out = reference.paged_decode_attention(query, *args)
-    last_positions = [torch.tensor([length - 1]) for length in context_lens]
-    assert_matches(out, naive_attention(query, layout, last_positions, 0.1), torch.float32)
+    query = make_query(len(context_lens), 3, 64, torch.float32, gen)
+    with decode_path(None):
+        out = reference.paged_decode_attention(query, layout.kv_layer, layout.block_tables, layout.context_lens, 0.1)
+        assert type(decode_plan()).__name__ == path
+    assert_matches(out, naive_attention(query, layout, last_positions(context_lens), 0.1), torch.float32)
 
 
-@pytest.mark.parametrize("context_lens", [[5] * 30, [300] * 10 + [290] * 10, [3, 1000]])
-def test_similar_or_few_lengths_stay_one_bucket(context_lens):
-    assert len(reference._length_buckets(context_lens)) == 1
+def test_padded_path_needs_no_mask_when_all_contexts_are_as_long():
+    gen = torch.Generator().manual_seed(8)
+    layout = random_layout([23, 23, 23], 8, 2, 64, torch.float32, gen)
+    query = make_query(3, 6, 64, torch.float32, gen)
+    with decode_path("padded"):
+        out = reference.paged_decode_attention(query, layout.kv_layer, layout.block_tables, layout.context_lens, 0.1)
+        assert decode_plan().mask is None
+    assert_matches(out, naive_attention(query, layout, last_positions([23] * 3), 0.1), torch.float32)
+
+
+@pytest.mark.parametrize("path", ["padded", "tiled"])
+def test_float64_cache_keeps_float64_scores(path):
+    gen = torch.Generator().manual_seed(9)
+    context_lens = [1, 17, 40]
+    layout = random_layout(context_lens, 8, 1, 64, torch.float64, gen)
+    query = make_query(3, 3, 64, torch.float64, gen)
+    with decode_path(path):
+        out = reference.paged_decode_attention(query, layout.kv_layer, layout.block_tables, layout.context_lens, 0.1)
+    expected = naive_attention(query, layout, last_positions(context_lens), 0.1)
+    assert out.dtype == torch.float64 and (out - expected).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("path", ["padded", "tiled"])
+def test_decode_plan_is_shared_by_layers_and_rebuilt_when_the_tables_change(path):
+    """A step's plan serves every layer (same tables, another pool); equal contents, not identity, decide."""
+    gen = torch.Generator().manual_seed(10)
+    context_lens = [9, 30, 21]
+    layer0 = random_layout(context_lens, 8, 1, 64, torch.float32, gen)
+    layer1 = PagedLayout(layer0.kv_layer * -1.5, layer0.block_tables, layer0.context_lens)
+    next_step = random_layout(context_lens, 8, 1, 64, torch.float32, gen)  # other blocks, other data
+    query = make_query(3, 2, 64, torch.float32, gen)
+    tables, lens = layer0.block_tables.clone(), layer0.context_lens.clone()
+    with decode_path(path):
+        out0 = reference.paged_decode_attention(query, layer0.kv_layer, tables, lens, 0.1)
+        plan = decode_plan()
+        out1 = reference.paged_decode_attention(query, layer1.kv_layer, tables.clone(), lens, 0.1)
+        assert decode_plan() is plan
+        tables.copy_(next_step.block_tables)  # a caller reusing its tensor in place for the next step
+        out2 = reference.paged_decode_attention(query, next_step.kv_layer, tables, lens, 0.1)
+        assert decode_plan() is not plan
+    positions = last_positions(context_lens)
+    for out, layout in ((out0, layer0), (out1, layer1), (out2, next_step)):
+        assert_matches(out, naive_attention(query, layout, positions, 0.1), torch.float32)
+
+
+def test_decode_of_an_empty_batch_is_empty():
+    layout = random_layout([4], 8, 1, 64, torch.float32, torch.Generator().manual_seed(13))
+    query = torch.empty(0, 2, 64)
+    tables, lens = layout.block_tables[:0], layout.context_lens[:0]
+    assert reference.paged_decode_attention(query, layout.kv_layer, tables, lens, 0.1).shape == (0, 2, 64)
+
+
+def test_prefill_of_a_step_without_queries_is_empty():
+    gen = torch.Generator().manual_seed(11)
+    layout = random_layout([20, 9], 8, 1, 64, torch.float32, gen)
+    query = make_query(0, 2, 64, torch.float32, gen)
+    cu_seqlens = torch.zeros(3, dtype=torch.int32)
+    out = reference.paged_prefill_attention(
+        query, layout.kv_layer, layout.block_tables, cu_seqlens, layout.context_lens, 0.125
+    )
+    assert out.shape == (0, 2, 64)
 
 
 def test_workspace_serves_callers_inside_and_outside_inference_mode():
@@ -228,7 +334,7 @@ def test_workspace_serves_callers_inside_and_outside_inference_mode():
 
     device = torch.device("cpu")
     with torch.inference_mode():
-        _workspace.take((8, 8), torch.float32, device)
-    outside = _workspace.take((8, 8), torch.float32, device)
+        _workspace.take("test", (8, 8), torch.float32, device)
+    outside = _workspace.take("test", (8, 8), torch.float32, device)
     outside.fill_(1.0)
     assert not outside.is_inference()

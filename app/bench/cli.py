@@ -1,8 +1,9 @@
-"""`kvscope bench [workloads|scheduler|logging|ui]`: the command line of every benchmark.
+"""`kvscope bench [workloads|scheduler|logging|ui|kernels]`: the command line of every benchmark.
 
 ``kvscope bench`` alone runs the workload comparison (issue 7); ``logging``
 measures the run log's cost (issue 6); ``scheduler`` and ``ui`` run the
-scheduler's and the app's own micro-benchmarks.
+scheduler's and the app's own micro-benchmarks; ``kernels`` times one layer's
+paged attention (decode and prefill) per call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from app.bench.systems import SYSTEMS
 from app.bench.workloads import WORKLOAD_NAMES
 
-WHAT = ("workloads", "scheduler", "logging", "ui")
+WHAT = ("workloads", "scheduler", "logging", "ui", "kernels")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -29,13 +30,15 @@ def register(subparsers) -> None:
                     "and output lengths. Without WHAT, runs the workload comparison.")
     bench.add_argument("what", nargs="?", default="workloads", choices=WHAT,
                        help="workloads (default): the system comparison; scheduler: scheduler-only "
-                            "micro-benchmark; logging: run log on vs off; ui: app rendering cost")
+                            "micro-benchmark; logging: run log on vs off; ui: app rendering cost; "
+                            "kernels: per-layer paged attention time")
     bench.add_argument("--workload", default="mixed", choices=(*WORKLOAD_NAMES, "all"),
                        help="for workloads and logging (default: mixed)")
     bench.add_argument("--systems", default=None,
                        help=f"comma-separated, from {','.join(SYSTEMS)} (default: each workload's own set)")
-    bench.add_argument("--dtype", default="float32",
-                       help="float32, bfloat16 or float16; a comma-separated list runs each in turn")
+    bench.add_argument("--dtype", default=None,
+                       help="float32, bfloat16 or float16; a comma-separated list runs each in turn "
+                            "(default: float32; for kernels, float32,bfloat16)")
     bench.add_argument("--requests", type=int, default=None,
                        help="requests per workload (prompts, for parallel-sampling; running requests, for "
                             "scheduler); default: the issue's")
@@ -52,16 +55,18 @@ def register(subparsers) -> None:
     peers.add_argument("--hf-cb-max-requests", type=int, default=16, help="hf-cb: most requests per step")
     peers.add_argument("--hf-cb-batch-tokens", type=int, default=512, help="hf-cb: most tokens per step")
     peers.add_argument("--hf-cb-page-size", type=int, default=256, help="hf-cb: tokens per cache page")
-    bench.add_argument("--repeats", type=int, default=1, help="logging: off/on/on/off rounds (default 1)")
+    bench.add_argument("--repeats", type=int, default=None,
+                       help="logging: off/on/on/off rounds (default 1); kernels: timed calls per case (default 20)")
     bench.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     return {"workloads": run_workloads, "scheduler": run_scheduler, "logging": run_logging,
-            "ui": run_ui}[args.what](args)
+            "ui": run_ui, "kernels": run_kernels}[args.what](args)
 
 
-def _parse_dtypes(text: str) -> list[str]:
+def _parse_dtypes(text: str | None, default: str = "float32") -> list[str]:
+    text = default if text is None else text
     dtypes = [d.strip() for d in text.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:
@@ -166,7 +171,7 @@ def run_logging(args: argparse.Namespace) -> int:
             result = run_logging_bench(
                 lambda config: LLMEngine(config, model=model, tokenizer=tokenizer),
                 _log_opener(db, args.model, device), workload,
-                db_path=db, model=args.model, device=device, dtype=dtype, repeats=args.repeats,
+                db_path=db, model=args.model, device=device, dtype=dtype, repeats=args.repeats or 1,
                 progress=lambda line: print(line, file=sys.stderr, flush=True))
         except LogUnavailable:  # the opener has printed why
             print("kvscope bench logging: nothing to measure without the run log", file=sys.stderr)
@@ -207,4 +212,18 @@ def run_ui(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         result = run_ui_bench(config, **sizes)
     print(json.dumps({"bench": "ui", **result}))
+    return 0
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    from app.bench.harness import environment_line
+    from app.bench.kernels_bench import format_table, run_kernel_bench
+
+    dtypes = tuple(_parse_dtypes(args.dtype, default="float32,bfloat16"))
+    device = _setup(args)
+    print(f"kvscope bench kernels: {environment_line()}", file=sys.stderr)
+    progress = None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    rows = run_kernel_bench(dtypes=dtypes, repeats=args.repeats or 20, device=device, seed=args.seed,
+                            progress=progress)
+    print("\n".join(json.dumps(row) for row in rows) if args.json else format_table(rows))
     return 0

@@ -1,0 +1,181 @@
+"""`kvscope bench kernels`: what one layer's paged attention costs per call, on this machine.
+
+Times ``kernels.paged_decode_attention`` at batch 1, 16 and 64 over short and long contexts, and
+``kernels.paged_prefill_attention`` over one 2048-token step of mixed chunks (fresh prompts, prefix-cache hits,
+a chunked-prefill continuation), in float32 and bfloat16, with SmolLM2-135M's attention shape. The kernels are
+whatever ``kernels`` dispatches to for the device: the torch reference on CPU.
+
+Each call reads its own copy of the pool, as a model's layers each read their own cache, so K/V come from
+memory and not from a cache the previous call warmed. A step's plan is reused across layers by the kernels,
+and so it is here: the first (untimed) call builds it. Reported: median and best wall time per call, the K/V
+bytes a call must read (every context token's key and value, once) and the rate that makes at the median.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from kernels.testing import random_layout
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The model side of the kernels' shapes (default: SmolLM2-135M)."""
+
+    num_q_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    min_context: int  # context lengths are drawn uniformly from [min_context, max_context]
+    max_context: int
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    chunks: tuple[tuple[int, int], ...]  # per sequence: (tokens already cached, tokens in this chunk)
+
+
+DECODE_CASES = (
+    DecodeCase(1, 300, 300), DecodeCase(1, 2048, 2048),
+    DecodeCase(16, 56, 552), DecodeCase(16, 1536, 2560),
+    DecodeCase(64, 56, 552), DecodeCase(64, 1536, 2560),
+)
+PREFILL_CASES = (
+    PrefillCase(((0, 700), (0, 300), (256, 200), (1024, 512), (0, 64), (0, 64), (0, 64), (0, 64), (48, 80))),
+)
+_COLD_BYTES = 128 * 2**20  # pool copies per case: together at least this much (4x this machine's L3)
+_MAX_COPIES = 8
+
+
+def run_kernel_bench(
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    decode_cases: tuple[DecodeCase, ...] = DECODE_CASES,
+    prefill_cases: tuple[PrefillCase, ...] = PREFILL_CASES,
+    shape: AttentionShape = AttentionShape(),
+    repeats: int = 20,
+    warmup: int = 3,
+    device: str = "cpu",
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """One row per (case, dtype): decode cases first, then prefill."""
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for case in decode_cases:
+            rows.append(_bench_decode(case, shape, dtype, repeats, warmup, device, seed))
+            if progress:
+                progress(format_row(rows[-1]))
+        for case in prefill_cases:
+            rows.append(_bench_prefill(case, shape, dtype, repeats, warmup, device, seed))
+            if progress:
+                progress(format_row(rows[-1]))
+    return rows
+
+
+def _bench_decode(case, shape, dtype, repeats, warmup, device, seed) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(case.min_context, case.max_context + 1, (case.batch,), generator=gen).tolist()
+    pools, tables, context_lens = _pools(lens, shape, dtype, device, gen)
+    query = _query(case.batch, shape, dtype, device, gen)
+    scale = shape.head_dim ** -0.5
+
+    def call(pool):
+        kernels.paged_decode_attention(query, pool, tables, context_lens, scale)
+
+    context = (f"{case.min_context}" if case.min_context == case.max_context
+               else f"{case.min_context}-{case.max_context}")
+    return _row("decode", dtype, case.batch, context, lens, case.batch, shape,
+                _time(call, pools, repeats, warmup, device))
+
+
+def _bench_prefill(case, shape, dtype, repeats, warmup, device, seed) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    lens = [prefix + length for prefix, length in case.chunks]
+    pools, tables, context_lens = _pools(lens, shape, dtype, device, gen)
+    query_lens = [length for _, length in case.chunks]
+    query = _query(sum(query_lens), shape, dtype, device, gen)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device)
+    scale = shape.head_dim ** -0.5
+
+    def call(pool):
+        kernels.paged_prefill_attention(query, pool, tables, cu_seqlens, context_lens, scale, max(query_lens))
+
+    cached = sum(prefix for prefix, _ in case.chunks)
+    return _row("prefill", dtype, len(case.chunks), f"{cached} cached + {sum(query_lens)} new", lens,
+                sum(query_lens), shape, _time(call, pools, repeats, warmup, device))
+
+
+def _pools(lens, shape, dtype, device, gen):
+    """Enough copies of one random layer's pool that cycling through them never hits a warm cache."""
+    layout = random_layout(lens, shape.block_size, shape.num_kv_heads, shape.head_dim, dtype, gen,
+                           poison_unused=False)
+    first = layout.kv_layer.to(device)
+    layer_bytes = first.numel() * first.element_size()
+    copies = min(_MAX_COPIES, max(2, math.ceil(_COLD_BYTES / layer_bytes)))
+    pools = [first] + [first.clone() for _ in range(copies - 1)]
+    return pools, layout.block_tables.to(device), layout.context_lens.to(device)
+
+
+def _query(num_tokens, shape, dtype, device, gen):
+    # Head-major then transposed, as the model runner hands queries over.
+    query = torch.randn(shape.num_q_heads, num_tokens, shape.head_dim, generator=gen).to(dtype).to(device)
+    return query.transpose(0, 1)
+
+
+def _time(call, pools, repeats, warmup, device) -> list[float]:
+    synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times = []
+    for i in range(warmup + repeats):
+        pool = pools[i % len(pools)]
+        synchronize()
+        start = time.perf_counter()
+        call(pool)
+        synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _row(kernel, dtype, seqs, context, lens, query_tokens, shape, times) -> dict:
+    element = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * sum(lens) * shape.num_kv_heads * shape.head_dim * element
+    median = statistics.median(times)
+    return {
+        "bench": "kernels", "kernel": kernel, "dtype": str(dtype).removeprefix("torch."), "seqs": seqs,
+        "context": context, "context_tokens": sum(lens), "query_tokens": query_tokens,
+        "kv_mib": kv_bytes / 2**20, "median_ms": median * 1e3, "min_ms": min(times) * 1e3,
+        "gb_per_s": kv_bytes / median / 1e9,
+    }
+
+
+_COLUMNS = (("kernel", 8, "s"), ("dtype", 9, "s"), ("seqs", 5, "d"), ("context", 22, "s"),
+            ("context_tokens", 8, "d"), ("query_tokens", 6, "d"), ("kv_mib", 8, ".1f"),
+            ("median_ms", 10, ".3f"), ("min_ms", 8, ".3f"), ("gb_per_s", 7, ".1f"))
+_HEADERS = {"context_tokens": "ctx tok", "query_tokens": "q tok", "kv_mib": "KV MiB", "median_ms": "median ms",
+            "min_ms": "min ms", "gb_per_s": "GB/s"}
+
+
+def format_row(row: dict) -> str:
+    return "  ".join(f"{row[key]:{'<' if spec == 's' else '>'}{width}{spec}}" for key, width, spec in _COLUMNS)
+
+
+def format_table(rows: list[dict], shape: AttentionShape = AttentionShape()) -> str:
+    header = "  ".join(f"{_HEADERS.get(key, key):{'<' if spec == 's' else '>'}{width}}"
+                       for key, width, spec in _COLUMNS)
+    title = (f"paged attention, one layer per call · Hq={shape.num_q_heads} Hkv={shape.num_kv_heads} "
+             f"D={shape.head_dim} block {shape.block_size} · {torch.get_num_threads()} torch threads")
+    return "\n".join([title, header, *(format_row(row) for row in rows)])
