@@ -1,9 +1,10 @@
 """`kvscope bench ui`: what the open window costs the engine, and how fast the block map paints.
 
-1. Engine throughput on one workload, run headless and then with the app open
+1. Engine throughput on one workload, run headless and with the app open
    (headless Textual through ``run_test``), in one process on the same weights,
-   the engine stepped from a worker thread both times. Throughput is generated
-   tokens over the engine's own busy span, first step's start to last step's end.
+   the engine stepped from a worker thread both times, in alternating rounds.
+   Throughput is generated tokens over the engine's own busy span, first step's
+   start to last step's end.
 2. The block map's full repaint for a 4096-block pool with 256 requests: a new
    snapshot in which every cell changed, turned into codes and every line
    rendered through Textual's styles cache. Median over many repaints.
@@ -99,7 +100,9 @@ async def _with_ui(make_engine, workload, config: EngineConfig, size: tuple[int,
 
 
 def bench_engine_with_ui(config: EngineConfig, num_requests: int = 32, max_tokens: int = 64,
-                         repeats: int = 2, size: tuple[int, int] = (160, 48)) -> dict:
+                         repeats: int = 3, size: tuple[int, int] = (160, 48)) -> dict:
+    """Rounds of one headless run and one with the UI, the order swapped every other round, so a machine
+    that gets busier or quieter during the bench weighs on both sides alike; medians over the rounds."""
     from app.engine_worker import build_engine
 
     first = build_engine(config)
@@ -109,13 +112,17 @@ def bench_engine_with_ui(config: EngineConfig, num_requests: int = 32, max_token
 
     workload = _workload(num_requests, max_tokens)
     _headless(make_engine, _workload(4, 8))  # warm-up: first forwards allocate and compile
-    headless, with_ui = [], []
-    for _ in range(repeats):
-        headless.append(_headless(make_engine, workload))
-        with_ui.append(asyncio.run(_with_ui(make_engine, workload, config, size)))
-    return {"headless_tok_s": statistics.median(headless), "ui_tok_s": statistics.median(with_ui),
-            "ratio": statistics.median(with_ui) / statistics.median(headless),
-            "num_requests": num_requests, "max_tokens": max_tokens, "repeats": repeats,
+    rounds = []
+    for index in range(repeats):
+        rates = {}
+        for side in ("headless", "ui") if index % 2 == 0 else ("ui", "headless"):
+            rates[side] = _headless(make_engine, workload) if side == "headless" else \
+                asyncio.run(_with_ui(make_engine, workload, config, size))
+        rounds.append((rates["headless"], rates["ui"]))
+    headless = statistics.median(h for h, _ in rounds)
+    with_ui = statistics.median(u for _, u in rounds)
+    return {"headless_tok_s": headless, "ui_tok_s": with_ui, "ratio": with_ui / headless,
+            "rounds": rounds, "num_requests": num_requests, "max_tokens": max_tokens, "repeats": repeats,
             "model": getattr(first.runner, "model_name", config.model)}
 
 
@@ -209,7 +216,7 @@ def bench_block_map(num_blocks: int = 4096, num_requests: int = 256, repaints: i
 
 
 def run_ui_bench(config: EngineConfig | None = None, *, num_requests: int = 32, max_tokens: int = 64,
-                 repeats: int = 2, engine: bool = True) -> dict:
+                 repeats: int = 3, engine: bool = True) -> dict:
     """Both figures; ``engine=False`` skips the model run (only the block-map figure)."""
     result = {"block_map": bench_block_map()}
     block_map = result["block_map"]
@@ -221,5 +228,6 @@ def run_ui_bench(config: EngineConfig | None = None, *, num_requests: int = 32, 
         result["engine"] = run
         print(f"engine ({run['model']}, {num_requests} requests x {max_tokens} tokens): "
               f"headless {run['headless_tok_s']:.1f} tok/s, with the UI open {run['ui_tok_s']:.1f} tok/s "
-              f"= {100 * run['ratio']:.1f}% of headless")
+              f"= {100 * run['ratio']:.1f}% of headless (medians of {repeats} rounds: "
+              + ", ".join(f"{h:.1f}/{u:.1f}" for h, u in run["rounds"]) + ")")
     return result

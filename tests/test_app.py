@@ -222,6 +222,9 @@ async def test_80x24_and_resizing_keep_every_panel_reachable():
         await started(pilot)
         assert app.screen.has_class("-narrow")
         assert app.main.query_one("#chat-input").region.bottom <= 24
+        header = str(app.main.query_one(EngineHeader).render())
+        assert "prefix✓" in header                              # the compact description
+        assert header.index("paused") < header.index("128×16")   # the run state comes first
         app.worker.launch_preset("burst", 2)
         await single_steps(pilot, 1)
         block_map = app.main.query_one(BlockMap)
@@ -232,6 +235,22 @@ async def test_80x24_and_resizing_keep_every_panel_reachable():
         wide = block_map.map_layout
         assert wide.columns * wide.cell_width > narrow.columns * narrow.cell_width
         assert wide.num_blocks == narrow.num_blocks == 128
+        assert "preempt: recompute" in str(app.main.query_one(EngineHeader).render())   # both full lines fit
+
+
+async def test_a_narrow_queue_table_leaves_out_the_least_needed_columns():
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(pilot)
+        app.worker.launch_preset("burst", 3)
+        await single_steps(pilot, 1)
+        table = app.main.query_one(QueuesTable)
+        header = table.render_line(0).text.split()
+        assert header[:2] == ["request", "queue"] and "output" in header and "preempt" in header
+        assert "prompt" not in header and "cached" not in header
+        await pilot.resize_terminal(200, 48)
+        await pilot.pause()
+        assert "prompt" in table.render_line(0).text.split()
 
 
 async def test_escape_aborts_the_chat_reply_and_frees_its_blocks():

@@ -17,17 +17,25 @@ from engine.fake_runner import fake_engine
 STEP_SECONDS = 0.02
 
 
+def replace(record, **changes):
+    """A copy of an engine record with some fields changed, whether the record is a dataclass or a
+    NamedTuple (engine/outputs.py may move its types from one to the other)."""
+    if hasattr(record, "_replace"):
+        return record._replace(**changes)
+    return dataclasses.replace(record, **changes)
+
+
 class FixedClockEngine(RecordingEngine):
     """Every step reports the same duration, so rates and latencies drawn on screen are reproducible."""
 
     def step(self):
         result = self._engine.step()
         stats = result.stats
-        stats = dataclasses.replace(
+        stats = replace(
             stats, time=1_700_000_000 + stats.step * STEP_SECONDS, duration=STEP_SECONDS,
             forward_duration=STEP_SECONDS / 2, prompt_tokens_per_s=stats.num_prefill_tokens / STEP_SECONDS,
             generation_tokens_per_s=stats.num_decode_tokens / STEP_SECONDS)
-        result = dataclasses.replace(result, stats=stats)
+        result = replace(result, stats=stats)
         self.stats.append(stats)
         self.num_finished += sum(output.finished for output in result.outputs)
         return result

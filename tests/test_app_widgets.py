@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_app_harness import replace
+from textual.content import Content
 
 from app.bench_ui import synthetic_snapshot
 from app.engine_worker import engine_info
 from app.presets import PRESETS, PresetContext, build
 from app.widgets import block_cells as cells
 from app.widgets.block_inspector import describe_block, describe_cell
+from app.widgets.block_legend import GAP, ITEMS, legend_lines
 from app.widgets.paged_vs_contiguous import compare_allocations
+from app.widgets.throughput import bar_levels
 from engine.config import RequestError
 from engine.fake_runner import fake_engine
 from engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView
@@ -67,16 +71,34 @@ def test_cell_codes_show_state_fill_sharing_and_owner():
     assert bases[4] == cells.STYLE_CACHED and bases[5] == cells.STYLE_FREE
 
 
-def test_selection_chat_and_cursor_overlays():
+def test_chat_and_cursor_overlays():
+    snap = snapshot()
+    layout = cells.fit_layout(8, 8, 1)
+    codes = cells.cell_codes(snap, layout, chat=cells.request_mask(snap, "r0"), cursor=5)
+    overlays = [cells.decode(c)[1] for c in codes]
+    assert overlays == [cells.OVERLAY_CHAT, cells.OVERLAY_CHAT, cells.OVERLAY_CHAT, 0, 0,
+                        cells.OVERLAY_CURSOR, 0, 0]
+    assert glyphs(codes)[0] == cells.HIGHLIGHTED_FULL_GLYPH   # a full block lets the chat tint show
+    assert cells.request_mask(snap, "gone") is None
+
+
+def test_a_selection_dims_every_other_block_in_use_or_cached():
     snap = snapshot()
     layout = cells.fit_layout(8, 8, 1)
     codes = cells.cell_codes(snap, layout, selected=cells.request_mask(snap, "r1"),
                              chat=cells.request_mask(snap, "r0"), cursor=5)
     overlays = [cells.decode(c)[1] for c in codes]
-    assert overlays == [cells.OVERLAY_CHAT, cells.OVERLAY_SELECTED, cells.OVERLAY_CHAT,
-                        cells.OVERLAY_SELECTED, 0, cells.OVERLAY_CURSOR, 0, 0]
-    assert glyphs(codes)[0] == cells.HIGHLIGHTED_FULL_GLYPH   # a full block lets its highlight show
-    assert cells.request_mask(snap, "gone") is None
+    dimmed, selected = cells.OVERLAY_DIMMED, cells.OVERLAY_SELECTED
+    assert overlays == [dimmed, selected, dimmed, selected, dimmed, cells.OVERLAY_CURSOR, 0, 0]
+    assert glyphs(codes)[:4] == "█2▄▂"   # the selected request's blocks keep their usual glyphs
+
+
+def test_a_block_held_but_not_yet_written_shows_as_reserved():
+    snap = snapshot()
+    fill = snap.block_fill.copy()
+    fill[3] = 0          # r1's last block: allocated, nothing written (as the contiguous allocator reserves)
+    codes = cells.cell_codes(replace(snap, block_fill=fill), cells.fit_layout(8, 8, 1))
+    assert glyphs(codes)[3] == cells.RESERVED_GLYPH
 
 
 def test_aggregated_cells_count_blocks_in_use():
@@ -100,6 +122,32 @@ def test_block_details_name_owners_and_logical_indices():
     assert "r0 logical 1" in shared and "r1 logical 0" in shared
     assert "cached prefix, free" in describe_block(snap, 4).plain
     assert "Blocks 0–3 (one cell): 4 in use, 0 cached, 0 free" in describe_cell(snap, 0, 3).plain
+
+
+def test_block_details_say_how_many_owners_did_not_fit():
+    snap = snapshot()
+    everyone = describe_block(snap, 1).plain
+    assert "r0 logical 1, r1 logical 0" in everyone
+    narrow = describe_block(snap, 1, width=24).plain.splitlines()[1]
+    assert narrow == "r0 logical 1, +1 more"
+    assert describe_cell(snap, 1, 3, width=44).plain.endswith("): r0 logical 1, +1 more")
+
+
+def test_legend_lines_break_only_between_items():
+    widest = max(Content.from_markup(item).cell_length for item in ITEMS)
+    for width in (widest, 60, 90, 120, 200):
+        lines = legend_lines(width)
+        assert GAP.join(lines) == GAP.join(ITEMS)      # every item, whole and in order
+        assert all(Content.from_markup(line).cell_length <= width for line in lines)
+    assert len(legend_lines(10_000)) == 1
+
+
+def test_sparkline_bars_scale_from_zero_and_keep_spikes():
+    assert bar_levels([], 10) == ()
+    assert bar_levels([0.0, 0.0], 10) == (0, 0)
+    assert bar_levels([1.0, 2.0, 4.0], 10) == (2, 4, 7)       # fewer steps than columns: one each
+    wide = bar_levels([1.0] * 19 + [8.0], 10)                  # two steps a column, newest on the right
+    assert len(wide) == 10 and wide[-1] == 7 and set(wide[:-1]) == {1}
 
 
 def test_paged_vs_contiguous_arithmetic():
@@ -166,8 +214,6 @@ def test_system_sampler_reads_the_machine_and_says_quietly_when_there_is_no_gpu(
 
 
 def test_ui_bench_rate_is_generated_tokens_over_the_busy_span():
-    import dataclasses
-
     from app.bench_ui import generation_rate
     from engine.outputs import StepStats
 
@@ -176,10 +222,10 @@ def test_ui_bench_rate_is_generated_tokens_over_the_busy_span():
                      num_total_blocks=1, kv_usage=0.0, kv_token_utilisation=0.0, prefix_cache_queries=0,
                      prefix_cache_hits=0, num_preemptions=0, num_swapped_out_blocks=0, num_swapped_in_blocks=0,
                      prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0)
-    steps = [dataclasses.replace(base, step=1, time=11.0, duration=1.0, num_prefill_tokens=50,
-                                 generation_tokens_per_s=4.0),       # 4 tokens, from 10.0 to 11.0
-             dataclasses.replace(base, step=2, time=12.0),           # idle step: not busy
-             dataclasses.replace(base, step=3, time=14.0, duration=2.0, num_decode_tokens=4,
-                                 generation_tokens_per_s=2.0)]       # 4 tokens, ends at 14.0
+    steps = [replace(base, step=1, time=11.0, duration=1.0, num_prefill_tokens=50,
+                     generation_tokens_per_s=4.0),       # 4 tokens, from 10.0 to 11.0
+             replace(base, step=2, time=12.0),           # idle step: not busy
+             replace(base, step=3, time=14.0, duration=2.0, num_decode_tokens=4,
+                     generation_tokens_per_s=2.0)]       # 4 tokens, ends at 14.0
     assert generation_rate(steps) == pytest.approx(8 / 4.0)
     assert generation_rate([]) == 0.0

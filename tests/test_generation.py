@@ -166,3 +166,14 @@ def test_nan_logits_fail_one_request_and_others_continue():
         check_invariants(engine)
     assert finals[bad].finish_reason == "error" and finals[bad].error
     assert finals[good].finish_reason == "length" and len(finals[good].token_ids) == 6
+
+
+def test_a_loaded_model_is_kept_out_of_the_garbage_collectors_walks():
+    import gc
+
+    gc.unfreeze()
+    model, tok = tiny_model("llama")
+    assert any(o is model for o in gc.get_objects())
+    LLMEngine(EngineConfig(device="cpu", num_blocks=16), model=model, tokenizer=tok)
+    # Frozen objects are no longer among those a collection walks.
+    assert not any(o is model for o in gc.get_objects())

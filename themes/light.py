@@ -25,7 +25,6 @@ KVSCOPE_LIGHT = Theme(
         "block-cached": "#4f8a89",
         "block-shared-text": "#ffffff",
         "block-swapped": "#a0522d",
-        "block-selected": "#cfe0ff",
         "block-chat": "#f0d9ff",
         "block-cursor": "#1f2430",
         **{owner_variable(i): colour for i, colour in enumerate(_OWNERS)},

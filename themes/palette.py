@@ -13,7 +13,6 @@ BLOCK_STATE_VARIABLES = (
     "block-cached",       # free, but still holds a reusable prefix hash
     "block-shared-text",  # the ref-count digit drawn on a shared block
     "block-swapped",      # a request's blocks that sit in the host pool
-    "block-selected",     # background of the selected request's blocks
     "block-chat",         # background of the running chat reply's blocks
     "block-cursor",       # background of the cell under the cursor
 )
@@ -28,7 +27,6 @@ BLOCK_VARIABLE_DEFAULTS: dict[str, str] = {
     "block-cached": "#8fbcbb",
     "block-shared-text": "#101318",
     "block-swapped": "#d08770",
-    "block-selected": "#3d4f73",
     "block-chat": "#553a63",
     "block-cursor": "#e5e9f0",
     **{owner_variable(i): colour for i, colour in enumerate((

@@ -19,14 +19,18 @@ a few vectors per layer. That cache is cut into **blocks** of a fixed number of 
 ## Block map
 One cell is one physical block of the pool. A coloured cell is **in use**, and its colour
 is the request that owns it (each request keeps its colour). The glyph's height shows how
-full the block is: only a request's *last* block is ever partly filled. A **digit on a
-coloured background** is a block **shared** by that many block tables (a common prompt
-prefix, or the samples of an `n > 1` request). **░** is a **cached** block: nobody uses it,
-but it still holds a prompt prefix that a new request can reuse until the block is needed
-for something else. **·** is free. The bottom line shows the **host pool**, where swapped-out
-requests' blocks (**▚**) wait. When the pool has more blocks than the panel has cells, one
-cell stands for several blocks; the caption says how many. Move the cursor (arrows, or the
-mouse) to inspect a block; **Enter** selects its request.
+full the block is: only a request's *last* block is ever partly filled. **╌** is a block a
+request holds but has not written yet: the contiguous allocator reserves whole rows of
+them up front. A **digit on a coloured background** is a block **shared** by that many
+block tables (a common prompt prefix, or the samples of an `n > 1` request). **░** is a
+**cached** block: nobody uses it, but it still holds a prompt prefix that a new request can
+reuse until the block is needed for something else. **·** is free. The bottom line shows the
+**host pool**, where swapped-out requests' blocks (**▚**) wait. When the pool has more blocks
+than the panel has cells, one cell stands for several blocks; the caption says how many.
+Move the cursor (arrows, or the mouse) to inspect a block; **Enter** (or a click) selects its
+request: every other block dims, so the selected request's blocks stand out wherever they
+are, and the block table below lists them in order; **Esc** on the map clears it. The chat
+reply's blocks are tinted while it streams.
 
 ## Block table
 The selected request's **block table**: logical block 0, 1, 2… of its sequence and the

@@ -9,6 +9,14 @@ governed by the UI thread's own CPU time: a frame is skipped while the thread
 has used more than UI_CPU_BUDGET of a core since the last one. Cheap frames
 come at FRAME_RATE; costly ones (a big pool, hundreds of rows) come less often,
 but never less than MIN_FRAME_RATE.
+
+The block map (and the block under the cursor) is what moves; the panels of
+numbers (counters, paged vs contiguous, throughput, queues, block table) are
+read, and cost most of a frame to rebuild: they are drawn at most TEXT_RATE
+times a second. Every Textual repaint pass also costs a few milliseconds
+whatever it draws, so the slower panels and the system figures are drawn in the
+same pass as a new snapshot's map, not on ticks of their own, unless the steps
+have stopped coming.
 """
 
 from __future__ import annotations
@@ -16,7 +24,6 @@ from __future__ import annotations
 import time
 
 from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
@@ -25,20 +32,22 @@ from app.widgets.block_inspector import BlockInspector
 from app.widgets.block_legend import BlockLegend
 from app.widgets.block_map import BlockMap
 from app.widgets.block_table import BlockTable
+from app.widgets.box import Box
 from app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
 from app.widgets.counters import Counters
 from app.widgets.header import EngineHeader
 from app.widgets.load_generator import LoadGenerator
 from app.widgets.paged_vs_contiguous import PagedVsContiguous
 from app.widgets.queues import QueuesTable
+from app.widgets.system import REFRESH_S as SYSTEM_REFRESH_S
 from app.widgets.system import SystemPanel, SystemSampler
 from app.widgets.throughput import Throughput
 from engine.outputs import StepResult
 
 FRAME_RATE = 20
-UI_CPU_BUDGET = 0.10  # share of one core the UI thread may use for painting and handling steps
+UI_CPU_BUDGET = 0.04  # share of one core the UI thread may use for painting and handling steps
 MIN_FRAME_RATE = 1    # however busy the UI thread is, the view is at most this stale
-QUEUE_RATE = 5  # a DataTable re-renders every visible cell on any change: keep it to a few times a second
+TEXT_RATE = 4         # the panels of numbers: as often as a person can read them
 
 
 def titled(widget, title: str):
@@ -48,6 +57,7 @@ def titled(widget, title: str):
 
 class MainScreen(Screen):
     AUTO_FOCUS = "#chat-input"
+    BLANK = True   # only its background shows, between the panels: no styles pass for it (see Box)
 
     def __init__(self, *, system_sampler: SystemSampler | None = None,
                  chat_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
@@ -57,36 +67,43 @@ class MainScreen(Screen):
         self.engine_info: EngineInfo | None = None
         self.latest: StepResult | None = None
         self._painted: StepResult | None = None
-        self._queued: StepResult | None = None
-        self._queues_painted_at = 0.0
+        self._texted: StepResult | None = None   # the step the panels of numbers show
+        self._painted_at = 0.0
+        self._texted_at = 0.0
         self._last_frame = (time.monotonic(), time.thread_time())
 
     def compose(self) -> ComposeResult:
         yield EngineHeader(id="header")
-        with Vertical(id="body"):
-            with Horizontal(id="top"):
-                with Vertical(id="map-column"):
+        with Box(id="body"):
+            with Box(id="top", classes="row"):
+                with Box(id="map-column"):
                     yield titled(BlockMap(id="block-map", classes="panel"), "Block map")
                     yield BlockLegend(id="legend")
                     yield titled(BlockInspector(id="inspector", classes="panel"), "Block")
                 yield titled(ChatPane(max_tokens=self._chat_max_tokens, id="chat", classes="panel"), "Chat")
-            with Horizontal(id="stats"):
+            with Box(id="stats", classes="row"):
                 yield titled(Counters(id="counters", classes="panel"), "Counters")
                 yield titled(PagedVsContiguous(id="paged", classes="panel"), "Paged vs contiguous")
                 yield titled(Throughput(id="throughput", classes="panel"), "Throughput")
-            with Horizontal(id="bottom"):
+            with Box(id="bottom", classes="row"):
                 yield titled(QueuesTable(id="queues", classes="panel"), "Queues")
-                with Vertical(id="details"):
+                with Box(id="details"):
                     yield titled(BlockTable(id="block-table", classes="panel"), "Block table")
                     yield titled(SystemPanel(self._system_sampler, id="system", classes="panel"), "System")
                 yield titled(LoadGenerator(id="load", classes="panel"), "Load generator")
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
-        # Looked up once: ingest runs for every engine step.
+        # Looked up once: a query walks the DOM, and ingest and paint run for every step.
         self.chat = self.query_one(ChatPane)
         self.block_map = self.query_one(BlockMap)
+        self.inspector = self.query_one(BlockInspector)
+        self.block_table = self.query_one(BlockTable)
+        self.counters = self.query_one(Counters)
+        self.paged = self.query_one(PagedVsContiguous)
         self.throughput = self.query_one(Throughput)
+        self.queues = self.query_one(QueuesTable)
+        self.system = self.query_one(SystemPanel)
         self.set_interval(1 / FRAME_RATE, self.paint)
 
     # --- fed by the app ---------------------------------------------------------------------
@@ -96,10 +113,10 @@ class MainScreen(Screen):
 
     def engine_ready(self, info: EngineInfo) -> None:
         self.engine_info = info
-        self.latest = self._painted = self._queued = None
+        self.latest = self._painted = self._texted = None
         self.query_one(EngineHeader).show_engine(info)
-        self.query_one(Throughput).clear()
-        self.query_one(ChatPane).interrupt("the engine was restarted; ask again")
+        self.throughput.clear()
+        self.chat.interrupt("the engine was restarted; ask again")
 
     def show_state(self, state: RunState) -> None:
         self.query_one(EngineHeader).show_state(state)
@@ -124,34 +141,41 @@ class MainScreen(Screen):
         return True
 
     def paint(self, force: bool = False) -> None:
-        """Draw the newest step. The queue table, the costliest panel, redraws at most QUEUE_RATE a second."""
+        """Draw the newest step, and whatever else is due, in one repaint pass."""
+        now = time.monotonic()
         result = self.latest
-        if result is None or (result is self._painted and self._queued is result):
+        fresh = result is not None and result is not self._painted
+        self.system.refresh_if_due(now, SYSTEM_REFRESH_S if fresh else 2 * SYSTEM_REFRESH_S)
+        if result is None:
+            return
+        stale = result is not self._texted
+        text_due = stale and (force or now - self._texted_at >= 1 / TEXT_RATE and (
+            fresh or now - self._painted_at >= 1 / TEXT_RATE))
+        if not (fresh or text_due):
             return
         if not force and not self._within_budget():
             return
-        if result is not self._painted:
-            self._painted = result
-            snapshot = result.snapshot
+        snapshot = result.snapshot
+        if fresh:
+            self._painted, self._painted_at = result, now
             self.block_map.show_snapshot(snapshot)
-            self.query_one(BlockInspector).show_snapshot(snapshot)
-            self.query_one(BlockTable).show_snapshot(snapshot)
-            self.query_one(Counters).show_stats(result.stats)
+            self.inspector.show_snapshot(snapshot)
+        if text_due:
+            self._texted, self._texted_at = result, now
+            self.counters.show_stats(result.stats)
             if self.engine_info is not None:
-                self.query_one(PagedVsContiguous).show_snapshot(snapshot, self.engine_info.max_model_len)
+                self.paged.show_snapshot(snapshot, self.engine_info.max_model_len)
             self.throughput.redraw()
-        now = time.monotonic()
-        if self._queued is not result and (force or now - self._queues_painted_at >= 1 / QUEUE_RATE):
-            self._queued, self._queues_painted_at = result, now
-            self.query_one(QueuesTable).show_snapshot(result.snapshot)
+            self.block_table.show_snapshot(snapshot)
+            self.queues.show_snapshot(snapshot)
 
     # --- between the panels -------------------------------------------------------------------
 
     def on_request_selected(self, message: RequestSelected) -> None:
         message.stop()
-        self.query_one(BlockMap).select_request(message.request_id)
-        self.query_one(BlockTable).select(message.request_id)
+        self.block_map.select_request(message.request_id)
+        self.block_table.select(message.request_id)
 
     def on_block_highlighted(self, message: BlockHighlighted) -> None:
         message.stop()
-        self.query_one(BlockInspector).inspect(message.first_block, message.last_block)
+        self.inspector.inspect(message.first_block, message.last_block)

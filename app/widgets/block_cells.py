@@ -3,7 +3,10 @@
 Kept apart from the widget so the map can diff whole rows of integers with numpy
 and rebuild only the rows whose cells changed. A code packs
 ``style * GLYPH_SLOTS + glyph``; the style says which palette colour, whether the
-block is shared, and which highlight lies under it.
+block is shared, and which highlight applies: the cursor, the chat reply's tint,
+or, while a request is selected, whether the cell is that request's (drawn as
+usual) or anything else (dimmed, so the selected request's scattered blocks
+stand out).
 """
 
 from __future__ import annotations
@@ -21,19 +24,21 @@ KIND_FREE, KIND_CACHED, KIND_USED, KIND_SHARED = 0, 1, 2, 3
 FREE_GLYPH, CACHED_GLYPH = "·", "░"
 FILL_GLYPHS = "▁▂▃▄▅▆▇█"  # eighths of a block's slots written
 SHARED_GLYPHS = "23456789+"  # ref count of a shared block, "+" beyond nine
-HIGHLIGHTED_FULL_GLYPH = "▓"  # a full block lets the highlight behind it show through
-GLYPHS = FREE_GLYPH + CACHED_GLYPH + FILL_GLYPHS + SHARED_GLYPHS + HIGHLIGHTED_FULL_GLYPH
+HIGHLIGHTED_FULL_GLYPH = "▓"  # a full block lets the chat tint behind it show through
+RESERVED_GLYPH = "╌"  # held by a request but not one slot written yet (the contiguous allocator's rows)
+GLYPHS = FREE_GLYPH + CACHED_GLYPH + FILL_GLYPHS + SHARED_GLYPHS + HIGHLIGHTED_FULL_GLYPH + RESERVED_GLYPH
 GLYPH_SLOTS = 32
 _FILL_BASE = 2
 _FULL = _FILL_BASE + len(FILL_GLYPHS) - 1
 _SHARED_BASE = _FILL_BASE + len(FILL_GLYPHS)
 _HIGHLIGHTED_FULL = _SHARED_BASE + len(SHARED_GLYPHS)
+_RESERVED = _HIGHLIGHTED_FULL + 1
 
 # Base styles: free, cached, one per owner colour, one per owner colour when shared.
 STYLE_FREE, STYLE_CACHED, STYLE_OWNER = 0, 1, 2
 STYLE_SHARED = STYLE_OWNER + NUM_OWNER_COLOURS
 NUM_BASE_STYLES = STYLE_SHARED + NUM_OWNER_COLOURS
-OVERLAY_NONE, OVERLAY_SELECTED, OVERLAY_CHAT, OVERLAY_CURSOR = range(4)
+OVERLAY_NONE, OVERLAY_SELECTED, OVERLAY_CHAT, OVERLAY_CURSOR, OVERLAY_DIMMED = range(5)
 
 
 def decode(code: int) -> tuple[int, int, int]:
@@ -143,7 +148,7 @@ def _glyphs(kinds: np.ndarray, snapshot: CacheSnapshot, layout: MapLayout) -> np
         fill = snapshot.block_fill.astype(np.int32)
         eighths = np.clip(-(-fill * 8 // snapshot.block_size), 1, 8)
         refs = np.clip(snapshot.ref_counts.astype(np.int32), 2, 10)
-        glyph[used] = (_FILL_BASE + eighths - 1)[used]
+        glyph[used] = np.where(fill == 0, _RESERVED, _FILL_BASE + eighths - 1)[used]
         shared = cell_kind == KIND_SHARED
         glyph[shared] = (_SHARED_BASE + refs - 2)[shared]
     else:
@@ -169,10 +174,12 @@ def cell_codes(snapshot: CacheSnapshot, layout: MapLayout, *, selected: np.ndarr
     if chat is not None:
         overlay[_fold(chat, layout, False).any(axis=1)] = OVERLAY_CHAT
     if selected is not None:
-        overlay[_fold(selected, layout, False).any(axis=1)] = OVERLAY_SELECTED
+        mine = _fold(selected, layout, False).any(axis=1)
+        overlay[cell_kind != KIND_FREE] = OVERLAY_DIMMED
+        overlay[mine] = OVERLAY_SELECTED
     if cursor is not None and 0 <= cursor < layout.num_cells:
         overlay[cursor] = OVERLAY_CURSOR
     glyph = _glyphs(kinds, snapshot, layout)
-    glyph[(glyph == _FULL) & ((overlay == OVERLAY_SELECTED) | (overlay == OVERLAY_CHAT))] = _HIGHLIGHTED_FULL
+    glyph[(glyph == _FULL) & (overlay == OVERLAY_CHAT)] = _HIGHLIGHTED_FULL
     style += overlay * NUM_BASE_STYLES
     return style * GLYPH_SLOTS + glyph

@@ -1,21 +1,51 @@
-"""What each glyph and colour of the block map means, in the theme's own colours."""
+"""What each glyph and colour of the block map means, in the theme's own colours.
+
+The items are packed into lines for the current width and a line only ever
+breaks between two items, so a swatch never ends one line with its words on the next.
+"""
 
 from __future__ import annotations
 
+from rich.cells import cell_len
+from textual.content import Content
+from textual.events import Resize
 from textual.widgets import Static
 
 from themes.palette import owner_variable
 
-_OWNERS = "".join(f"[{'$' + owner_variable(i)}]█[/]" for i in range(4))
-LEGEND = (
-    f"{_OWNERS} used (colour = request)  [$block-owner-0]▁▃▆[/] partly filled  "
-    f"[bold $block-shared-text on $block-owner-3]2[/] shared ×2  "
-    "[$block-cached]░[/] cached, free  [$block-free]·[/] free  "
-    "[$block-swapped]▚[/] swapped  [on $block-selected]  [/] selected  "
-    "[on $block-chat]  [/] chat"
+_OWNERS = "".join(f"[${owner_variable(i)}]█[/]" for i in range(4))
+ITEMS = (
+    f"{_OWNERS} in use (colour = request)",
+    "[$block-owner-0]▁▃▆[/] partly filled",
+    "[$block-owner-0]╌[/] reserved, empty",
+    "[bold $block-shared-text on $block-owner-3]2[/] shared by 2",
+    "[$block-cached]░[/] cached, free",
+    "[$block-free]·[/] free",
+    "[$block-swapped]▚[/] swapped out",
+    "[on $block-cursor] [/] cursor",
+    "[$block-owner-1 on $block-chat]▓[/] chat reply",
 )
+GAP = "  "
+
+
+def legend_lines(width: int) -> list[str]:
+    """The items as markup lines of at most ``width`` cells (an item wider than that gets a line alone)."""
+    lines: list[list[str]] = []
+    used = 0
+    for item in ITEMS:
+        size = cell_len(Content.from_markup(item).plain)
+        if lines and used + len(GAP) + size <= width:
+            lines[-1].append(item)
+            used += len(GAP) + size
+        else:
+            lines.append([item])
+            used = size
+    return [GAP.join(line) for line in lines]
 
 
 class BlockLegend(Static):
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__(LEGEND, id=id, classes=classes)
+        super().__init__("\n".join(legend_lines(10_000)), id=id, classes=classes)
+
+    def on_resize(self, event: Resize) -> None:
+        self.update("\n".join(legend_lines(self.size.width)))

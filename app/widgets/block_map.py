@@ -25,8 +25,7 @@ from themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 SWAPPED_GLYPH = "▚"
 RUN_KEY = 1 << 16  # cache key of a run of one-char cells: code * RUN_KEY + run length
-_OVERLAY_VARIABLES = {cells.OVERLAY_SELECTED: "block-selected", cells.OVERLAY_CHAT: "block-chat",
-                      cells.OVERLAY_CURSOR: "block-cursor"}
+DIMMED = 0.7  # how far the cells of requests other than the selected one fade into the background
 
 
 class BlockMap(Widget, can_focus=True):
@@ -145,8 +144,13 @@ class BlockMap(Widget, can_focus=True):
 
     def _build_style(self, style_code: int) -> Style:
         overlay, base = divmod(style_code, cells.NUM_BASE_STYLES)
-        background = self.rich_style.bgcolor
-        bold = False
+        widget_background = Color.from_rich_color(self.rich_style.bgcolor)
+        if overlay == cells.OVERLAY_CURSOR:
+            # One look whatever lies under it, so the cursor is found at a glance (a shared block's
+            # digit on its owner's colour would otherwise look just like its neighbours).
+            return Style(color=widget_background.rich_color, bgcolor=self._colour("block-cursor").rich_color,
+                         bold=True)
+        background, bold = widget_background, False
         if base == cells.STYLE_FREE:
             colour = self._colour("block-free")
         elif base == cells.STYLE_CACHED:
@@ -154,15 +158,16 @@ class BlockMap(Widget, can_focus=True):
         elif base < cells.STYLE_SHARED:
             colour = self._colour(owner_variable(base - cells.STYLE_OWNER))
         else:
-            owner = self._colour(owner_variable(base - cells.STYLE_SHARED))
-            colour, background, bold = self._colour("block-shared-text"), owner.rich_color, True
-            if overlay != cells.OVERLAY_NONE:
-                colour = owner
-        if overlay == cells.OVERLAY_CURSOR:
-            return Style(color=self.rich_style.bgcolor, bgcolor=colour.rich_color, bold=True)
-        if overlay != cells.OVERLAY_NONE:
-            background = self._colour(_OVERLAY_VARIABLES[overlay]).rich_color
-        return Style(color=colour.rich_color, bgcolor=background, bold=bold)
+            colour, background, bold = self._colour("block-shared-text"), self._colour(
+                owner_variable(base - cells.STYLE_SHARED)), True
+        if overlay == cells.OVERLAY_CHAT:
+            if background != widget_background:   # a shared block: its owner's colour moves to the digit
+                colour = background
+            background = self._colour("block-chat")
+        elif overlay == cells.OVERLAY_DIMMED:
+            colour = colour.blend(widget_background, DIMMED)
+            background = background.blend(widget_background, DIMMED)
+        return Style(color=colour.rich_color, bgcolor=background.rich_color, bold=bold)
 
     # --- line API ------------------------------------------------------------------------
 
@@ -268,17 +273,19 @@ class BlockMap(Widget, can_focus=True):
             if cell is not None:
                 self._move_cursor(cell)
 
+    # Textual sets has_focus and mouse_hover in the base class's handlers, which run after these:
+    # the cursor is redrawn once the event has been handled.
+
     def on_leave(self, event: Leave) -> None:
-        if not self.has_focus:
-            self._recompute()
+        self.call_next(self._recompute)
 
     def on_focus(self) -> None:
         if self.cursor_cell is None:
             self.action_move(0, 0)
-        self._recompute()
+        self.call_next(self._recompute)
 
     def on_blur(self) -> None:
-        self._recompute()
+        self.call_next(self._recompute)
 
     def on_click(self, event: Click) -> None:
         offset = event.get_content_offset(self)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from textual.content import Content
+from textual.markup import escape
 
-from app.widgets.steady_static import SteadyStatic
+from app.widgets.line_panel import LinePanel
 from engine.outputs import CacheSnapshot, RequestView
 from themes.palette import NUM_OWNER_COLOURS, owner_variable
 
@@ -12,27 +12,28 @@ HINT = "Select a request (in the queues, or Enter on the map) to see its block t
 
 
 def _table_line(label: str, table: tuple[int, ...], snapshot: CacheSnapshot, colour: str,
-                host: bool = False) -> Content:
+                host: bool = False) -> str:
     entries = []
     for logical, physical in enumerate(table):
         shared = not host and snapshot.ref_counts[physical] > 1
         marker = "*" if shared else ""
         prefix = "h" if host else ""
         entries.append(f"{logical}→[{colour}]{prefix}{physical}{marker}[/]")
-    return Content.from_markup(f"[dim]{label}[/] " + "  ".join(entries))
+    return f"[dim]{label}[/] " + "  ".join(entries)
 
 
-def describe_request(view: RequestView, snapshot: CacheSnapshot) -> Content:
+def describe_request(view: RequestView, snapshot: CacheSnapshot) -> str:
+    """Markup, one line per table: the panel re-parses only the lines that changed since the last frame."""
     colour = "$" + owner_variable(view.arrival_index % NUM_OWNER_COLOURS)
     num_blocks = len({b for table in view.block_tables for b in table})
-    head = [f"[b {colour}]{view.request_id}[/] · {view.queue} · {num_blocks} device blocks"]
+    head = [f"[b {colour}]{escape(view.request_id)}[/] · {view.queue} · {num_blocks} device blocks"]
     tables = [t for t in view.block_tables if t]
     if tables:
         last = tables[0][-1]
         head.append(f"last block {int(snapshot.block_fill[last])}/{snapshot.block_size} slots")
     if any(t for t in view.block_tables if any(snapshot.ref_counts[b] > 1 for b in t)):
         head.append("* shared")
-    lines = [Content.from_markup(" · ".join(head))]
+    lines = [" · ".join(head)]
     for sample, table in enumerate(view.block_tables):
         lines.append(_table_line(f"sample {sample}" if len(view.block_tables) > 1 else "table",
                                  table, snapshot, colour))
@@ -40,11 +41,11 @@ def describe_request(view: RequestView, snapshot: CacheSnapshot) -> Content:
         if table:
             lines.append(_table_line(f"host {sample}", table, snapshot, colour, host=True))
     if not view.block_tables and not any(view.host_block_tables):
-        lines.append(Content("holds no blocks yet (waiting)"))
-    return Content("\n").join(lines)
+        lines.append("holds no blocks yet (waiting)")
+    return "\n".join(lines)
 
 
-class BlockTable(SteadyStatic):
+class BlockTable(LinePanel):
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(HINT, id=id, classes=classes)
         self.request_id: str | None = None
@@ -60,11 +61,10 @@ class BlockTable(SteadyStatic):
 
     def _redraw(self) -> None:
         if self._snapshot is None or self.request_id is None:
-            self.show(Content(HINT))
+            self.show(escape(HINT))
             return
         view = next((v for v in self._snapshot.requests if v.request_id == self.request_id), None)
         if view is None:
-            self.show(Content.from_markup("[b]$rid[/b] has finished: its blocks went back to the pool.",
-                                            rid=self.request_id))
+            self.show(f"[b]{escape(self.request_id)}[/b] has finished: its blocks went back to the pool.")
         else:
             self.show(describe_request(view, self._snapshot))

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from textual.content import Content
-
 from app.widgets.formatting import bar, percent
-from app.widgets.steady_static import SteadyStatic
+from app.widgets.line_panel import LinePanel
 from engine.outputs import StepStats
 
 BAR_WIDTH = 8
@@ -31,7 +29,7 @@ def describe_stats(stats: StepStats) -> str:
     return "\n".join(lines)
 
 
-class Counters(SteadyStatic):
+class Counters(LinePanel):
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__("waiting for the first step…", id=id, classes=classes)
         self.stats: StepStats | None = None
@@ -39,4 +37,4 @@ class Counters(SteadyStatic):
     def show_stats(self, stats: StepStats) -> None:
         if stats != self.stats:
             self.stats = stats
-            self.show(Content.from_markup(describe_stats(stats)))
+            self.show(describe_stats(stats))

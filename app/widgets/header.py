@@ -1,4 +1,4 @@
-"""The top line: model, device, dtype, block size, the pool, max concurrency, allocator, and the run state."""
+"""The top lines: the run state, then model, device, dtype, block size, the pool, max concurrency, allocator."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from textual.widgets import Static
 
 from app.messages import EngineInfo, RunState
 from app.widgets.formatting import mebibytes
-
-WIDE = 150  # narrower than this, the header uses the compact description
 
 
 def describe_engine_compact(info: EngineInfo) -> str:
@@ -22,14 +20,15 @@ def describe_engine_compact(info: EngineInfo) -> str:
 
 
 def describe_engine(info: EngineInfo) -> str:
+    """Two lines: what runs and how big the pool is; then what the pool allows and the policies."""
     config = info.config
     pool = f"pool {info.num_blocks:,} blocks = {info.num_tokens:,} tokens"
     if info.kv_cache_bytes:
         pool += f" ({mebibytes(info.kv_cache_bytes)})"
     caching = "prefix cache on" if config.enable_prefix_caching else "prefix cache off"
-    return (f"[b]$model[/b] · {info.device} · {info.dtype} · block {info.block_size} · {pool} · "
+    return (f"[b]$model[/b] · {info.device} · {info.dtype} · block {info.block_size} · {pool}\n"
             f"max concurrency {info.max_concurrency:.1f}x at {info.max_model_len:,} tokens · "
-            f"[b]{config.allocator}[/b] · preempt: {config.preemption_mode} · {caching}")
+            f"[b]{config.allocator}[/b] allocator · preempt: {config.preemption_mode} · {caching}")
 
 
 def describe_state(state: RunState) -> str:
@@ -60,13 +59,19 @@ class EngineHeader(Static):
         self._redraw()
 
     def _redraw(self) -> None:
+        # The run state comes first: paused or running is what a class watching needs to see.
         parts = ["[b $accent]kvscope[/]"]
-        if self.starting is not None:
-            parts.append("loading $model…")
-        elif self.info is not None:
-            compact = self.size.width and self.size.width < WIDE
-            parts.append(describe_engine_compact(self.info) if compact else describe_engine(self.info))
         if self.state is not None:
             parts.append(describe_state(self.state))
         model = self.starting if self.starting is not None else (self.info.model_name if self.info else "")
+        if self.starting is not None:
+            parts.append("loading $model…")
+        elif self.info is not None:
+            full = Content.from_markup(" │ ".join([*parts, describe_engine(self.info)]), model=model)
+            # The two full lines when each fits the width, else the same facts in a third of the width.
+            width = self.size.width
+            if not width or all(line.cell_length <= width for line in full.split("\n")):
+                self.update(full)
+                return
+            parts.append(describe_engine_compact(self.info))
         self.update(Content.from_markup(" │ ".join(parts), model=model))

@@ -10,13 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from textual.content import Content
 
 from app.widgets.formatting import bar, percent
-from app.widgets.steady_static import SteadyStatic
+from app.widgets.line_panel import LinePanel
 from engine.outputs import BLOCK_USED, CacheSnapshot
 
-BAR_WIDTH = 14
+BAR_WIDTH = 10
 
 
 @dataclass(frozen=True)
@@ -26,6 +25,7 @@ class AllocationComparison:
     contiguous_slots: int
     paged_slots: int
     paged_tokens: int            # tokens in the distinct blocks in use (a shared block counts once)
+    slots_per_sequence: int = 0  # what contiguous reserves for each: max_model_len, rounded up to blocks
 
     @property
     def contiguous_waste(self) -> float:
@@ -39,38 +39,47 @@ class AllocationComparison:
 def compare_allocations(snapshot: CacheSnapshot, max_model_len: int) -> AllocationComparison:
     block_size = snapshot.block_size
     slots_per_sequence = -(-max_model_len // block_size) * block_size
-    fill = snapshot.block_fill.astype(np.int64)
     tables = [table for view in snapshot.requests for table in view.block_tables if table]
-    num_tokens = sum(int(fill[list(table)].sum()) for table in tables)
+    # Every table's tokens in one gather and one segmented sum (this runs every frame).
+    lengths = np.fromiter((len(table) for table in tables), dtype=np.int64, count=len(tables))
+    entries = np.fromiter((block for table in tables for block in table), dtype=np.int64,
+                          count=int(lengths.sum()))
+    per_table = np.add.reduceat(snapshot.block_fill.astype(np.int64)[entries], np.cumsum(lengths) - lengths) \
+        if tables else np.zeros(0, dtype=np.int64)
+    num_tokens = int(per_table.sum())
     if snapshot.allocator == "contiguous":
         # The engine itself reserves whole rows; paging would hold each sequence's filled blocks only.
-        paged_slots = sum(-(-int(fill[list(t)].sum()) // block_size) * block_size for t in tables)
+        paged_slots = int((-(-per_table // block_size) * block_size).sum())
         paged_tokens = num_tokens
     else:
         used = snapshot.block_state == BLOCK_USED
         paged_slots = int(used.sum()) * block_size
-        paged_tokens = int(fill[used].sum())
+        paged_tokens = int(snapshot.block_fill[used].astype(np.int64).sum())
     return AllocationComparison(len(tables), num_tokens, len(tables) * slots_per_sequence,
-                                paged_slots, paged_tokens)
+                                paged_slots, paged_tokens, slots_per_sequence)
 
 
-def describe_comparison(cmp: AllocationComparison, allocator: str, max_model_len: int) -> str:
+def describe_comparison(cmp: AllocationComparison, allocator: str, block_size: int) -> str:
+    """Six short lines (the panel is about forty columns wide in a 120-column window)."""
     def role(name: str) -> str:
         return "[b]this engine[/b]" if allocator == name else "[dim]what-if[/]"
 
     lines = [
-        f"{cmp.num_sequences:,} live sequences · {cmp.num_tokens:,} tokens",
-        f"contiguous ({role('contiguous')}) {cmp.contiguous_slots:,} slots",
-        f"  {percent(cmp.contiguous_waste)} empty [$error]{bar(cmp.contiguous_waste, BAR_WIDTH)}[/]",
-        f"paged ({role('paged')}) {cmp.paged_slots:,} slots",
-        f"  {percent(cmp.paged_waste)} empty [$success]{bar(cmp.paged_waste, BAR_WIDTH)}[/]",
+        f"{cmp.num_sequences:,} sequence{'s hold' if cmp.num_sequences != 1 else ' holds'} "
+        f"{cmp.num_tokens:,} tokens",
+        f"contiguous ({role('contiguous')}): {cmp.contiguous_slots:,} slots",
+        f"  {cmp.num_sequences:,}×{cmp.slots_per_sequence:,} · {percent(cmp.contiguous_waste).strip()} empty "
+        f"[$error]{bar(cmp.contiguous_waste, BAR_WIDTH)}[/]",
+        f"paged ({role('paged')}): {cmp.paged_slots:,} slots",
+        f"  {cmp.paged_slots // block_size:,} blocks · {percent(cmp.paged_waste).strip()} empty "
+        f"[$success]{bar(cmp.paged_waste, BAR_WIDTH)}[/]",
     ]
-    ratio = f"{cmp.contiguous_slots / cmp.paged_slots:.1f}x" if cmp.paged_slots else "–"
-    lines.append(f"[dim]{max_model_len:,} per sequence: {ratio} paging's memory[/]")
+    if cmp.paged_slots:
+        lines.append(f"[dim]contiguous: {cmp.contiguous_slots / cmp.paged_slots:.1f}x paging's slots[/]")
     return "\n".join(lines)
 
 
-class PagedVsContiguous(SteadyStatic):
+class PagedVsContiguous(LinePanel):
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__("no live requests yet", id=id, classes=classes)
         self.comparison: AllocationComparison | None = None
@@ -79,5 +88,5 @@ class PagedVsContiguous(SteadyStatic):
         comparison = compare_allocations(snapshot, max_model_len)
         if comparison != self.comparison:
             self.comparison = comparison
-            text = describe_comparison(comparison, snapshot.allocator, max_model_len)
-            self.show(Content.from_markup(text))
+            text = describe_comparison(comparison, snapshot.allocator, snapshot.block_size)
+            self.show(text)

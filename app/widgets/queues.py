@@ -27,9 +27,12 @@ QUEUE_LABELS = {"running": ("▶ run", "success", False), "swapped": ("⇄ swap"
                 "waiting": ("… wait", "foreground", True)}
 # (header, width, right-aligned); the prompt column takes whatever width is left
 COLUMNS = (("request", 11, False), ("queue", 7, False), ("prompt", 0, False), ("prefill", 9, True),
-           ("output", 10, True), ("blocks", 7, True), ("cached", 7, True), ("pre", 4, True))
+           ("output", 10, True), ("blocks", 7, True), ("cached", 7, True), ("preempt", 8, True))
 PROMPT_COLUMN = 2
-MIN_PROMPT_WIDTH = 6
+MIN_PROMPT_WIDTH = 8
+# The columns a narrow table leaves out, first to last.
+DROP_ORDER = tuple(next(i for i, (header, _, _) in enumerate(COLUMNS) if header == name)
+                   for name in ("prompt", "cached", "preempt", "prefill"))
 
 
 def row_cells(view: RequestView) -> tuple[str, ...]:
@@ -72,8 +75,9 @@ class QueuesTable(ScrollView, can_focus=True):
         self._arrival: dict[str, int] = {}
         self._position: dict[str, int] = {}
         self._strips: dict[str, Strip] = {}
-        self._styles: dict[str, Style] = {}
-        self._widths: tuple[int, ...] = ()
+        self._styles: dict[tuple[str, bool, bool], Style] = {}
+        self._plain: Style | None = None
+        self._widths: dict[int, int] = {}   # the columns shown (all but the first two plain) -> width
         self._widths_for = -1   # the width the columns were fitted to
 
     def on_mount(self) -> None:
@@ -133,22 +137,32 @@ class QueuesTable(ScrollView, can_focus=True):
     # --- drawing ------------------------------------------------------------------------
 
     def _restyle(self) -> None:
-        self._styles.clear()
-        self._strips.clear()
+        self._forget_styles()
         self.refresh()
 
     def notify_style_update(self) -> None:
         super().notify_style_update()
+        self._forget_styles()
+
+    def _forget_styles(self) -> None:
         self._styles.clear()
         self._strips.clear()
+        self._plain = None
 
-    def _style(self, variable: str, **attributes) -> Style:
-        key = variable + repr(sorted(attributes.items()))
+    @property
+    def _plain_style(self) -> Style:
+        """The widget's own style, looked up once per theme: every row of every frame uses it."""
+        if self._plain is None:
+            self._plain = self.rich_style
+        return self._plain
+
+    def _style(self, variable: str, bold: bool = False, dim: bool = False) -> Style:
+        key = (variable, bold, dim)
         style = self._styles.get(key)
         if style is None:
             colour = Color.parse(self.app.theme_variables.get(variable, "magenta"))
-            style = self._styles[key] = Style(color=colour.rich_color, bgcolor=self.rich_style.bgcolor,
-                                              **attributes)
+            style = self._styles[key] = Style(color=colour.rich_color, bgcolor=self._plain_style.bgcolor,
+                                              bold=bold or None, dim=dim or None)
         return style
 
     def on_resize(self, event: Resize) -> None:
@@ -156,9 +170,18 @@ class QueuesTable(ScrollView, can_focus=True):
         self.virtual_size = Size(event.size.width, len(self.order) + 1)
 
     def _fit_columns(self, width: int) -> None:
-        prompt = max(MIN_PROMPT_WIDTH, width - sum(w for _, w, _ in COLUMNS))
+        """Every column when they fit; narrower, the prompt first, then the least needed ones go."""
+        shown = list(range(len(COLUMNS)))
+        fixed = sum(w for _, w, _ in COLUMNS)
+        for column in DROP_ORDER:
+            needed = fixed + (MIN_PROMPT_WIDTH if PROMPT_COLUMN in shown else 0)
+            if needed <= width:
+                break
+            shown.remove(column)
+            fixed -= COLUMNS[column][1]
         self._widths_for = width
-        self._widths = tuple(prompt if i == PROMPT_COLUMN else w for i, (_, w, _) in enumerate(COLUMNS))
+        self._widths = {i: max(width - fixed, MIN_PROMPT_WIDTH) if i == PROMPT_COLUMN else COLUMNS[i][1]
+                        for i in shown}
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width
@@ -168,7 +191,7 @@ class QueuesTable(ScrollView, can_focus=True):
             return self._header(width)
         position = round(self.scroll_offset.y) + y - 1
         if position >= len(self.order):
-            return Strip.blank(width, self.rich_style)
+            return Strip.blank(width, self._plain_style)
         request_id = self.order[position]
         strip = self._strips.get(request_id)
         if strip is None:
@@ -179,19 +202,20 @@ class QueuesTable(ScrollView, can_focus=True):
 
     def _header(self, width: int) -> Strip:
         style = self._style("primary", bold=True)
-        columns = zip(COLUMNS, self._widths, strict=True)
-        text = "".join(_fit(label, width, right) for (label, _, right), width in columns)
-        return Strip([Segment(text, style)]).crop_extend(0, self.size.width, self.rich_style)
+        text = "".join(_fit(COLUMNS[i][0], w, COLUMNS[i][2]) for i, w in self._widths.items())
+        return Strip([Segment(text, style)]).crop_extend(0, self.size.width, self._plain_style)
 
     def _row_strip(self, request_id: str, width: int) -> Strip:
         cells = self.rows[request_id]
-        plain = self.rich_style
+        widths = self._widths
+        plain = self._plain_style
         owner = owner_variable(self._arrival[request_id] % NUM_OWNER_COLOURS)
         label, variable, dim = QUEUE_LABELS.get(cells[1], (cells[1], "foreground", False))
-        segments = [Segment(_fit(cells[0], self._widths[0], False), self._style(owner, bold=True)),
-                    Segment(_fit(label, self._widths[1], False), self._style(variable, dim=dim))]
-        rest = zip(cells[2:], self._widths[2:], COLUMNS[2:], strict=True)
-        segments += [Segment(_fit(text, w, right), plain) for text, w, (_, _, right) in rest]
+        # The columns after the queue share one style: one segment for all of them.
+        rest = "".join(_fit(cells[i], w, COLUMNS[i][2]) for i, w in widths.items() if i >= 2)
+        segments = [Segment(_fit(cells[0], widths[0], False), self._style(owner, bold=True)),
+                    Segment(_fit(label, widths[1], False), self._style(variable, dim=dim)),
+                    Segment(rest, plain)]
         return Strip(segments).crop_extend(0, width, plain)
 
     # --- cursor and selection ---------------------------------------------------------------

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import psutil
-from textual.content import Content
 
 from app.widgets.formatting import bar, mebibytes
-from app.widgets.steady_static import SteadyStatic
+from app.widgets.line_panel import LinePanel
 
 REFRESH_S = 1.0
 
@@ -80,15 +80,20 @@ def describe_sample(sample: SystemSample) -> str:
     return "\n".join(lines)
 
 
-class SystemPanel(SteadyStatic):
+class SystemPanel(LinePanel):
+    """Sampled once a second. The live view calls ``refresh_if_due`` from its frame timer, so the new
+    figures are drawn in the same repaint pass as a frame rather than in one of their own."""
+
     def __init__(self, sampler: SystemSampler | None = None, *, id: str | None = None,
                  classes: str | None = None) -> None:
         super().__init__("", id=id, classes=classes)
         self.sampler = sampler or SystemSampler()
+        self._sampled_at = float("-inf")
 
     def on_mount(self) -> None:
-        self.refresh_sample()
-        self.set_interval(REFRESH_S, self.refresh_sample)
+        self.refresh_if_due(time.monotonic())
 
-    def refresh_sample(self) -> None:
-        self.show(Content.from_markup(describe_sample(self.sampler.sample())))
+    def refresh_if_due(self, now: float, max_age: float = REFRESH_S) -> None:
+        if now - self._sampled_at >= max_age:
+            self._sampled_at = now
+            self.show(describe_sample(self.sampler.sample()))

@@ -1,18 +1,33 @@
-"""Prompt and generation tokens/s, step latency and KV usage over a rolling window of steps."""
+"""Prompt and generation tokens/s, step latency and KV usage over a rolling window of steps.
+
+One line-API widget draws all four series, one line each: label, current value,
+sparkline. Built from stock labels and sparklines the panel was sixteen widgets,
+and every frame paid a full Textual pass for each of them (the sparklines also
+blend a colour per bar per frame); here a frame rebuilds only the lines whose
+text or bars changed, from styles made once per theme.
+"""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
-from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical
-from textual.widgets import Label, Sparkline
+from rich.segment import Segment
+from rich.style import Style
+from textual.color import Color
+from textual.events import Resize
+from textual.geometry import Region
+from textual.strip import Strip
+from textual.widget import Widget
 
 from app.widgets.formatting import compact
 from engine.outputs import StepStats
 
 WINDOW = 120
+LABEL_WIDTH = 9
+VALUE_WIDTH = 12   # right-aligned, then one space before the sparkline
+RECENT = 8         # the value shown is the mean of this many latest steps
+BARS = "▁▂▃▄▅▆▇█"
 
 
 @dataclass(frozen=True)
@@ -42,20 +57,41 @@ SERIES = (
 )
 
 
-class Throughput(Vertical):
+def bar_levels(values: list[float], width: int) -> tuple[int, ...]:
+    """One bar height (0..7) per column, newest on the right, scaled from zero to the window's peak.
+
+    With more steps than columns, a column shows the largest of the steps it covers, so a
+    spike is never averaged away; with fewer, the bars fill in from the right.
+    """
+    if width <= 0 or not values:
+        return ()
+    per_column = -(-len(values) // width)
+    columns = [max(values[max(end - per_column, 0):end]) for end in range(len(values), 0, -per_column)]
+    columns.reverse()
+    peak = max(columns)
+    if peak <= 0:
+        return (0,) * len(columns)
+    top = len(BARS) - 1
+    return tuple(min(top, max(0, int(value / peak * top + 0.5))) for value in columns)
+
+
+class Throughput(Widget):
     """``push`` every step (cheap: appends to deques); ``redraw`` when the screen paints."""
+
+    COMPONENT_CLASSES = {"throughput--label", "throughput--low", "throughput--high"}
 
     def __init__(self, *, window: int = WINDOW, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.history = {series.key: deque(maxlen=window) for series in SERIES}
         self._dirty = False
+        self._rows: list[tuple[str, tuple[int, ...]] | None] = [None] * len(SERIES)
+        self._strips: dict[int, Strip] = {}
+        self._styles: tuple[Style, Style, tuple[Style, ...]] | None = None
 
-    def compose(self) -> ComposeResult:
-        for series in SERIES:
-            with Horizontal(classes="series"):
-                yield Label(series.label, classes="series-label")
-                yield Label("", id=f"value-{series.key}", classes="series-value")
-                yield Sparkline([], id=f"spark-{series.key}", classes=f"series-{series.key}")
+    def on_mount(self) -> None:
+        self.app.theme_changed_signal.subscribe(self, lambda _theme: self._restyle())
+
+    # --- data --------------------------------------------------------------------------------
 
     def push(self, stats: StepStats) -> None:
         for series in SERIES:
@@ -68,22 +104,84 @@ class Throughput(Vertical):
         self._dirty = True
         self.redraw()
 
-    def load(self, stats: list[StepStats]) -> None:
-        """Replace the window with a recorded run's steps."""
-        for values in self.history.values():
-            values.clear()
-        for item in stats:
-            self.push(item)
-        self.redraw()
+    def current(self, key: str) -> float:
+        """The value a series shows: the mean of its latest steps."""
+        values = self.history[key]
+        recent = [values[i] for i in range(max(len(values) - RECENT, 0), len(values))]
+        return sum(recent) / len(recent) if recent else 0.0
 
     def redraw(self) -> None:
+        """Repaint the lines whose value or bars changed since the last redraw."""
         if not self._dirty or not self.is_mounted:
             return
         self._dirty = False
-        for series in SERIES:
-            values = self.history[series.key]
-            recent = list(values)[-8:]
-            current = sum(recent) / len(recent) if recent else 0.0
-            label = self.query_one(f"#value-{series.key}", Label)
-            label.update(series.format(current), layout=False)
-            self.query_one(f"#spark-{series.key}", Sparkline).data = list(values)
+        width = self._spark_width
+        for y, series in enumerate(SERIES):
+            row = (series.format(self.current(series.key)), bar_levels(list(self.history[series.key]), width))
+            if row != self._rows[y]:
+                self._rows[y] = row
+                self._strips.pop(y, None)
+                self.refresh(Region(0, y, self.size.width, 1))
+
+    # --- drawing -------------------------------------------------------------------------------
+
+    @property
+    def _spark_width(self) -> int:
+        return max(self.size.width - LABEL_WIDTH - VALUE_WIDTH - 1, 0)
+
+    def on_resize(self, event: Resize) -> None:
+        self._forget()
+        self._dirty = True
+        self.redraw()
+
+    def _restyle(self) -> None:
+        self._styles = None
+        self._strips.clear()
+        self.refresh()
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._styles = None
+        self._strips.clear()
+
+    def _forget(self) -> None:
+        self._rows = [None] * len(SERIES)
+        self._strips.clear()
+
+    def _get_styles(self) -> tuple[Style, Style, tuple[Style, ...]]:
+        """(label, value, one style per bar height blending low into high), made once per theme."""
+        if self._styles is None:
+            base = self.rich_style
+            # The component's rich style resolves alpha and "auto" colours against the background.
+            label, low, high = (self.get_component_rich_style(name).color
+                                for name in ("throughput--label", "throughput--low", "throughput--high"))
+            low, high = Color.from_rich_color(low), Color.from_rich_color(high)
+            top = len(BARS) - 1
+            bars = tuple(Style(color=low.blend(high, level / top).rich_color, bgcolor=base.bgcolor)
+                         for level in range(len(BARS)))
+            self._styles = (Style(color=label, bgcolor=base.bgcolor), base, bars)
+        return self._styles
+
+    def render_line(self, y: int) -> Strip:
+        strip = self._strips.get(y)
+        if strip is None:
+            strip = self._strips[y] = self._render_row(y)
+        return strip
+
+    def _render_row(self, y: int) -> Strip:
+        width = self.size.width
+        if y >= len(SERIES) or self._rows[y] is None:
+            return Strip.blank(width, self.rich_style)
+        label_style, value_style, bar_styles = self._get_styles()
+        text, levels = self._rows[y]
+        segments = [Segment(SERIES[y].label[:LABEL_WIDTH].ljust(LABEL_WIDTH), label_style),
+                    Segment(text[:VALUE_WIDTH].rjust(VALUE_WIDTH) + " ", value_style)]
+        blank = self._spark_width - len(levels)
+        if blank > 0:
+            segments.append(Segment(" " * blank, value_style))
+        start = 0
+        for i in range(1, len(levels) + 1):
+            if i == len(levels) or levels[i] != levels[start]:
+                segments.append(Segment(BARS[levels[start]] * (i - start), bar_styles[levels[start]]))
+                start = i
+        return Strip(segments).crop_extend(0, width, self.rich_style)

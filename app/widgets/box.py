@@ -1,0 +1,17 @@
+"""A layout container that draws nothing of its own.
+
+Every repaint pass renders each widget whose region overlaps what changed, all of
+its lines, and the containers around the panels overlap everything. A BLANK
+widget (Textual's switch for widgets with no border and no content) skips the
+styles pass and hands back blank lines in its background colour, which the
+panels on top of it cover anyway. Layout direction and sizes come from the
+style sheet (``Box`` is vertical, ``Box.row`` horizontal).
+"""
+
+from __future__ import annotations
+
+from textual.widget import Widget
+
+
+class Box(Widget):
+    BLANK = True
