@@ -253,3 +253,16 @@ def test_kernel_bench_reports_decode_and_prefill_per_dtype():
     lines = kernels_bench.format_table(rows, shape).splitlines()
     assert "Hq=4 Hkv=2 D=16 block 4" in lines[0] and "GB/s" in lines[1]
     assert [line.split()[:2] for line in lines[2:]] == [[r["kernel"], r["dtype"]] for r in rows]
+
+
+def test_scheduler_bench_reports_the_engine_share_of_a_step(capsys):
+    from app.bench.scheduler import print_scheduler_bench
+
+    result = print_scheduler_bench(num_requests=8, num_blocks=256, steps=12, warmup=2)
+    assert result["num_requests"] == 8 and result["steps"] == 12
+    # The engine's share is the step without the fake forward; both are measured, neither is assumed.
+    assert 0 < result["engine_cpu_ms"] <= result["step_cpu_ms"]
+    assert 0 < result["snapshot_cpu_ms"] and 0 < result["engine_cpu_ms_without_text"]
+    printed = capsys.readouterr().out
+    for label in ("the engine: step() - forward", "of which the snapshot", "detokenize=False"):
+        assert label in printed

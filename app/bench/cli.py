@@ -51,7 +51,8 @@ def register(subparsers) -> None:
     bench.add_argument("--no-log", action="store_true", help="do not record the kvscope runs in the run log")
     bench.add_argument("--no-floor", action="store_true", help="skip timing the forward-only floor")
     peers = bench.add_argument_group("transformers peers")
-    peers.add_argument("--hf-batch-size", type=int, default=16, help="hf-static: requests per static batch")
+    peers.add_argument("--hf-batch-size", type=int, default=32,   # StaticSettings' tuned default
+                       help="hf-static: requests per static batch")
     peers.add_argument("--hf-cb-max-requests", type=int, default=16, help="hf-cb: most requests per step")
     peers.add_argument("--hf-cb-batch-tokens", type=int, default=512, help="hf-cb: most tokens per step")
     peers.add_argument("--hf-cb-page-size", type=int, default=256, help="hf-cb: tokens per cache page")
