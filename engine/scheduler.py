@@ -24,6 +24,7 @@ from engine.outputs import EngineEvent
 from engine.request import Request, RequestStatus, Sequence
 
 Plan = list[tuple[Sequence, int]]   # (sample, tokens to compute this step)
+_FIRST_SAMPLE = (0,)
 
 
 def _by_arrival(request: Request) -> int:
@@ -53,6 +54,8 @@ class Scheduler:
         self.num_swap_fallbacks = 0         # swap preemptions that recomputed because the host pool was full
         self.events: list[EngineEvent] = []
         self._budget = 0
+        self._num_prefill_tokens = 0
+        self._num_decode_tokens = 0
 
     # ---- queues ---------------------------------------------------------------------------------
 
@@ -84,28 +87,29 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._budget = self.max_num_batched_tokens
+        self._num_prefill_tokens = self._num_decode_tokens = 0
         scheduled: list[tuple[Request, Sequence, int]] = []
+        items: list[BatchItem] = []
         preempted: list[Request] = []
-        self._schedule_running(scheduled, preempted)
+        self._schedule_running(scheduled, items, preempted)
         if not preempted:
-            self._schedule_swapped(scheduled)
+            self._schedule_swapped(scheduled, items)
             if not self.swapped:
-                self._schedule_waiting(scheduled)
+                self._schedule_waiting(scheduled, items)
         swap_out, swap_in, copies = self.kv.take_cache_moves()
-        items, num_prefill, num_decode = self._build_items(scheduled)
-        batch = ScheduledBatch(items=items, blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in,
-                               blocks_to_copy=copies, num_prefill_tokens=num_prefill,
-                               num_decode_tokens=num_decode,
+        batch = ScheduledBatch(items=tuple(items), blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in,
+                               blocks_to_copy=copies, num_prefill_tokens=self._num_prefill_tokens,
+                               num_decode_tokens=self._num_decode_tokens,
                                preempted_request_ids=tuple(r.request_id for r in preempted))
         return SchedulerOutput(batch, scheduled)
 
-    def _schedule_running(self, scheduled, preempted: list[Request]) -> None:
+    def _schedule_running(self, scheduled, items, preempted: list[Request]) -> None:
         running = self.running
         index = 0
         while index < len(running) and self._budget > 0:
             request = running[index]
             index += 1
-            if self._schedule_decode(request, scheduled):
+            if self._schedule_decode(request, scheduled, items):
                 continue
             plan = self._plan(request)
             while not self.kv.allocate_slots(request, plan):
@@ -114,9 +118,9 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is request:
                     return  # it was the most recent arrival left, so nobody is behind it
-            self._take(request, plan, scheduled)
+            self._take(request, plan, scheduled, items)
 
-    def _schedule_decode(self, request: Request, scheduled) -> bool:
+    def _schedule_decode(self, request: Request, scheduled, items) -> bool:
         """The step's common case, without building a plan: one sample decoding one token.
 
         False, changing nothing, for anything else (a prefill chunk, n > 1, no free block for the
@@ -126,16 +130,25 @@ class Scheduler:
         if len(seqs) != 1:
             return False
         seq = seqs[0]
-        if len(seq.token_ids) - seq.num_computed_tokens != 1 or not self.kv.append_slot(seq):
+        start = seq.num_computed_tokens
+        token_ids = seq.token_ids
+        if len(token_ids) - start != 1 or not self.kv.append_slot(seq):
             return False
         scheduled.append((request, seq, 1))
+        # Positional, and built here rather than in a second pass: this runs for every request every step.
+        items.append(BatchItem(seq.seq_id, request.request_id, (token_ids[start],), start, seq.table_tuple(),
+                               _FIRST_SAMPLE, request.params))
+        if start >= seq.num_prompt_tokens:
+            self._num_decode_tokens += 1
+        else:
+            self._num_prefill_tokens += 1   # a prompt's last token, alone in its chunk
         self._budget -= 1
         request.view = None
         if self.kv.block_pool.evicted:
             self._record_evictions(request)
         return True
 
-    def _schedule_swapped(self, scheduled) -> None:
+    def _schedule_swapped(self, scheduled, items) -> None:
         while self.swapped and self._budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
             plan = self._plan(request)
@@ -145,9 +158,9 @@ class Scheduler:
             self._enter_running(request)
             blocks = tuple(b for seq in request.seqs for b in seq.block_table)
             self.events.append(EngineEvent("swap_in", request.request_id, blocks))
-            self._take(request, plan, scheduled)
+            self._take(request, plan, scheduled, items)
 
-    def _schedule_waiting(self, scheduled) -> None:
+    def _schedule_waiting(self, scheduled, items) -> None:
         bs = self.block_size
         while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -167,7 +180,7 @@ class Scheduler:
                 request.admitted = True
                 request.num_cached_tokens = request.seqs[0].num_computed_tokens
             self._enter_running(request)
-            self._take(request, plan, scheduled)
+            self._take(request, plan, scheduled, items)
 
     def _plan(self, request: Request) -> Plan:
         """Tokens per sample this step: a decode, or as much of the remaining prompt as the budget allows."""
@@ -181,13 +194,30 @@ class Scheduler:
             budget -= take
         return plan
 
-    def _take(self, request: Request, plan: Plan, scheduled) -> None:
+    def _take(self, request: Request, plan: Plan, scheduled, items) -> None:
         for seq, num_new in plan:
             scheduled.append((request, seq, num_new))
+            items.append(self._item(request, seq, num_new))
             self._budget -= num_new
         request.view = None
         if self.kv.block_pool.evicted:
             self._record_evictions(request)
+
+    def _item(self, request: Request, seq: Sequence, num_new: int) -> BatchItem:
+        start = seq.num_computed_tokens
+        end = start + num_new
+        if end < seq.num_tokens:
+            samples: tuple[int, ...] = ()
+        elif request.forked:
+            samples = (seq.index,)
+        else:
+            samples = tuple(range(request.params.n))    # the prompt completes: every sample draws
+        if num_new == 1 and start >= seq.num_prompt_tokens:
+            self._num_decode_tokens += 1
+        else:
+            self._num_prefill_tokens += num_new
+        return BatchItem(seq.seq_id, request.request_id, tuple(seq.token_ids[start:end]), start, seq.table_tuple(),
+                         samples, request.params)
 
     def _record_evictions(self, request: Request) -> None:
         evicted = self.kv.block_pool.drain_evicted()
@@ -219,26 +249,3 @@ class Scheduler:
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         self.events.append(EngineEvent("preempt", victim.request_id, blocks, detail))
-
-    def _build_items(self, scheduled) -> tuple[tuple[BatchItem, ...], int, int]:
-        items = []
-        num_prefill = num_decode = 0
-        for request, seq, num_new in scheduled:
-            start = seq.num_computed_tokens
-            end = start + num_new
-            if end < seq.num_tokens:
-                samples: tuple[int, ...] = ()
-            elif request.forked:
-                samples = (seq.index,)
-            else:
-                samples = tuple(range(request.params.n))    # the prompt completes: every sample draws
-            if num_new == 1 and start >= seq.num_prompt_tokens:
-                num_decode += 1
-                token_ids: tuple[int, ...] = (seq.token_ids[start],)
-            else:
-                num_prefill += num_new
-                token_ids = tuple(seq.token_ids[start:end])
-            items.append(BatchItem(seq.seq_id, request.request_id, token_ids, start, seq.table_tuple(), samples,
-                                   request.params))
-        return tuple(items), num_prefill, num_decode
-
