@@ -112,12 +112,12 @@ def bench_engine_with_ui(config: EngineConfig, num_requests: int = 32, max_token
 
     workload = _workload(num_requests, max_tokens)
     _headless(make_engine, _workload(4, 8))  # warm-up: first forwards allocate and compile
+    sides = {"headless": lambda: _headless(make_engine, workload),
+             "ui": lambda: asyncio.run(_with_ui(make_engine, workload, config, size))}
     rounds = []
     for index in range(repeats):
-        rates = {}
-        for side in ("headless", "ui") if index % 2 == 0 else ("ui", "headless"):
-            rates[side] = _headless(make_engine, workload) if side == "headless" else \
-                asyncio.run(_with_ui(make_engine, workload, config, size))
+        order = ("headless", "ui") if index % 2 == 0 else ("ui", "headless")
+        rates = {side: sides[side]() for side in order}
         rounds.append((rates["headless"], rates["ui"]))
     headless = statistics.median(h for h, _ in rounds)
     with_ui = statistics.median(u for _, u in rounds)

@@ -299,19 +299,13 @@ class LLMEngine:
 
     def _make_output(self, request: Request, new_token_ids: tuple[int, ...]) -> RequestOutput:
         seqs = request.seqs
-        first = seqs[0]
-        detokenizer = first.detokenizer
-        if len(seqs) == 1:  # inlined: this runs for every request every step
-            token_ids = tuple(first.token_ids[first.num_prompt_tokens:])
-            text = detokenizer.output_text if detokenizer else ""
-            samples = (SampleOutput(0, token_ids, text, first.finish_reason),)
-        else:
-            samples = tuple(_sample_output(s) for s in seqs)
-            token_ids, text = samples[0].token_ids, samples[0].text
-        # Positional: keywords cost a third more.
+        samples = (_sample_output(seqs[0]),) if len(seqs) == 1 else tuple(_sample_output(s) for s in seqs)
+        first = samples[0]
+        detokenizer = seqs[0].detokenizer
+        # Positional: this runs for every request every step, and keywords cost a third more.
         return RequestOutput(
             request.request_id, request.prompt_token_ids, new_token_ids,
-            detokenizer.take_delta() if detokenizer else "", token_ids, text,
+            detokenizer.take_delta() if detokenizer else "", first.token_ids, first.text,
             request.status == RequestStatus.FINISHED, first.finish_reason, request.num_cached_tokens,
             request.num_preemptions, request.metrics(), samples, request.error)
 

@@ -53,9 +53,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_fallbacks = 0         # swap preemptions that recomputed because the host pool was full
         self.events: list[EngineEvent] = []
+        # What one schedule() pass builds up: its token budget, what it scheduled and the batch items for it.
         self._budget = 0
         self._num_prefill_tokens = 0
         self._num_decode_tokens = 0
+        self._scheduled: list[tuple[Request, Sequence, int]] = []
+        self._items: list[BatchItem] = []
 
     # ---- queues ---------------------------------------------------------------------------------
 
@@ -88,14 +91,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._budget = self.max_num_batched_tokens
         self._num_prefill_tokens = self._num_decode_tokens = 0
-        scheduled: list[tuple[Request, Sequence, int]] = []
-        items: list[BatchItem] = []
+        scheduled = self._scheduled = []
+        items = self._items = []
         preempted: list[Request] = []
-        self._schedule_running(scheduled, items, preempted)
+        self._schedule_running(preempted)
         if not preempted:
-            self._schedule_swapped(scheduled, items)
+            self._schedule_swapped()
             if not self.swapped:
-                self._schedule_waiting(scheduled, items)
+                self._schedule_waiting()
         swap_out, swap_in, copies = self.kv.take_cache_moves()
         batch = ScheduledBatch(items=tuple(items), blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in,
                                blocks_to_copy=copies, num_prefill_tokens=self._num_prefill_tokens,
@@ -103,13 +106,13 @@ class Scheduler:
                                preempted_request_ids=tuple(r.request_id for r in preempted))
         return SchedulerOutput(batch, scheduled)
 
-    def _schedule_running(self, scheduled, items, preempted: list[Request]) -> None:
+    def _schedule_running(self, preempted: list[Request]) -> None:
         running = self.running
         index = 0
         while index < len(running) and self._budget > 0:
             request = running[index]
             index += 1
-            if self._schedule_decode(request, scheduled, items):
+            if self._schedule_decode(request):
                 continue
             plan = self._plan(request)
             while not self.kv.allocate_slots(request, plan):
@@ -118,9 +121,9 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is request:
                     return  # it was the most recent arrival left, so nobody is behind it
-            self._take(request, plan, scheduled, items)
+            self._take(request, plan)
 
-    def _schedule_decode(self, request: Request, scheduled, items) -> bool:
+    def _schedule_decode(self, request: Request) -> bool:
         """The step's common case, without building a plan: one sample decoding one token.
 
         False, changing nothing, for anything else (a prefill chunk, n > 1, no free block for the
@@ -134,9 +137,9 @@ class Scheduler:
         token_ids = seq.token_ids
         if len(token_ids) - start != 1 or not self.kv.append_slot(seq):
             return False
-        scheduled.append((request, seq, 1))
+        self._scheduled.append((request, seq, 1))
         # Positional, and built here rather than in a second pass: this runs for every request every step.
-        items.append(BatchItem(seq.seq_id, request.request_id, (token_ids[start],), start, seq.table_tuple(),
+        self._items.append(BatchItem(seq.seq_id, request.request_id, (token_ids[start],), start, seq.table_tuple(),
                                _FIRST_SAMPLE, request.params))
         if start >= seq.num_prompt_tokens:
             self._num_decode_tokens += 1
@@ -148,7 +151,7 @@ class Scheduler:
             self._record_evictions(request)
         return True
 
-    def _schedule_swapped(self, scheduled, items) -> None:
+    def _schedule_swapped(self) -> None:
         while self.swapped and self._budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
             plan = self._plan(request)
@@ -158,9 +161,9 @@ class Scheduler:
             self._enter_running(request)
             blocks = tuple(b for seq in request.seqs for b in seq.block_table)
             self.events.append(EngineEvent("swap_in", request.request_id, blocks))
-            self._take(request, plan, scheduled, items)
+            self._take(request, plan)
 
-    def _schedule_waiting(self, scheduled, items) -> None:
+    def _schedule_waiting(self) -> None:
         bs = self.block_size
         while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -180,7 +183,7 @@ class Scheduler:
                 request.admitted = True
                 request.num_cached_tokens = request.seqs[0].num_computed_tokens
             self._enter_running(request)
-            self._take(request, plan, scheduled, items)
+            self._take(request, plan)
 
     def _plan(self, request: Request) -> Plan:
         """Tokens per sample this step: a decode, or as much of the remaining prompt as the budget allows."""
@@ -194,10 +197,10 @@ class Scheduler:
             budget -= take
         return plan
 
-    def _take(self, request: Request, plan: Plan, scheduled, items) -> None:
+    def _take(self, request: Request, plan: Plan) -> None:
         for seq, num_new in plan:
-            scheduled.append((request, seq, num_new))
-            items.append(self._item(request, seq, num_new))
+            self._scheduled.append((request, seq, num_new))
+            self._items.append(self._item(request, seq, num_new))
             self._budget -= num_new
         request.view = None
         if self.kv.block_pool.evicted:

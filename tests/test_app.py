@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_app_harness import FakeEngines, make_app, single_steps, started, step_number, type_chat, until
+from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, step_number, type_chat, until
 
 from app.tui import ACTIONS
 from app.widgets import block_cells as cells
@@ -111,8 +111,7 @@ async def test_selecting_a_block_shows_its_owner():
     app = make_app(FakeEngines())
     async with app.run_test(size=(160, 48)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("burst", 3)
-        await single_steps(pilot, 2)
+        await burst_steps(pilot, 3, 2)
         snapshot = app.main.latest.snapshot
         owner = snapshot.requests[1]
         block = owner.block_tables[0][0]
@@ -206,8 +205,7 @@ async def test_theme_switch_restyles_the_map():
     app = make_app(FakeEngines())
     async with app.run_test(size=(120, 36)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("burst", 2)
-        await single_steps(pilot, 1)
+        await burst_steps(pilot, 2, 1)
         block_map = app.main.query_one(BlockMap)
         dark = block_map._style(cells.STYLE_OWNER)
         await pilot.press("ctrl+t")
@@ -225,8 +223,7 @@ async def test_80x24_and_resizing_keep_every_panel_reachable():
         header = str(app.main.query_one(EngineHeader).render())
         assert "prefix✓" in header                              # the compact description
         assert header.index("paused") < header.index("128×16")   # the run state comes first
-        app.worker.launch_preset("burst", 2)
-        await single_steps(pilot, 1)
+        await burst_steps(pilot, 2, 1)
         block_map = app.main.query_one(BlockMap)
         narrow = block_map.map_layout
         await pilot.resize_terminal(160, 48)
@@ -242,8 +239,7 @@ async def test_a_narrow_queue_table_leaves_out_the_least_needed_columns():
     app = make_app(FakeEngines())
     async with app.run_test(size=(120, 36)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("burst", 3)
-        await single_steps(pilot, 1)
+        await burst_steps(pilot, 3, 1)
         table = app.main.query_one(QueuesTable)
         header = table.render_line(0).text.split()
         assert header[:2] == ["request", "queue"] and "output" in header and "preempt" in header
@@ -273,8 +269,7 @@ async def test_selecting_a_request_in_the_queues_highlights_its_blocks():
     app = make_app(FakeEngines())
     async with app.run_test(size=(160, 48)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("burst", 3)
-        await single_steps(pilot, 2)
+        await burst_steps(pilot, 3, 2)
         table = app.main.query_one(QueuesTable)
         chosen = table.order[1]
         gutter = table.styles.gutter

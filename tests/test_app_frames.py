@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_app_harness import FakeEngines, make_app, single_steps, started
+from test_app_harness import FakeEngines, burst_steps, make_app, started
 from textual.app import App, ComposeResult
 from textual.geometry import Region
 
@@ -104,8 +104,7 @@ async def test_focusing_the_map_shows_its_cursor_at_once_and_leaving_hides_it():
     app = make_app(FakeEngines())
     async with app.run_test(size=(120, 36)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("burst", 2)
-        await single_steps(pilot, 1)
+        await burst_steps(pilot, 2, 1)
         block_map = app.main.block_map
 
         def cursor_shown() -> bool:

@@ -115,6 +115,12 @@ async def single_steps(pilot, count: int) -> None:
     await pilot.pause()
 
 
+async def burst_steps(pilot, num_requests: int, steps: int) -> None:
+    """Launch the burst preset with ``num_requests`` chat prompts, then single-step ``steps`` times."""
+    pilot.app.worker.launch_preset("burst", num_requests)
+    await single_steps(pilot, steps)
+
+
 async def type_chat(pilot, text: str) -> None:
     chat_input = pilot.app.main.query_one("#chat-input")
     chat_input.focus()

@@ -7,7 +7,7 @@ Update with `pytest tests/test_app_snapshots.py --snapshot-update` and look at t
 
 from __future__ import annotations
 
-from test_app_harness import FakeEngines, make_app, single_steps, started, type_chat, until
+from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
 
 from app.messages import RequestSelected
 from app.widgets.block_map import BlockMap
@@ -22,8 +22,7 @@ async def _busy_pool(pilot) -> None:
     app = pilot.app
     await started(pilot)
     app.worker.launch_preset("shared", 3)
-    app.worker.launch_preset("burst", 4)
-    await single_steps(pilot, 10)
+    await burst_steps(pilot, 4, 10)
     snapshot = app.main.latest.snapshot
     app.main.post_message(RequestSelected(snapshot.requests[-1].request_id))
     block_map = app.main.query_one(BlockMap)
