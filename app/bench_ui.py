@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from engine.config import EngineConfig, SamplingParams
-from engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView, StepStats
+from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView, StepStats
 
 MAP_SIZE = (130, 40)   # window for the map bench: a 4096-block pool fits one block per cell
 
@@ -54,7 +54,7 @@ def generation_rate(stats: list[StepStats]) -> float:
 
 
 def _workload(num_requests: int, max_tokens: int) -> list[tuple[list[dict], SamplingParams]]:
-    from app.presets import prompt_lines
+    from kvscope.app.presets import prompt_lines
 
     questions = prompt_lines("chat_questions.txt")
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -80,8 +80,8 @@ def _headless(make_engine, workload) -> float:
 
 
 async def _with_ui(make_engine, workload, config: EngineConfig, size: tuple[int, int]) -> float:
-    from app.screenshots import wait_until
-    from app.tui import KVScopeApp
+    from kvscope.app.screenshots import wait_until
+    from kvscope.app.tui import KVScopeApp
 
     recording: list[RecordingEngine] = []
 
@@ -103,7 +103,7 @@ def bench_engine_with_ui(config: EngineConfig, num_requests: int = 32, max_token
                          repeats: int = 3, size: tuple[int, int] = (160, 48)) -> dict:
     """Rounds of one headless run and one with the UI, the order swapped every other round, so a machine
     that gets busier or quieter during the bench weighs on both sides alike; medians over the rounds."""
-    from app.engine_worker import build_engine
+    from kvscope.app.engine_worker import build_engine
 
     first = build_engine(config)
 
@@ -172,8 +172,8 @@ async def _map_repaints(snapshots: list[CacheSnapshot], repaints: int,
     from textual.app import App, ComposeResult
     from textual.geometry import Region
 
-    from app.widgets.block_map import BlockMap
-    from themes import BLOCK_VARIABLE_DEFAULTS, THEMES
+    from kvscope.app.widgets.block_map import BlockMap
+    from kvscope.themes import BLOCK_VARIABLE_DEFAULTS, THEMES
 
     class MapApp(App):
         def get_theme_variable_defaults(self) -> dict[str, str]:

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from importlib.metadata import PackageNotFoundError, version
 
-from engine.config import ConfigError, EngineConfig, RequestError
-from engine.loader import ModelError
+from kvscope import __version__
+from kvscope.engine.config import ConfigError, EngineConfig, RequestError
+from kvscope.engine.loader import ModelError
 
 USER_ERRORS = (ConfigError, RequestError, ModelError)
-
-
-def package_version() -> str:
-    try:
-        return version("kvscope")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvscope",
         description="Watch a real paged-attention LLM engine work. With no subcommand, opens the app.",
     )
-    parser.add_argument("--version", action="version", version=f"kvscope {package_version()}")
+    parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
     add_engine_flags(parser)
     add_log_flags(parser)
     parser.set_defaults(func=_open_app)
@@ -86,19 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_flags(chat)
     chat.set_defaults(func=_chat)
 
-    for module in ("app.bench.cli", "app.runs_cli", "app.screenshots"):
+    for module in ("kvscope.app.bench.cli", "kvscope.app.runs_cli", "kvscope.app.screenshots"):
         __import__(module, fromlist=["register"]).register(sub)
     return parser
 
 
 def _open_app(args: argparse.Namespace) -> int:
-    from app.tui import run_app
+    from kvscope.app.tui import run_app
 
     return run_app(config_from_args(args), db_path=args.db, log_enabled=not args.no_log)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
-    from engine.loader import fetch_default_model
+    from kvscope.engine.loader import fetch_default_model
 
     path = fetch_default_model()
     print(f"default model ready at {path}")
@@ -106,8 +99,8 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from app.runlog import record_run
-    from engine import LLMEngine, SamplingParams
+    from kvscope.app.runlog import record_run
+    from kvscope.engine import LLMEngine, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     params.validate()   # a bad flag fails before the model loads

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app import presets
-from app.messages import (
+from kvscope.app import presets
+from kvscope.app.messages import (
     EngineFailed,
     EngineInfo,
     EngineReady,
@@ -29,8 +29,8 @@ from app.messages import (
     RunState,
     RunStateChanged,
 )
-from engine.config import EngineConfig, RequestError, SamplingParams
-from engine.outputs import StepResult
+from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
+from kvscope.engine.outputs import StepResult
 
 MAX_STEPS_AHEAD_OF_UI = 256
 
@@ -51,7 +51,7 @@ class _Command:
 
 def build_engine(config: EngineConfig, previous=None):
     """A new LLMEngine; reuses the previous engine's weights when only the cache settings changed."""
-    from engine import LLMEngine
+    from kvscope.engine import LLMEngine
 
     model = getattr(getattr(previous, "runner", None), "model", None)
     if model is not None and previous.config.model == config.model and previous.config.dtype == config.dtype:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
-from engine.config import EngineConfig
-from engine.outputs import StepResult
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.outputs import StepResult
 
 
 @dataclass(frozen=True)

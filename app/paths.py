@@ -7,7 +7,7 @@ from pathlib import Path
 
 import platformdirs
 
-from engine.loader import cache_dir
+from kvscope.engine.loader import cache_dir
 
 APP_NAME = "kvscope"
 __all__ = ["cache_dir", "data_dir", "default_db_path"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import SamplingParams
+from kvscope.engine.config import SamplingParams
 
 PROMPTS_DIR = Path(__file__).with_name("prompts")
 CHAT_TEMPLATE_MARGIN = 48  # tokens a chat template adds around the messages, with room to spare

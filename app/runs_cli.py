@@ -9,9 +9,9 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from app.paths import default_db_path
-from app.runlog.reader import EXPORT_TABLES, RunLogReader, RunNotFound
-from app.runlog.schema import SchemaError
+from kvscope.app.paths import default_db_path
+from kvscope.app.runlog.reader import EXPORT_TABLES, RunLogReader, RunNotFound
+from kvscope.app.runlog.schema import SchemaError
 
 _LIST_COLUMNS = ("id", "started", "model", "requests", "tokens", "tok/s", "status")
 

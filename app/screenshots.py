@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.config import EngineConfig
+from kvscope.engine.config import EngineConfig
 
 DEFAULT_SIZE = (160, 48)
 SCENE_TIMEOUT_S = 600.0
@@ -41,7 +41,7 @@ class SharedWeights:
         self.first = None
 
     def __call__(self, config: EngineConfig, previous=None):
-        from app.engine_worker import build_engine
+        from kvscope.app.engine_worker import build_engine
 
         engine = build_engine(config, previous or self.first)
         self.first = self.first or engine
@@ -118,7 +118,7 @@ async def _scene_contiguous(pilot) -> None:
 
 def _select_shared(app) -> None:
     """Select the request with the most blocks and put the map's cursor on a shared block."""
-    from app.messages import RequestSelected
+    from kvscope.app.messages import RequestSelected
 
     snapshot = app.main.latest.snapshot
     views = sorted(snapshot.requests, key=lambda v: -sum(len(t) for t in v.block_tables))
@@ -149,7 +149,7 @@ SCENES = {
 
 async def _shoot(name: str, config: EngineConfig, factory: Callable, out: Path,
                  size: tuple[int, int]) -> Path:
-    from app.tui import KVScopeApp
+    from kvscope.app.tui import KVScopeApp
 
     scene, changes = SCENES[name]
     app = KVScopeApp(dataclasses.replace(config, **changes), log_enabled=False, engine_factory=factory,

@@ -12,8 +12,8 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from app.engine_worker import EngineWorker, build_engine
-from app.messages import (
+from kvscope.app.engine_worker import EngineWorker, build_engine
+from kvscope.app.messages import (
     ChatSubmitted,
     EngineFailed,
     EngineInfo,
@@ -24,17 +24,17 @@ from app.messages import (
     RequestRejected,
     RunStateChanged,
 )
-from app.paths import default_db_path
-from app.presets import PRESETS
-from app.screens.explain import ExplainScreen
-from app.screens.history import HistoryScreen
-from app.screens.main import MainScreen
-from app.widgets.block_map import BlockMap
-from app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
-from app.widgets.load_generator import LoadGenerator
-from app.widgets.system import SystemSampler
-from engine.config import EngineConfig, SamplingParams
-from themes import (
+from kvscope.app.paths import default_db_path
+from kvscope.app.presets import PRESETS
+from kvscope.app.screens.explain import ExplainScreen
+from kvscope.app.screens.history import HistoryScreen
+from kvscope.app.screens.main import MainScreen
+from kvscope.app.widgets.block_map import BlockMap
+from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
+from kvscope.app.widgets.load_generator import LoadGenerator
+from kvscope.app.widgets.system import SystemSampler
+from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.themes import (
     BLOCK_VARIABLE_DEFAULTS,
     DEFAULT_THEME,
     KVSCOPE_DARK,
@@ -117,7 +117,7 @@ class KVScopeApp(App):
         self.worker.stop()
 
     def _open_log(self, config: EngineConfig, info: EngineInfo):
-        from app.runlog import open_run_log
+        from kvscope.app.runlog import open_run_log
 
         # Log the resolved max_model_len so a replay can draw the contiguous comparison.
         if config.max_model_len is None:

@@ -4,9 +4,9 @@ Importing the package is light: torch and transformers load only when an
 LLMEngine builds its model runner.
 """
 
-from engine.config import ConfigError, EngineConfig, RequestError, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.outputs import CacheSnapshot, RequestOutput, StepResult, StepStats
+from kvscope.engine.config import ConfigError, EngineConfig, RequestError, SamplingParams
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.engine.outputs import CacheSnapshot, RequestOutput, StepResult, StepStats
 
 __all__ = ["CacheSnapshot", "ConfigError", "EngineConfig", "LLMEngine", "RequestError", "RequestOutput",
            "SamplingParams", "StepResult", "StepStats"]

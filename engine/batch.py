@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.config import SamplingParams
+from kvscope.engine.config import SamplingParams
 
 
 class BatchItem(NamedTuple):

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
+from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
 
 
 class BlockPool:

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from engine.batch import BatchItem, ScheduledBatch
-from engine.config import EngineConfig, SamplingParams
+from kvscope.engine.batch import BatchItem, ScheduledBatch
+from kvscope.engine.config import EngineConfig, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
@@ -160,7 +160,7 @@ class FakeRunner:
 
 def fake_engine(config: EngineConfig | None = None, **runner_kwargs):
     """An LLMEngine on a FakeRunner whose reads are checked against the engine's own sequences."""
-    from engine.llm_engine import LLMEngine
+    from kvscope.engine.llm_engine import LLMEngine
 
     config = config or EngineConfig()
     runner = FakeRunner(config, **runner_kwargs)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.block_pool import BlockPool
-from engine.request import Request, Sequence
+from kvscope.engine.block_pool import BlockPool
+from kvscope.engine.request import Request, Sequence
 
 _HASH_MASK = (1 << 63) - 1
 

@@ -6,8 +6,8 @@ import itertools
 import time
 import warnings
 
-from engine.config import EngineConfig, RequestError, SamplingParams
-from engine.outputs import (
+from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
+from kvscope.engine.outputs import (
     CacheSnapshot,
     EngineEvent,
     RequestOutput,
@@ -16,8 +16,8 @@ from engine.outputs import (
     StepResult,
     StepStats,
 )
-from engine.request import Request, RequestStatus, Sequence
-from engine.scheduler import Scheduler
+from kvscope.engine.request import Request, RequestStatus, Sequence
+from kvscope.engine.scheduler import Scheduler
 
 _PREVIEW_CHARS = 80
 _RUNNER_FAILED = "the model runner produced no token for this request (non-finite logits?)"
@@ -27,7 +27,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, runner=None) -> None:
         self.config = config
         if runner is None:
-            from engine.model_runner import ModelRunner  # torch and transformers load only when needed
+            from kvscope.engine.model_runner import ModelRunner  # torch and transformers load only when needed
             runner = ModelRunner(config, model=model, tokenizer=tokenizer)
         self.runner = runner
         self.tokenizer = tokenizer if tokenizer is not None else getattr(runner, "tokenizer", None)

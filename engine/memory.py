@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 import torch
 
-from engine.loader import ModelError
+from kvscope.engine.loader import ModelError
 
 MIB = 1024 * 1024
 # With no --kv-cache-memory, a CPU pool takes 10% of physical RAM, at most 2 GiB:

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
-from engine.batch import BatchItem, ScheduledBatch
-from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.loader import ModelError, load_model
-from engine.memory import format_banner, size_pool
-from engine.sampler import Sampler, SampleRow
+from kvscope import kernels
+from kvscope.engine.batch import BatchItem, ScheduledBatch
+from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
+from kvscope.engine.loader import ModelError, load_model
+from kvscope.engine.memory import format_banner, size_pool
+from kvscope.engine.sampler import Sampler, SampleRow
 
 ATTENTION_NAME = "kvscope"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 
-from engine.config import SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
-from engine.outputs import RequestMetrics, RequestView
+from kvscope.engine.config import SamplingParams
+from kvscope.engine.detokenizer import IncrementalDetokenizer
+from kvscope.engine.outputs import RequestMetrics, RequestView
 
 
 class RequestStatus:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.config import SamplingParams
+from kvscope.engine.config import SamplingParams
 
 
 class SampleRow(NamedTuple):    # one per sampled row per step: cheap to build

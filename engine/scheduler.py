@@ -17,11 +17,11 @@ import bisect
 from collections import deque
 from typing import NamedTuple
 
-from engine.batch import BatchItem, ScheduledBatch
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import EngineEvent
-from engine.request import Request, RequestStatus, Sequence
+from kvscope.engine.batch import BatchItem, ScheduledBatch
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.kv_cache_manager import KVCacheManager
+from kvscope.engine.outputs import EngineEvent
+from kvscope.engine.request import Request, RequestStatus, Sequence
 
 Plan = list[tuple[Sequence, int]]   # (sample, tokens to compute this step)
 _FIRST_SAMPLE = (0,)

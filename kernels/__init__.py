@@ -16,8 +16,8 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
-from kernels.reference import BlockIds, clear_workspace, swap_blocks
+from kvscope.kernels import reference
+from kvscope.kernels.reference import BlockIds, clear_workspace, swap_blocks
 
 __all__ = [
     "clear_workspace",
@@ -37,7 +37,7 @@ def triton_available() -> bool:
 
 def _backend(tensor: torch.Tensor) -> ModuleType:
     if tensor.is_cuda and triton_available():
-        from kernels import triton_ops
+        from kvscope.kernels import triton_ops
 
         return triton_ops
     return reference

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels.reference import BlockIds, swap_blocks
+from kvscope.kernels.reference import BlockIds, swap_blocks
 
 __all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "store_kv", "swap_blocks"]
 

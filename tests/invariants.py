@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.kv_cache_manager import cdiv
-from engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
-from engine.request import RequestStatus
+from kvscope.engine.kv_cache_manager import cdiv
+from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
+from kvscope.engine.request import RequestStatus
 
 
 def check_invariants(engine, result=None) -> None:

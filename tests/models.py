@@ -13,7 +13,7 @@ import functools
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engine.loader import resolve_model_path
+from kvscope.engine.loader import resolve_model_path
 
 TINY_ARCHS = {
     # llama with GQA 2:1

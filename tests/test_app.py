@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, step_number, type_chat, until
 
-from app.tui import ACTIONS
-from app.widgets import block_cells as cells
-from app.widgets.block_inspector import BlockInspector
-from app.widgets.block_map import BlockMap
-from app.widgets.block_table import BlockTable
-from app.widgets.chat import ChatPane
-from app.widgets.counters import Counters, describe_stats
-from app.widgets.header import EngineHeader
-from app.widgets.queues import QueuesTable
-from engine.config import EngineConfig
+from kvscope.app.tui import ACTIONS
+from kvscope.app.widgets import block_cells as cells
+from kvscope.app.widgets.block_inspector import BlockInspector
+from kvscope.app.widgets.block_map import BlockMap
+from kvscope.app.widgets.block_table import BlockTable
+from kvscope.app.widgets.chat import ChatPane
+from kvscope.app.widgets.counters import Counters, describe_stats
+from kvscope.app.widgets.header import EngineHeader
+from kvscope.app.widgets.queues import QueuesTable
+from kvscope.engine.config import EngineConfig
 
 pytestmark = pytest.mark.anyio
 

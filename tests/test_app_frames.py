@@ -13,11 +13,11 @@ from test_app_harness import FakeEngines, burst_steps, make_app, started
 from textual.app import App, ComposeResult
 from textual.geometry import Region
 
-import app.screens.main as main_screen
-from app.widgets import block_cells as cells
-from app.widgets.line_panel import LinePanel
-from engine.config import EngineConfig, SamplingParams
-from engine.fake_runner import fake_engine
+import kvscope.app.screens.main as main_screen
+from kvscope.app.widgets import block_cells as cells
+from kvscope.app.widgets.line_panel import LinePanel
+from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.fake_runner import fake_engine
 
 pytestmark = pytest.mark.anyio
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from app.bench_ui import RecordingEngine
-from app.screenshots import wait_until
-from app.tui import KVScopeApp
-from app.widgets.system import SystemSample
-from engine.config import EngineConfig
-from engine.fake_runner import fake_engine
+from kvscope.app.bench_ui import RecordingEngine
+from kvscope.app.screenshots import wait_until
+from kvscope.app.tui import KVScopeApp
+from kvscope.app.widgets.system import SystemSample
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.fake_runner import fake_engine
 
 STEP_SECONDS = 0.02
 

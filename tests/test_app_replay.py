@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from test_app_harness import FakeEngines, make_app, started, until
 
-from app.presets import PresetContext, build
-from app.runlog import RunLogReader, open_run_log
-from app.screens.history import HistoryScreen
-from app.screens.replay import ReplayScreen
-from app.widgets.block_map import BlockMap
-from app.widgets.counters import Counters
-from app.widgets.queues import QueuesTable
-from engine.config import EngineConfig
-from engine.fake_runner import fake_engine
+from kvscope.app.presets import PresetContext, build
+from kvscope.app.runlog import RunLogReader, open_run_log
+from kvscope.app.screens.history import HistoryScreen
+from kvscope.app.screens.replay import ReplayScreen
+from kvscope.app.widgets.block_map import BlockMap
+from kvscope.app.widgets.counters import Counters
+from kvscope.app.widgets.queues import QueuesTable
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.fake_runner import fake_engine
 
 pytestmark = pytest.mark.anyio
 

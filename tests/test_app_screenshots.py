@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from test_app_harness import FakeEngines
 
-from app.screenshots import SCENES, take_screenshots
-from engine.config import EngineConfig
+from kvscope.app.screenshots import SCENES, take_screenshots
+from kvscope.engine.config import EngineConfig
 
 
 def test_every_scene_writes_an_svg(tmp_path):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
 
-from app.messages import RequestSelected
-from app.widgets.block_map import BlockMap
+from kvscope.app.messages import RequestSelected
+from kvscope.app.widgets.block_map import BlockMap
 
 
 def _app(**kwargs):

@@ -7,17 +7,17 @@ import pytest
 from test_app_harness import replace
 from textual.content import Content
 
-from app.bench_ui import synthetic_snapshot
-from app.engine_worker import engine_info
-from app.presets import PRESETS, PresetContext, build
-from app.widgets import block_cells as cells
-from app.widgets.block_inspector import describe_block, describe_cell
-from app.widgets.block_legend import GAP, ITEMS, legend_lines
-from app.widgets.paged_vs_contiguous import compare_allocations
-from app.widgets.throughput import bar_levels
-from engine.config import RequestError
-from engine.fake_runner import fake_engine
-from engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView
+from kvscope.app.bench_ui import synthetic_snapshot
+from kvscope.app.engine_worker import engine_info
+from kvscope.app.presets import PRESETS, PresetContext, build
+from kvscope.app.widgets import block_cells as cells
+from kvscope.app.widgets.block_inspector import describe_block, describe_cell
+from kvscope.app.widgets.block_legend import GAP, ITEMS, legend_lines
+from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
+from kvscope.app.widgets.throughput import bar_levels
+from kvscope.engine.config import RequestError
+from kvscope.engine.fake_runner import fake_engine
+from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView
 
 
 def view(request_id: str, arrival: int, *tables: tuple[int, ...], queue: str = "running") -> RequestView:
@@ -169,7 +169,7 @@ def test_paged_vs_contiguous_when_the_engine_is_contiguous():
 
 @pytest.mark.parametrize("key", list(PRESETS))
 def test_every_preset_is_accepted_by_an_engine(key):
-    from engine.config import EngineConfig
+    from kvscope.engine.config import EngineConfig
 
     config = EngineConfig(num_blocks=256, max_model_len=1024, max_num_batched_tokens=256)
     engine = fake_engine(config)
@@ -202,7 +202,7 @@ def test_preset_rejects_bad_input():
 
 
 def test_system_sampler_reads_the_machine_and_says_quietly_when_there_is_no_gpu():
-    from app.widgets.system import SystemSampler, describe_sample
+    from kvscope.app.widgets.system import SystemSampler, describe_sample
 
     sample = SystemSampler().sample()
     assert sample.ram_total > sample.ram_used > 0 and sample.process_rss > 0
@@ -214,8 +214,8 @@ def test_system_sampler_reads_the_machine_and_says_quietly_when_there_is_no_gpu(
 
 
 def test_ui_bench_rate_is_generated_tokens_over_the_busy_span():
-    from app.bench_ui import generation_rate
-    from engine.outputs import StepStats
+    from kvscope.app.bench_ui import generation_rate
+    from kvscope.engine.outputs import StepStats
 
     base = StepStats(step=0, time=0.0, duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_running=0,
                      num_waiting=0, num_swapped=0, num_free_blocks=0, num_cached_free_blocks=0,

@@ -7,9 +7,9 @@ import time
 
 from test_app_harness import FakeEngines
 
-from app.engine_worker import EngineWorker
-from app.messages import EngineFailed, EngineReady, EngineStepped, RequestRejected, RunStateChanged
-from engine.config import EngineConfig, SamplingParams
+from kvscope.app.engine_worker import EngineWorker
+from kvscope.app.messages import EngineFailed, EngineReady, EngineStepped, RequestRejected, RunStateChanged
+from kvscope.engine.config import EngineConfig, SamplingParams
 
 
 class Inbox:

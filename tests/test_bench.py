@@ -7,15 +7,15 @@ import sqlite3
 
 import pytest
 
-from app.bench import kernels_bench
-from app.bench.floor import grid, interpolate
-from app.bench.hf_static import static_batch_kv_slots, useful_output_tokens
-from app.bench.kvscope_system import VARIANTS, KvscopeRun, engine_config
-from app.bench.logging_bench import run_logging_bench
-from app.bench.metrics import REPORT_KEYS, PeakRss, RunRecord, summarise
-from app.bench.report import add_ratios, format_table, json_lines
-from app.bench.systems import CONTIGUOUS, PAGED, PAGED_NO_PREFIX, systems_for
-from app.bench.workloads import (
+from kvscope.app.bench import kernels_bench
+from kvscope.app.bench.floor import grid, interpolate
+from kvscope.app.bench.hf_static import static_batch_kv_slots, useful_output_tokens
+from kvscope.app.bench.kvscope_system import VARIANTS, KvscopeRun, engine_config
+from kvscope.app.bench.logging_bench import run_logging_bench
+from kvscope.app.bench.metrics import REPORT_KEYS, PeakRss, RunRecord, summarise
+from kvscope.app.bench.report import add_ratios, format_table, json_lines
+from kvscope.app.bench.systems import CONTIGUOUS, PAGED, PAGED_NO_PREFIX, systems_for
+from kvscope.app.bench.workloads import (
     BenchRequest,
     Workload,
     build_workloads,
@@ -24,8 +24,8 @@ from app.bench.workloads import (
     shared_prefix,
     warm_up_request,
 )
-from app.runlog import open_run_log
-from engine.fake_runner import fake_engine
+from kvscope.app.runlog import open_run_log
+from kvscope.engine.fake_runner import fake_engine
 
 # ---- workloads ------------------------------------------------------------------------------------
 
@@ -256,7 +256,7 @@ def test_kernel_bench_reports_decode_and_prefill_per_dtype():
 
 
 def test_scheduler_bench_reports_the_engine_share_of_a_step(capsys):
-    from app.bench.scheduler import print_scheduler_bench
+    from kvscope.app.bench.scheduler import print_scheduler_bench
 
     result = print_scheduler_bench(num_requests=8, num_blocks=256, steps=12, warmup=2)
     assert result["num_requests"] == 8 and result["steps"] == 12

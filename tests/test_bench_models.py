@@ -10,14 +10,14 @@ import pytest
 import torch
 from models import tiny_model
 
-from app.bench.harness import Bench, BenchOptions
-from app.bench.hf_cb import ContinuousBatchRun, ContinuousSettings
-from app.bench.hf_static import StaticBatchRun, StaticSettings
-from app.bench.metrics import REPORT_KEYS
-from app.bench.report import add_ratios, format_table
-from app.bench.systems import SYSTEMS
-from app.bench.workloads import BenchRequest, Workload, warm_up_request
-from app.cli import build_parser, main
+from kvscope.app.bench.harness import Bench, BenchOptions
+from kvscope.app.bench.hf_cb import ContinuousBatchRun, ContinuousSettings
+from kvscope.app.bench.hf_static import StaticBatchRun, StaticSettings
+from kvscope.app.bench.metrics import REPORT_KEYS
+from kvscope.app.bench.report import add_ratios, format_table
+from kvscope.app.bench.systems import SYSTEMS
+from kvscope.app.bench.workloads import BenchRequest, Workload, warm_up_request
+from kvscope.app.cli import build_parser, main
 
 OUTPUT_LENGTHS = (2, 5, 3)
 SMALL_CB = ContinuousSettings(page_size=16, max_batch_tokens=64, max_requests_per_batch=4)
@@ -114,7 +114,7 @@ def test_cli_runs_the_workloads_end_to_end(tiny, tmp_path, capsys, monkeypatch):
         asked.append((name, num_requests, seed))
         return [_workload()]
 
-    monkeypatch.setattr("app.bench.workloads.build_workloads", small_workloads)
+    monkeypatch.setattr("kvscope.app.bench.workloads.build_workloads", small_workloads)
     code = main(["bench", "--model", str(tmp_path / "tiny"), "--requests", "3", "--json", "--device", "cpu",
                  "--systems", "kvscope-paged,hf-static", "--db", str(tmp_path / "runs.db"), "--no-floor"])
     assert code == 0 and asked == [("mixed", 3, 0)]
@@ -126,8 +126,8 @@ def test_cli_runs_the_workloads_end_to_end(tiny, tmp_path, capsys, monkeypatch):
 
 
 def test_cli_sub_benches_say_when_they_are_missing(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "app.bench_ui", None)
-    monkeypatch.setitem(sys.modules, "app.bench.scheduler", None)
+    monkeypatch.setitem(sys.modules, "kvscope.app.bench_ui", None)
+    monkeypatch.setitem(sys.modules, "kvscope.app.bench.scheduler", None)
     assert main(["bench", "ui"]) == 1
     assert main(["bench", "scheduler"]) == 1
     err = capsys.readouterr().err

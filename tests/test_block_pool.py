@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
+from kvscope.engine.block_pool import BlockPool
+from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
 
 
 def fill_and_register(pool: BlockPool, blocks, first_hash: int) -> None:

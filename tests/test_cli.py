@@ -8,8 +8,8 @@ import sys
 import pytest
 from transformers import BertConfig, MambaConfig
 
-from app.cli import build_parser, main
-from engine import loader
+from kvscope.app.cli import build_parser, main
+from kvscope.engine import loader
 
 
 def run_cli(capsys, *argv):
@@ -29,12 +29,6 @@ def assert_one_line_error(status, err, *needles):
         assert needle in errors[0]
 
 
-def test_transformers_does_not_mistake_our_kernels_package():
-    from transformers.utils.import_utils import is_kernels_available
-
-    import kernels  # noqa: F401  (ours, importable)
-
-    assert is_kernels_available() is False
 
 
 def test_help_lists_subcommands_and_vllm_named_flags():
@@ -87,8 +81,8 @@ def test_encoder_only_architecture(capsys, tmp_path):
 def test_architecture_without_attention_interface(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.model_runner import ModelRunner
 
     model = AutoModelForCausalLM.from_config(MambaConfig(hidden_size=16, num_hidden_layers=1, vocab_size=64))
     with pytest.raises(loader.ModelError, match="AttentionInterface"):
@@ -126,7 +120,7 @@ def test_bad_block_size(capsys):
 
 
 def test_real_process_prints_no_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "app.cli", "chat", "hi", "--model", str(tmp_path / "x")],
+    result = subprocess.run([sys.executable, "-m", "kvscope.app.cli", "chat", "hi", "--model", str(tmp_path / "x")],
                             capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
@@ -134,7 +128,7 @@ def test_real_process_prints_no_traceback(tmp_path):
 
 
 def test_chat_streams_an_answer_and_logs_the_run(capsys, tmp_path):
-    from app.runlog import RunLogReader
+    from kvscope.app.runlog import RunLogReader
 
     db = tmp_path / "runs.db"
     status, out, err = run_cli(capsys, "chat", "Say hello.", "--max-tokens", "6", "--device", "cpu",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.fake_runner import FakeTokenizer
+from kvscope.engine.detokenizer import IncrementalDetokenizer
+from kvscope.engine.fake_runner import FakeTokenizer
 
 TOKENIZER = FakeTokenizer()     # byte-level: multi-byte characters span several tokens
 

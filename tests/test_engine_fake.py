@@ -9,8 +9,8 @@ import types
 import pytest
 from invariants import check_invariants, run_checked
 
-from engine import EngineConfig, LLMEngine, RequestError, SamplingParams
-from engine.fake_runner import FakeRunner, fake_engine
+from kvscope.engine import EngineConfig, LLMEngine, RequestError, SamplingParams
+from kvscope.engine.fake_runner import FakeRunner, fake_engine
 
 
 def make_engine(num_blocks=64, max_model_len=128, **config):
@@ -246,7 +246,7 @@ def test_engine_builds_a_model_runner_when_none_is_given(monkeypatch):
         return FakeRunner(config, num_blocks=8)
 
     # Stand in for engine.model_runner without importing torch.
-    monkeypatch.setitem(sys.modules, "engine.model_runner", types.SimpleNamespace(ModelRunner=model_runner))
+    monkeypatch.setitem(sys.modules, "kvscope.engine.model_runner", types.SimpleNamespace(ModelRunner=model_runner))
     config = EngineConfig(block_size=4)
     engine = LLMEngine(config, model="m", tokenizer=None)
     assert built["args"] == (config, "m", None) and engine.num_blocks == 8

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from invariants import check_invariants
 
-from engine import EngineConfig, SamplingParams
-from engine.fake_runner import fake_engine
-from engine.kv_cache_manager import KVCacheManager
+from kvscope.engine import EngineConfig, SamplingParams
+from kvscope.engine.fake_runner import fake_engine
+from kvscope.engine.kv_cache_manager import KVCacheManager
 
 MAX_MODEL_LEN = 48
 MAX_STEPS = 3000

@@ -16,7 +16,7 @@ import torch
 from invariants import check_invariants
 from models import TINY_ARCHS, load_smollm2, reference_generate, tiny_model
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
 
 ARCHS = ["smollm2", *TINY_ARCHS]
 NUM_PROMPTS = 16

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import reference
-from kernels.testing import PagedLayout, naive_attention, random_layout
+from kvscope.kernels import reference
+from kvscope.kernels.testing import PagedLayout, naive_attention, random_layout
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
@@ -229,11 +229,11 @@ def test_swap_out_and_back_in_restores_blocks():
 
 
 def test_cpu_dispatch_never_touches_triton(monkeypatch):
-    import kernels
+    from kvscope import kernels
 
     # A None entry in sys.modules makes any import of that name raise ImportError.
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.setitem(sys.modules, "kernels.triton_ops", None)
+    monkeypatch.setitem(sys.modules, "kvscope.kernels.triton_ops", None)
     gen = torch.Generator().manual_seed(6)
     layout = random_layout([5, 9], 4, 1, 16, generator=gen)
     query = make_query(2, 2, 16, torch.float32, gen)
@@ -330,7 +330,7 @@ def test_prefill_of_a_step_without_queries_is_empty():
 
 def test_workspace_serves_callers_inside_and_outside_inference_mode():
     """The engine gathers under inference_mode; a later plain caller must not get that read-only buffer."""
-    from kernels.reference import _workspace
+    from kvscope.kernels.reference import _workspace
 
     device = torch.device("cpu")
     with torch.inference_mode():

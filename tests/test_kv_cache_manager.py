@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.config import SamplingParams
-from engine.kv_cache_manager import KVCacheManager, hash_block
-from engine.request import Request
+from kvscope.engine.config import SamplingParams
+from kvscope.engine.kv_cache_manager import KVCacheManager, hash_block
+from kvscope.engine.request import Request
 
 BS = 4
 

@@ -15,11 +15,11 @@ import pytest
 import sqlite_utils
 from test_runlog_synthetic import SyntheticEngine
 
-from app import paths
-from app.runlog import SCHEMA_VERSION, RunLogReader, open_run_log, schema, writer
-from app.runlog.liveness import current_process_identity, mark_crashed_runs
-from engine.config import EngineConfig
-from engine.outputs import StepStats
+from kvscope.app import paths
+from kvscope.app.runlog import SCHEMA_VERSION, RunLogReader, open_run_log, schema, writer
+from kvscope.app.runlog.liveness import current_process_identity, mark_crashed_runs
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.outputs import StepStats
 
 CONFIG = EngineConfig(device="cpu", num_blocks=128, block_size=16)
 
@@ -412,9 +412,9 @@ def test_step_stats_round_trip_keeps_every_field(tmp_path):
 
 
 def test_a_script_logs_its_engine_with_record_run(tmp_path):
-    from app.runlog import record_run
-    from engine import SamplingParams
-    from engine.fake_runner import fake_engine
+    from kvscope.app.runlog import record_run
+    from kvscope.engine import SamplingParams
+    from kvscope.engine.fake_runner import fake_engine
 
     engine = fake_engine(EngineConfig(block_size=4), num_blocks=32, max_model_len=64)
     with record_run(engine, db_path=tmp_path / "runs.db") as log:
@@ -432,8 +432,8 @@ def test_a_script_logs_its_engine_with_record_run(tmp_path):
 
 
 def test_a_script_that_raises_leaves_a_crashed_run(tmp_path):
-    from app.runlog import record_run
-    from engine.fake_runner import fake_engine
+    from kvscope.app.runlog import record_run
+    from kvscope.engine.fake_runner import fake_engine
 
     engine = fake_engine(EngineConfig(block_size=4), num_blocks=32, max_model_len=64)
     db = tmp_path / "runs.db"
@@ -444,9 +444,9 @@ def test_a_script_that_raises_leaves_a_crashed_run(tmp_path):
 
 
 def test_record_run_with_a_bad_path_warns_and_the_engine_runs_on(tmp_path):
-    from app.runlog import record_run
-    from engine import SamplingParams
-    from engine.fake_runner import fake_engine
+    from kvscope.app.runlog import record_run
+    from kvscope.engine import SamplingParams
+    from kvscope.engine.fake_runner import fake_engine
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

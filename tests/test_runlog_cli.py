@@ -11,9 +11,9 @@ import sqlite3
 import pytest
 from test_runlog_synthetic import SyntheticEngine
 
-from app import runs_cli
-from app.runlog import open_run_log
-from engine.config import EngineConfig
+from kvscope.app import runs_cli
+from kvscope.app.runlog import open_run_log
+from kvscope.engine.config import EngineConfig
 
 
 def kvscope(*argv: str) -> int:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from app.runlog import RunLogReader, open_run_log
-from engine.config import EngineConfig
+from kvscope.app.runlog import RunLogReader, open_run_log
+from kvscope.engine.config import EngineConfig
 
 TESTS_DIR = Path(__file__).parent
 
@@ -22,8 +22,8 @@ CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, sys.argv[1])
     from test_runlog_synthetic import SyntheticEngine
-    from app.runlog import open_run_log
-    from engine.config import EngineConfig
+    from kvscope.app.runlog import open_run_log
+    from kvscope.engine.config import EngineConfig
 
     path, mode = sys.argv[2], sys.argv[3]
     logger = open_run_log(path, source="script", config=EngineConfig(device="cpu", num_blocks=64),

@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_runlog_synthetic import SyntheticEngine
 
-from app.runlog import RunLogReader, RunNotFound, open_run_log
-from app.runlog.snapshots import SnapshotDecoder, SnapshotEncoder, unpack
-from engine import LLMEngine, SamplingParams
-from engine.config import EngineConfig
-from engine.fake_runner import FakeRunner
-from engine.outputs import CacheSnapshot, RequestView
+from kvscope.app.runlog import RunLogReader, RunNotFound, open_run_log
+from kvscope.app.runlog.snapshots import SnapshotDecoder, SnapshotEncoder, unpack
+from kvscope.engine import LLMEngine, SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.fake_runner import FakeRunner
+from kvscope.engine.outputs import CacheSnapshot, RequestView
 
 ARRAYS = ("block_state", "ref_counts", "block_fill", "block_hashes")
 

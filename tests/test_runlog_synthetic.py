@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.outputs import (
+from kvscope.engine.outputs import (
     BLOCK_CACHED,
     BLOCK_FREE,
     BLOCK_USED,

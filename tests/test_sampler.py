@@ -2,8 +2,8 @@ import math
 
 import torch
 
-from engine.config import SamplingParams
-from engine.sampler import Sampler, SampleRow
+from kvscope.engine.config import SamplingParams
+from kvscope.engine.sampler import Sampler, SampleRow
 
 
 def rows(params, count=1, position=10):

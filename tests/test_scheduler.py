@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from invariants import check_invariants, run_checked
 
-from engine.config import EngineConfig, SamplingParams
-from engine.fake_runner import fake_engine
+from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.fake_runner import fake_engine
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from themes.dark import KVSCOPE_DARK
-from themes.light import KVSCOPE_LIGHT
-from themes.palette import BLOCK_STATE_VARIABLES, BLOCK_VARIABLE_DEFAULTS, NUM_OWNER_COLOURS, owner_variable
+from kvscope.themes.dark import KVSCOPE_DARK
+from kvscope.themes.light import KVSCOPE_LIGHT
+from kvscope.themes.palette import BLOCK_STATE_VARIABLES, BLOCK_VARIABLE_DEFAULTS, NUM_OWNER_COLOURS, owner_variable
 
 THEMES = (KVSCOPE_DARK, KVSCOPE_LIGHT)
 DEFAULT_THEME = KVSCOPE_DARK.name

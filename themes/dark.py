@@ -2,7 +2,7 @@
 
 from textual.theme import Theme
 
-from themes.palette import BLOCK_VARIABLE_DEFAULTS
+from kvscope.themes.palette import BLOCK_VARIABLE_DEFAULTS
 
 KVSCOPE_DARK = Theme(
     name="kvscope-dark",

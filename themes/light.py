@@ -2,7 +2,7 @@
 
 from textual.theme import Theme
 
-from themes.palette import owner_variable
+from kvscope.themes.palette import owner_variable
 
 _OWNERS = ("#0277bd", "#e65100", "#2e7d32", "#c2185b", "#7b1fa2", "#9e7c00",
            "#00796b", "#c62828", "#4527a0", "#558b2f", "#1565c0", "#bf360c")

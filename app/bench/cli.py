@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from app.bench.systems import SYSTEMS
-from app.bench.workloads import WORKLOAD_NAMES
+from kvscope.app.bench.systems import SYSTEMS
+from kvscope.app.bench.workloads import WORKLOAD_NAMES
 
 WHAT = ("workloads", "scheduler", "logging", "ui", "kernels")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -90,7 +90,7 @@ def _setup(args: argparse.Namespace):
     """Threads and device, decided once for every system; returns the device name."""
     import torch
 
-    from engine.model_runner import resolve_device
+    from kvscope.engine.model_runner import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -99,7 +99,7 @@ def _setup(args: argparse.Namespace):
 
 def _log_opener(db: str | Path | None, model: str, device: str):
     """open_log(config) for each kvscope run; warns once if the run log is off."""
-    from app.runlog import open_run_log
+    from kvscope.app.runlog import open_run_log
 
     warned = []
 
@@ -117,17 +117,17 @@ def _log_opener(db: str | Path | None, model: str, device: str):
 def _load(args: argparse.Namespace, dtype: str, device: str):
     import torch
 
-    from engine.loader import load_model
+    from kvscope.engine.loader import load_model
 
     return load_model(args.model, getattr(torch, dtype), device)
 
 
 def run_workloads(args: argparse.Namespace) -> int:
-    from app.bench.harness import Bench, BenchOptions, environment_line
-    from app.bench.hf_cb import ContinuousSettings
-    from app.bench.hf_static import StaticSettings
-    from app.bench.report import add_ratios, format_table, json_lines
-    from app.bench.workloads import build_workloads
+    from kvscope.app.bench.harness import Bench, BenchOptions, environment_line
+    from kvscope.app.bench.hf_cb import ContinuousSettings
+    from kvscope.app.bench.hf_static import StaticSettings
+    from kvscope.app.bench.report import add_ratios, format_table, json_lines
+    from kvscope.app.bench.workloads import build_workloads
 
     dtypes, systems = _parse_dtypes(args.dtype), _parse_systems(args.systems)
     workloads = build_workloads(args.workload, args.requests, args.seed)
@@ -155,10 +155,10 @@ def run_workloads(args: argparse.Namespace) -> int:
 
 
 def run_logging(args: argparse.Namespace) -> int:
-    from app.bench.harness import environment_line
-    from app.bench.logging_bench import LogUnavailable, run_logging_bench
-    from app.bench.workloads import build_workloads
-    from engine import LLMEngine
+    from kvscope.app.bench.harness import environment_line
+    from kvscope.app.bench.logging_bench import LogUnavailable, run_logging_bench
+    from kvscope.app.bench.workloads import build_workloads
+    from kvscope.engine import LLMEngine
 
     dtype = _parse_dtypes(args.dtype)[0]
     workload = build_workloads(args.workload, args.requests, args.seed)[0]
@@ -185,7 +185,7 @@ def run_logging(args: argparse.Namespace) -> int:
 
 def run_scheduler(args: argparse.Namespace) -> int:
     try:
-        from app.bench.scheduler import print_scheduler_bench, run_scheduler_bench
+        from kvscope.app.bench.scheduler import print_scheduler_bench, run_scheduler_bench
     except ImportError as exc:
         print(f"kvscope bench scheduler: not available in this build ({exc})", file=sys.stderr)
         return 1
@@ -199,11 +199,11 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
 def run_ui(args: argparse.Namespace) -> int:
     try:
-        from app.bench_ui import run_ui_bench
+        from kvscope.app.bench_ui import run_ui_bench
     except ImportError as exc:
         print(f"kvscope bench ui: not available in this build ({exc})", file=sys.stderr)
         return 1
-    from engine import EngineConfig
+    from kvscope.engine import EngineConfig
 
     config = EngineConfig(model=args.model, device=args.device, dtype=_parse_dtypes(args.dtype)[0])
     sizes = {} if args.requests is None else {"num_requests": args.requests}
@@ -217,8 +217,8 @@ def run_ui(args: argparse.Namespace) -> int:
 
 
 def run_kernels(args: argparse.Namespace) -> int:
-    from app.bench.harness import environment_line
-    from app.bench.kernels_bench import format_table, run_kernel_bench
+    from kvscope.app.bench.harness import environment_line
+    from kvscope.app.bench.kernels_bench import format_table, run_kernel_bench
 
     dtypes = tuple(_parse_dtypes(args.dtype, default="float32,bfloat16"))
     device = _setup(args)

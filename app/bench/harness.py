@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.bench.floor import ForwardFloor
-from app.bench.hf_cb import ContinuousBatchRun, ContinuousSettings
-from app.bench.hf_static import StaticBatchRun, StaticSettings
-from app.bench.kvscope_system import OVERHEAD_BATCH, VARIANTS, KvscopeRun, engine_config
-from app.bench.metrics import PeakRss, RunRecord, summarise
-from app.bench.systems import HF_CB, HF_STATIC, PAGED, SYSTEMS, systems_for
-from app.bench.workloads import BenchRequest, Workload, warm_up_request
+from kvscope.app.bench.floor import ForwardFloor
+from kvscope.app.bench.hf_cb import ContinuousBatchRun, ContinuousSettings
+from kvscope.app.bench.hf_static import StaticBatchRun, StaticSettings
+from kvscope.app.bench.kvscope_system import OVERHEAD_BATCH, VARIANTS, KvscopeRun, engine_config
+from kvscope.app.bench.metrics import PeakRss, RunRecord, summarise
+from kvscope.app.bench.systems import HF_CB, HF_STATIC, PAGED, SYSTEMS, systems_for
+from kvscope.app.bench.workloads import BenchRequest, Workload, warm_up_request
 
 FLOOR_SYSTEM = PAGED
 
@@ -94,7 +94,7 @@ class Bench:
         return KvscopeRun(VARIANTS[system], self.make_engine, self.open_log).run(workload, warm_up, config)
 
     def make_engine(self, config):
-        from engine import LLMEngine
+        from kvscope.engine import LLMEngine
 
         return LLMEngine(config, model=self.model, tokenizer=self.tokenizer)
 

@@ -14,10 +14,10 @@ from time import perf_counter
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from app.bench.hf_static import sampling_kwargs
-from app.bench.metrics import RunRecord
-from app.bench.systems import HF_CB
-from app.bench.workloads import BenchRequest, Workload
+from kvscope.app.bench.hf_static import sampling_kwargs
+from kvscope.app.bench.metrics import RunRecord
+from kvscope.app.bench.systems import HF_CB
+from kvscope.app.bench.workloads import BenchRequest, Workload
 
 SYSTEM = HF_CB
 NO_EOS = -1

@@ -13,9 +13,9 @@ from time import perf_counter
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from app.bench.metrics import RunRecord
-from app.bench.systems import HF_STATIC
-from app.bench.workloads import BenchRequest, Workload
+from kvscope.app.bench.metrics import RunRecord
+from kvscope.app.bench.systems import HF_STATIC
+from kvscope.app.bench.workloads import BenchRequest, Workload
 
 SYSTEM = HF_STATIC
 

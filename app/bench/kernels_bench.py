@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from kernels.testing import random_layout
+from kvscope import kernels
+from kvscope.kernels.testing import random_layout
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 
-from app.bench.metrics import RunRecord, engine_overhead
-from app.bench.systems import CONTIGUOUS, PAGED, PAGED_NO_PREFIX
-from engine import EngineConfig, SamplingParams
+from kvscope.app.bench.metrics import RunRecord, engine_overhead
+from kvscope.app.bench.systems import CONTIGUOUS, PAGED, PAGED_NO_PREFIX
+from kvscope.engine import EngineConfig, SamplingParams
 
 # Issue 7's target for engine overhead is stated at this running batch.
 OVERHEAD_BATCH = 64

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.bench.kvscope_system import VARIANTS, KvscopeRun, engine_config
-from app.bench.metrics import ratio
-from app.bench.systems import PAGED
-from app.bench.workloads import BenchRequest, Workload, warm_up_request
+from kvscope.app.bench.kvscope_system import VARIANTS, KvscopeRun, engine_config
+from kvscope.app.bench.metrics import ratio
+from kvscope.app.bench.systems import PAGED
+from kvscope.app.bench.workloads import BenchRequest, Workload, warm_up_request
 
 SYSTEM = PAGED
 ORDER = (False, True, True, False)  # logging on? per run, per repeat

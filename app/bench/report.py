@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-from app.bench.metrics import REPORT_KEYS, ratio
-from app.bench.systems import PAGED
+from kvscope.app.bench.metrics import REPORT_KEYS, ratio
+from kvscope.app.bench.systems import PAGED
 
 REFERENCE_SYSTEM = PAGED
 RATIO_KEY = "paged_ratio"

@@ -18,16 +18,16 @@ import random
 import statistics
 import time
 
-from engine.config import EngineConfig, SamplingParams
-from engine.fake_runner import FakeRunner
-from engine.llm_engine import LLMEngine
+from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.fake_runner import FakeRunner
+from kvscope.engine.llm_engine import LLMEngine
 
 _PROMPT_LEN = 32
 
 
 def _text_tokenizer():
     """(tokenizer, its name): the default model's when fetched, else None for the FakeRunner's own."""
-    from engine.loader import default_model_dir
+    from kvscope.engine.loader import default_model_dir
 
     directory = default_model_dir()
     if not (directory / "tokenizer.json").is_file():

@@ -5,25 +5,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import sqlite_utils
 
-from app.paths import default_db_path
-from app.runlog.liveness import current_process_identity, mark_crashed_runs
-from app.runlog.schema import SchemaError, connect, prepare
-from app.runlog.writer import RunLogger, utc_now
-from engine.config import EngineConfig
+from kvscope import __version__
+from kvscope.app.paths import default_db_path
+from kvscope.app.runlog.liveness import current_process_identity, mark_crashed_runs
+from kvscope.app.runlog.schema import SchemaError, connect, prepare
+from kvscope.app.runlog.writer import RunLogger, utc_now
+from kvscope.engine.config import EngineConfig
 
 SOURCES = ("app", "bench", "chat", "script")
-
-
-def kvscope_version() -> str:
-    try:
-        return version("kvscope")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, model: str,
@@ -89,7 +82,7 @@ def _insert_run(db: sqlite_utils.Database, source: str, config: EngineConfig,
     pid, pid_started_at, hostname = current_process_identity()
     row = {
         "started_at": utc_now(), "status": "running", "source": source,
-        "kvscope_version": kvscope_version(), "model": model, "device": device, "dtype": dtype,
+        "kvscope_version": __version__, "model": model, "device": device, "dtype": dtype,
         "block_size": config.block_size, "num_blocks": config.num_blocks,
         "config": json.dumps(dataclasses.asdict(config), default=str),
         "pid": pid, "pid_started_at": pid_started_at, "hostname": hostname,

@@ -14,10 +14,10 @@ from typing import TextIO
 
 import sqlite_utils
 
-from app.runlog.liveness import process_alive
-from app.runlog.schema import check_readable, connect
-from app.runlog.snapshots import SnapshotDecoder
-from engine.outputs import CacheSnapshot, EngineEvent, StepStats
+from kvscope.app.runlog.liveness import process_alive
+from kvscope.app.runlog.schema import check_readable, connect
+from kvscope.app.runlog.snapshots import SnapshotDecoder
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepStats
 
 EXPORT_TABLES = ("steps", "requests", "events")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(StepStats))

@@ -9,8 +9,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from app.runlog.snapshots import SnapshotEncoder
-from engine.outputs import RequestOutput, StepResult
+from kvscope.app.runlog.snapshots import SnapshotEncoder
+from kvscope.engine.outputs import RequestOutput, StepResult
 
 _STATS_COLUMNS = (
     "time", "duration", "forward_duration", "num_prefill_tokens", "num_decode_tokens",

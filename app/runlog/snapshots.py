@@ -22,7 +22,7 @@ import zlib
 
 import numpy as np
 
-from engine.outputs import CacheSnapshot, RequestView
+from kvscope.engine.outputs import CacheSnapshot, RequestView
 
 KEYFRAME_INTERVAL = 50
 BLOCK_ARRAYS = ("block_state", "ref_counts", "block_fill", "block_hashes")

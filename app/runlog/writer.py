@@ -17,8 +17,8 @@ from pathlib import Path
 
 import sqlite_utils
 
-from app.runlog.records import RequestAdded, RowBuilder, Rows
-from engine.outputs import StepResult
+from kvscope.app.runlog.records import RequestAdded, RowBuilder, Rows
+from kvscope.engine.outputs import StepResult
 
 FLUSH_INTERVAL_S = 0.1
 MAX_BATCH_RECORDS = 512

@@ -12,8 +12,8 @@ from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, Sparkline, Static
 
-from app.runlog import RunLogReader, SchemaError
-from app.screens.replay import ReplayScreen
+from kvscope.app.runlog import RunLogReader, SchemaError
+from kvscope.app.screens.replay import ReplayScreen
 
 
 def describe_run(run: dict) -> str:

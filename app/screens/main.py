@@ -27,22 +27,22 @@ from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from app.messages import BlockHighlighted, EngineInfo, RequestSelected, RunState
-from app.widgets.block_inspector import BlockInspector
-from app.widgets.block_legend import BlockLegend
-from app.widgets.block_map import BlockMap
-from app.widgets.block_table import BlockTable
-from app.widgets.box import Box
-from app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
-from app.widgets.counters import Counters
-from app.widgets.header import EngineHeader
-from app.widgets.load_generator import LoadGenerator
-from app.widgets.paged_vs_contiguous import PagedVsContiguous
-from app.widgets.queues import QueuesTable
-from app.widgets.system import REFRESH_S as SYSTEM_REFRESH_S
-from app.widgets.system import SystemPanel, SystemSampler
-from app.widgets.throughput import Throughput
-from engine.outputs import StepResult
+from kvscope.app.messages import BlockHighlighted, EngineInfo, RequestSelected, RunState
+from kvscope.app.widgets.block_inspector import BlockInspector
+from kvscope.app.widgets.block_legend import BlockLegend
+from kvscope.app.widgets.block_map import BlockMap
+from kvscope.app.widgets.block_table import BlockTable
+from kvscope.app.widgets.box import Box
+from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
+from kvscope.app.widgets.counters import Counters
+from kvscope.app.widgets.header import EngineHeader
+from kvscope.app.widgets.load_generator import LoadGenerator
+from kvscope.app.widgets.paged_vs_contiguous import PagedVsContiguous
+from kvscope.app.widgets.queues import QueuesTable
+from kvscope.app.widgets.system import REFRESH_S as SYSTEM_REFRESH_S
+from kvscope.app.widgets.system import SystemPanel, SystemSampler
+from kvscope.app.widgets.throughput import Throughput
+from kvscope.engine.outputs import StepResult
 
 FRAME_RATE = 20
 UI_CPU_BUDGET = 0.04  # share of one core the UI thread may use for painting and handling steps

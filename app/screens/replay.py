@@ -18,16 +18,16 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
-from app.messages import BlockHighlighted, RequestSelected
-from app.runlog import ReplayFrame, RunLogReader
-from app.screens.main import titled
-from app.widgets.block_inspector import BlockInspector
-from app.widgets.block_legend import BlockLegend
-from app.widgets.block_map import BlockMap
-from app.widgets.block_table import BlockTable
-from app.widgets.counters import Counters
-from app.widgets.paged_vs_contiguous import PagedVsContiguous
-from app.widgets.queues import QueuesTable
+from kvscope.app.messages import BlockHighlighted, RequestSelected
+from kvscope.app.runlog import ReplayFrame, RunLogReader
+from kvscope.app.screens.main import titled
+from kvscope.app.widgets.block_inspector import BlockInspector
+from kvscope.app.widgets.block_legend import BlockLegend
+from kvscope.app.widgets.block_map import BlockMap
+from kvscope.app.widgets.block_table import BlockTable
+from kvscope.app.widgets.counters import Counters
+from kvscope.app.widgets.paged_vs_contiguous import PagedVsContiguous
+from kvscope.app.widgets.queues import QueuesTable
 
 SPEEDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0)  # steps per second
 DEFAULT_SPEED = 3

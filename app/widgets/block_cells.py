@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.outputs import BLOCK_CACHED, BLOCK_USED, CacheSnapshot
-from themes.palette import NUM_OWNER_COLOURS
+from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_USED, CacheSnapshot
+from kvscope.themes.palette import NUM_OWNER_COLOURS
 
 # Cell kinds, ordered by how much they matter when one cell stands for several blocks.
 KIND_FREE, KIND_CACHED, KIND_USED, KIND_SHARED = 0, 1, 2, 3

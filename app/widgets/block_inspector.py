@@ -6,9 +6,9 @@ from collections import Counter
 
 from textual.content import Content
 
-from app.widgets.line_panel import LinePanel
-from engine.outputs import BLOCK_CACHED, BLOCK_USED, CacheSnapshot
-from themes.palette import NUM_OWNER_COLOURS, owner_variable
+from kvscope.app.widgets.line_panel import LinePanel
+from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_USED, CacheSnapshot
+from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 _STATE_NAMES = {BLOCK_USED: "in use", BLOCK_CACHED: "cached prefix, free"}
 HINT = "Move the cursor over the map (arrows or mouse) to inspect a block; Enter selects its request."

@@ -11,7 +11,7 @@ from textual.content import Content
 from textual.events import Resize
 from textual.widgets import Static
 
-from themes.palette import owner_variable
+from kvscope.themes.palette import owner_variable
 
 _OWNERS = "".join(f"[${owner_variable(i)}]█[/]" for i in range(4))
 ITEMS = (

@@ -18,10 +18,10 @@ from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 
-from app.messages import BlockHighlighted, RequestSelected
-from app.widgets import block_cells as cells
-from engine.outputs import CacheSnapshot
-from themes.palette import NUM_OWNER_COLOURS, owner_variable
+from kvscope.app.messages import BlockHighlighted, RequestSelected
+from kvscope.app.widgets import block_cells as cells
+from kvscope.engine.outputs import CacheSnapshot
+from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 SWAPPED_GLYPH = "▚"
 RUN_KEY = 1 << 16  # cache key of a run of one-char cells: code * RUN_KEY + run length

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from textual.markup import escape
 
-from app.widgets.line_panel import LinePanel
-from engine.outputs import CacheSnapshot, RequestView
-from themes.palette import NUM_OWNER_COLOURS, owner_variable
+from kvscope.app.widgets.line_panel import LinePanel
+from kvscope.engine.outputs import CacheSnapshot, RequestView
+from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 HINT = "Select a request (in the queues, or Enter on the map) to see its block table."
 

@@ -15,8 +15,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.widgets import Input, Static
 
-from app.messages import ChatSubmitted
-from engine.outputs import RequestOutput
+from kvscope.app.messages import ChatSubmitted
+from kvscope.engine.outputs import RequestOutput
 
 PLACEHOLDER = "Ask the model…"
 DEFAULT_MAX_TOKENS = 256

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from app.widgets.formatting import bar, percent
-from app.widgets.line_panel import LinePanel
-from engine.outputs import StepStats
+from kvscope.app.widgets.formatting import bar, percent
+from kvscope.app.widgets.line_panel import LinePanel
+from kvscope.engine.outputs import StepStats
 
 BAR_WIDTH = 8
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from textual.content import Content
 from textual.widgets import Static
 
-from app.messages import EngineInfo, RunState
-from app.widgets.formatting import mebibytes
+from kvscope.app.messages import EngineInfo, RunState
+from kvscope.app.widgets.formatting import mebibytes
 
 
 def describe_engine_compact(info: EngineInfo) -> str:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.widgets.formatting import bar, percent
-from app.widgets.line_panel import LinePanel
-from engine.outputs import BLOCK_USED, CacheSnapshot
+from kvscope.app.widgets.formatting import bar, percent
+from kvscope.app.widgets.line_panel import LinePanel
+from kvscope.engine.outputs import BLOCK_USED, CacheSnapshot
 
 BAR_WIDTH = 10
 

@@ -17,9 +17,9 @@ from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from app.messages import RequestSelected
-from engine.outputs import CacheSnapshot, RequestView
-from themes.palette import NUM_OWNER_COLOURS, owner_variable
+from kvscope.app.messages import RequestSelected
+from kvscope.engine.outputs import CacheSnapshot, RequestView
+from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 QUEUE_ORDER = {"running": 0, "swapped": 1, "waiting": 2}
 # queue -> (label, theme variable of its colour, dim)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from app.widgets.formatting import bar, mebibytes
-from app.widgets.line_panel import LinePanel
+from kvscope.app.widgets.formatting import bar, mebibytes
+from kvscope.app.widgets.line_panel import LinePanel
 
 REFRESH_S = 1.0
 

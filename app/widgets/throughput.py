@@ -20,8 +20,8 @@ from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
 
-from app.widgets.formatting import compact
-from engine.outputs import StepStats
+from kvscope.app.widgets.formatting import compact
+from kvscope.engine.outputs import StepStats
 
 WINDOW = 120
 LABEL_WIDTH = 9

@@ -23,7 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import triton_ops  # noqa: E402
+from kvscope.kernels import triton_ops  # noqa: E402
 
 INT32_POINTERS = {"block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"}
 INT64_POINTERS = {"slot_ptr", "src_ptr", "dst_ptr"}

@@ -16,11 +16,11 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kernels import reference, triton_ops  # noqa: E402
-from kernels.testing import random_layout  # noqa: E402
+from kvscope.kernels import reference, triton_ops  # noqa: E402
+from kvscope.kernels.testing import random_layout  # noqa: E402
 
 if not isinstance(triton_ops._store_kv_kernel, InterpretedFunction):
-    pytest.skip("kernels.triton_ops was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+    pytest.skip("kvscope.kernels.triton_ops was imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 FP32, BF16 = torch.float32, torch.bfloat16
 TOLERANCE = {FP32: 1e-5, BF16: 2e-2}
