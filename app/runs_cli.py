@@ -9,9 +9,9 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from kvscope.app.paths import default_db_path
 from kvscope.app.runlog.reader import EXPORT_TABLES, RunLogReader, RunNotFound
 from kvscope.app.runlog.schema import SchemaError
+from kvscope.settings import settings
 
 _LIST_COLUMNS = ("id", "started", "model", "requests", "tokens", "tok/s", "status")
 
@@ -46,12 +46,12 @@ def register(subparsers) -> argparse.ArgumentParser:
 def _add_db_flag(parser: argparse.ArgumentParser) -> None:
     # SUPPRESS: a subcommand's unset --db must not overwrite one given before it.
     parser.add_argument("--db", default=argparse.SUPPRESS,
-                        help=f"run log SQLite file (default: {default_db_path()})")
+                        help=f"run log SQLite file (default: {settings().db_path})")
 
 
 def _db_path(args: argparse.Namespace) -> Path:
     db = getattr(args, "db", None)
-    return Path(db).expanduser() if db else default_db_path()
+    return Path(db).expanduser() if db else settings().db_path
 
 
 def _fail(message: str) -> int:

@@ -24,7 +24,6 @@ from kvscope.app.messages import (
     RequestRejected,
     RunStateChanged,
 )
-from kvscope.app.paths import default_db_path
 from kvscope.app.presets import PRESETS
 from kvscope.app.screens.explain import ExplainScreen
 from kvscope.app.screens.history import HistoryScreen
@@ -34,6 +33,7 @@ from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
 from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.settings import settings
 from kvscope.themes import (
     BLOCK_VARIABLE_DEFAULTS,
     DEFAULT_THEME,
@@ -94,7 +94,7 @@ class KVScopeApp(App):
         super().__init__()
         self.config = config
         self.log_enabled = log_enabled
-        self.db_path = (Path(db_path) if db_path else default_db_path()) if log_enabled else None
+        self.db_path = (Path(db_path) if db_path else settings().db_path) if log_enabled else None
         self.screenshot_dir = Path(screenshot_dir or os.getcwd())
         self.main = MainScreen(system_sampler=system_sampler, chat_max_tokens=chat_max_tokens)
         self.worker = EngineWorker(self, config, engine_factory=engine_factory, log_factory=self._open_log,

@@ -12,7 +12,6 @@ import errno
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import platformdirs
+from kvscope.settings import settings
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -31,11 +30,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 class ModelError(ValueError):
     """The model cannot be found, read or served. The message names the fix."""
-
-
-def cache_dir() -> Path:
-    override = os.environ.get("KVSCOPE_CACHE")
-    return Path(override).expanduser() if override else Path(platformdirs.user_cache_dir("kvscope"))
 
 
 def default_gguf_path() -> Path | None:
@@ -51,7 +45,7 @@ def default_gguf_path() -> Path | None:
 
 
 def default_model_dir() -> Path:
-    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+    return settings().cache_dir / "models" / DEFAULT_MODEL_NAME
 
 
 def fetch_default_model(quiet: bool = False) -> Path:
@@ -75,7 +69,7 @@ def fetch_default_model(quiet: bool = False) -> Path:
 def _gguf_cache_dir(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+    return settings().cache_dir / "models" / f"{gguf.stem}-{key}"
 
 
 def convert_gguf(gguf: Path, target: Path) -> Path:

@@ -10,16 +10,18 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import sqlite_utils
 from test_runlog_synthetic import SyntheticEngine
 
-from kvscope.app import paths
 from kvscope.app.runlog import SCHEMA_VERSION, RunLogReader, open_run_log, schema, writer
 from kvscope.app.runlog.liveness import current_process_identity, mark_crashed_runs
+from kvscope.engine import loader
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.outputs import StepStats
+from kvscope.settings import settings
 
 CONFIG = EngineConfig(device="cpu", num_blocks=128, block_size=16)
 
@@ -53,19 +55,24 @@ def file_digest(path) -> str:
 # --- paths ---------------------------------------------------------------------------
 
 
-def test_paths_follow_xdg_and_the_kvscope_overrides(monkeypatch, tmp_path):
+def test_settings_follow_xdg_and_the_kvscope_overrides(monkeypatch, tmp_path):
     monkeypatch.delenv("KVSCOPE_CACHE", raising=False)
     monkeypatch.delenv("KVSCOPE_DATA", raising=False)
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
-    assert paths.data_dir() == tmp_path / "xdg-data" / "kvscope"
-    assert paths.cache_dir() == tmp_path / "xdg-cache" / "kvscope"
-    assert paths.default_db_path() == tmp_path / "xdg-data" / "kvscope" / "runs.db"
+    assert settings().data_dir == tmp_path / "xdg-data" / "kvscope"
+    assert settings().cache_dir == tmp_path / "xdg-cache" / "kvscope"
+    assert settings().db_path == tmp_path / "xdg-data" / "kvscope" / "runs.db"
+    assert loader.default_model_dir() == tmp_path / "xdg-cache" / "kvscope" / "models" / loader.DEFAULT_MODEL_NAME
     monkeypatch.setenv("KVSCOPE_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("KVSCOPE_CACHE", str(tmp_path / "cache"))
-    assert paths.data_dir() == tmp_path / "data"
-    assert paths.cache_dir() == tmp_path / "cache"
-    assert paths.default_db_path().parent == tmp_path / "data"
+    assert settings().data_dir == tmp_path / "data"
+    assert settings().cache_dir == tmp_path / "cache"
+    assert settings().db_path.parent == tmp_path / "data"
+    assert loader.default_model_dir().parent == tmp_path / "cache" / "models"
+    # An empty variable is unset; an explicit mapping is read instead of the process environment.
+    assert settings({"KVSCOPE_DATA": ""}).data_dir == tmp_path / "xdg-data" / "kvscope"
+    assert settings({"KVSCOPE_DATA": "~/runs"}).data_dir == Path("~/runs").expanduser()
 
 
 def test_default_path_is_used_and_created(monkeypatch, tmp_path):

@@ -10,11 +10,11 @@ from pathlib import Path
 import sqlite_utils
 
 from kvscope import __version__
-from kvscope.app.paths import default_db_path
 from kvscope.app.runlog.liveness import current_process_identity, mark_crashed_runs
 from kvscope.app.runlog.schema import SchemaError, connect, prepare
 from kvscope.app.runlog.writer import RunLogger, utc_now
 from kvscope.engine.config import EngineConfig
+from kvscope.settings import settings
 
 SOURCES = ("app", "bench", "chat", "script")
 
@@ -30,7 +30,7 @@ def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, 
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if not enabled:
         return RunLogger.disabled(None)
-    path = Path(path).expanduser() if path is not None else default_db_path()
+    path = Path(path).expanduser() if path is not None else settings().db_path
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
