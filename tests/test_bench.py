@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 
 import pytest
 
@@ -24,7 +23,7 @@ from kvscope.app.bench.workloads import (
     shared_prefix,
     warm_up_request,
 )
-from kvscope.app.runlog import open_run_log
+from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.engine.fake_runner import fake_engine
 
 # ---- workloads ------------------------------------------------------------------------------------
@@ -200,28 +199,33 @@ def test_overload_preempts_and_still_finishes(mode):
     assert record.preemptions > 0
 
 
-def test_kvscope_runs_are_logged_with_source_bench(tmp_path):
+def test_kvscope_runs_are_recorded_as_every_run_is(tmp_path):
     db = tmp_path / "runs.db"
     opened = []
 
-    def open_log(config):
-        opened.append(open_run_log(db, source="bench", config=config, model="fake", device="cpu",
-                                   dtype="float32"))
+    def open_log(engine):
+        opened.append(record_run(engine, source="bench", db_path=db))
         return opened[-1]
 
-    _run_fake(PAGED, _fake_workload(), open_log)
-    with sqlite3.connect(db) as conn:
-        runs = conn.execute("SELECT id, source, status FROM runs").fetchall()
-        assert runs == [(opened[0].run_id, "bench", "finished")]
-        assert conn.execute("SELECT count(*) FROM requests").fetchone()[0] == 4
-        assert conn.execute("SELECT count(*) FROM steps").fetchone()[0] > 0
+    workload = _fake_workload()
+    _run_fake(PAGED, workload, open_log)
+    reader = RunLogReader(db)
+    (listed,) = reader.list_runs()
+    run = reader.run(listed["id"])
+    assert (run["id"], run["source"], run["status"]) == (opened[0].run_id, "bench", "finished")
+    requests = reader.rows("requests", run["id"])
+    # The warm-up ran before the logger was attached; the prompts are the engine's text for token ids.
+    assert [r["prompt_text"] for r in requests] == [bytes(q.prompt_token_ids).decode() for q in workload.requests]
+    assert [r["num_prompt_tokens"] for r in requests] == [len(q.prompt_token_ids) for q in workload.requests]
+    assert reader.steps(run["id"])[0].num_prefill_tokens > 0
+    assert run["config"]["max_model_len"] == workload.max_model_len
 
 
 def test_logging_bench_reports_ratio_and_database_size(tmp_path):
     db = tmp_path / "runs.db"
 
-    def open_log(config):
-        return open_run_log(db, source="bench", config=config, model="fake", device="cpu", dtype="float32")
+    def open_log(engine):
+        return record_run(engine, source="bench", db_path=db)
 
     result = run_logging_bench(fake_engine, open_log, _fake_workload(), db_path=db, model="fake",
                                device="cpu", dtype="float32", warm_up=FAKE_WARM_UP,

@@ -97,15 +97,14 @@ def _setup(args: argparse.Namespace):
     return resolve_device(args.device).type
 
 
-def _log_opener(db: str | Path | None, model: str, device: str):
-    """open_log(config) for each kvscope run; warns once if the run log is off."""
-    from kvscope.app.runlog import open_run_log
+def _log_opener(db: str | Path | None):
+    """open_log(engine) for each kvscope run: records it as any run is; warns once if the run log is off."""
+    from kvscope.app.runlog import record_run
 
     warned = []
 
-    def open_log(config):
-        logger = open_run_log(db, source="bench", config=config, model=model, device=device,
-                              dtype=config.dtype)
+    def open_log(engine):
+        logger = record_run(engine, source="bench", db_path=db)
         if logger.warning and not warned:
             warned.append(logger.warning)
             print(f"kvscope bench: {logger.warning}", file=sys.stderr)
@@ -143,7 +142,7 @@ def run_workloads(args: argparse.Namespace) -> int:
                                           max_batch_tokens=args.hf_cb_batch_tokens,
                                           max_requests_per_batch=args.hf_cb_max_requests),
         )
-        open_log = None if args.no_log else _log_opener(args.db, args.model, device)
+        open_log = None if args.no_log else _log_opener(args.db)
         bench = Bench(model, tokenizer, options, open_log=open_log)
         rows += bench.run(workloads)
         notes |= bench.notes
@@ -171,7 +170,7 @@ def run_logging(args: argparse.Namespace) -> int:
         try:
             result = run_logging_bench(
                 lambda config: LLMEngine(config, model=model, tokenizer=tokenizer),
-                _log_opener(db, args.model, device), workload,
+                _log_opener(db), workload,
                 db_path=db, model=args.model, device=device, dtype=dtype, repeats=args.repeats or 1,
                 progress=lambda line: print(line, file=sys.stderr, flush=True))
         except LogUnavailable:  # the opener has printed why
@@ -184,11 +183,8 @@ def run_logging(args: argparse.Namespace) -> int:
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
-    try:
-        from kvscope.app.bench.scheduler import print_scheduler_bench, run_scheduler_bench
-    except ImportError as exc:
-        print(f"kvscope bench scheduler: not available in this build ({exc})", file=sys.stderr)
-        return 1
+    from kvscope.app.bench.scheduler import print_scheduler_bench, run_scheduler_bench
+
     sizes = {} if args.requests is None else {"num_requests": args.requests}
     if args.json:
         print(json.dumps({"bench": "scheduler", **run_scheduler_bench(**sizes)}))
@@ -198,11 +194,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
 
 def run_ui(args: argparse.Namespace) -> int:
-    try:
-        from kvscope.app.bench_ui import run_ui_bench
-    except ImportError as exc:
-        print(f"kvscope bench ui: not available in this build ({exc})", file=sys.stderr)
-        return 1
+    from kvscope.app.bench_ui import run_ui_bench
     from kvscope.engine import EngineConfig
 
     config = EngineConfig(model=args.model, device=args.device, dtype=_parse_dtypes(args.dtype)[0])

@@ -39,7 +39,7 @@ class BenchOptions:
 class Bench:
     """Runs every (workload, system) pair for one dtype and returns report rows and notes.
 
-    ``open_log(config)`` gives a run logger for each kvscope run (or None);
+    ``open_log(engine)`` records each kvscope run (``runlog.record_run``), or is None;
     ``progress`` receives one line per finished system.
     """
 

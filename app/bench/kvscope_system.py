@@ -2,7 +2,8 @@
 
 Every variant gets the workload's KV budget in blocks and its max_model_len, so
 the contiguous allocator reserves what a deployer would set for that workload.
-Each timed run is one run in the run log (source "bench"); warm-up steps are not logged.
+Each timed run is one run in the run log (source "bench"), recorded as every run is: a logger
+attached as an engine observer once the warm-up is done, so warm-up steps are not logged.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class KvscopeRun:
     """One pass of a workload through a fresh engine.
 
     ``make_engine(config)`` builds the engine (the real model, or a FakeRunner in
-    tests); ``open_log(config)`` returns a run logger or None.
+    tests); ``open_log(engine)`` starts recording it (``runlog.record_run``) and returns the logger.
     """
 
     def __init__(self, variant: KvscopeVariant, make_engine: Callable,
@@ -106,9 +107,9 @@ class KvscopeRun:
         engine.generate([list(warm_up.prompt_token_ids)],
                         sampling_params(warm_up, workload.temperature, seed=0))
         before = engine.step().stats  # an idle step: the cumulative counters after the warm-up
-        log = self.open_log(config) if self.open_log else None
+        log = self.open_log(engine) if self.open_log else None
         try:
-            record, after = self._timed(engine, workload, log)
+            record, after = self._timed(engine, workload)
         except BaseException:
             if log is not None:
                 log.close("crashed")
@@ -124,7 +125,7 @@ class KvscopeRun:
                            "max_num_batched_tokens": config.max_num_batched_tokens}
         return record
 
-    def _timed(self, engine, workload, log):
+    def _timed(self, engine, workload):
         """(the record, the last step's stats)."""
         start = perf_counter()
         order = []
@@ -132,15 +133,11 @@ class KvscopeRun:
             prompt = list(request.prompt_token_ids)
             params = sampling_params(request, workload.temperature, seed=index)
             order.append(engine.add_request(prompt, params))
-            if log is not None:
-                log.request_added(order[-1], f"<{len(prompt)} synthetic token ids>", len(prompt), request.n)
         tally = _StepTally(start)
         result = None
         while engine.has_unfinished_requests():
             result = engine.step()
             tally.add(result, perf_counter())
-            if log is not None:
-                log.step(result)
         wall = perf_counter() - start
         record = RunRecord(
             system=self.variant.name, settings={}, wall_s=wall, num_prompt_tokens=workload.num_prompt_tokens,

@@ -73,7 +73,8 @@ def run_logging_bench(make_engine: Callable, open_log: Callable, workload: Workl
                       model: str, device: str, dtype: str, repeats: int = 1,
                       warm_up: BenchRequest | None = None,
                       progress: Callable[[str], None] = print) -> LoggingResult:
-    """``open_log(config)`` must log to ``db_path``; ``make_engine(config)`` builds each engine."""
+    """``open_log(engine)`` must record the engine's run in ``db_path``; ``make_engine(config)`` builds each
+    engine."""
     variant = VARIANTS[SYSTEM]
     config = engine_config(variant, workload, model=model, device=device, dtype=dtype)
     warm_up = warm_up or warm_up_request()
@@ -82,8 +83,8 @@ def run_logging_bench(make_engine: Callable, open_log: Callable, workload: Workl
     seconds = {False: 0.0, True: 0.0}
     run_ids: list[int] = []
 
-    def logged(cfg):
-        logger = open_log(cfg)
+    def logged(engine):
+        logger = open_log(engine)
         if not logger.enabled:
             raise LogUnavailable(logger.warning)
         run_ids.append(logger.run_id)

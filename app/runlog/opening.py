@@ -54,15 +54,25 @@ def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, 
 def record_run(engine, *, source: str = "script", db_path: str | Path | None = None,
                enabled: bool = True) -> RunLogger:
     """Log everything ``engine`` does from now on as one run; close the logger (or use it in a
-    ``with`` block) to end the run. Like open_run_log, it never raises for a bad database."""
-    runner = engine.runner
-    logger = open_run_log(db_path, source=source, config=engine.config, enabled=enabled,
-                          model=str(getattr(runner, "model_name", engine.config.model)),
-                          device=str(getattr(runner, "device", engine.config.device)),
-                          dtype=str(getattr(runner, "dtype", engine.config.dtype)).removeprefix("torch."))
+    ``with`` block) to end the run. Like open_run_log, it never raises for a bad database.
+
+    This is the one way a run is recorded: the app, the bench, ``kvscope chat`` and scripts all
+    call it, and the logger hears of each request and step as an engine observer."""
+    model, device, dtype = _runner_identity(engine)
+    # The resolved max_model_len, so a replay can draw the contiguous comparison.
+    config = dataclasses.replace(engine.config, max_model_len=engine.max_model_len)
+    logger = open_run_log(db_path, source=source, config=config, enabled=enabled,
+                          model=model, device=device, dtype=dtype)
     if logger.enabled:
         engine.observers.append(logger)
     return logger
+
+
+def _runner_identity(engine) -> tuple[str, str, str]:
+    """(model name, device, dtype) as the runner resolved them; the config's for a runner without them."""
+    runner, config = engine.runner, engine.config
+    return (str(getattr(runner, "model_name", config.model)), str(getattr(runner, "device", config.device)),
+            str(getattr(runner, "dtype", config.dtype)).removeprefix("torch."))
 
 
 def explain(path: Path, exc: Exception) -> str:
