@@ -1,10 +1,12 @@
 """The engine thread: owns the LLMEngine, takes commands from a queue, posts one message per step.
 
 Everything the UI asks for (add, abort, pause, single step, rate cap, preset,
-rebuild) goes through ``commands`` and is applied between steps, so the engine
-is only ever touched by this thread. Results go back with ``post_message``,
-which never waits for the UI; a semaphore bounds how far the engine may run
-ahead of a UI that has stopped draining messages.
+rebuild) is a command (app/worker_commands.py) put on a queue and applied
+between steps, so the engine is only ever touched by this thread. Results go
+back with ``post_message``, which never waits for the UI; a semaphore bounds
+how far the engine may run ahead of a UI that has stopped draining messages.
+The run log is not the worker's business: ``log_factory`` attaches a logger to
+each engine it builds as an engine observer, as every other caller does.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvscope.app import presets
@@ -29,24 +30,20 @@ from kvscope.app.messages import (
     RunState,
     RunStateChanged,
 )
+from kvscope.app.worker_commands import (
+    AbortRequest,
+    AddRequest,
+    LaunchPreset,
+    Rebuild,
+    SetPaused,
+    SetRateCap,
+    StepOnce,
+    Stop,
+    WorkerCommand,
+)
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
-from kvscope.engine.outputs import StepResult
 
 MAX_STEPS_AHEAD_OF_UI = 256
-
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt: Any
-    params: SamplingParams
-    prompt_text: str
-
-
-@dataclass(frozen=True)
-class _Command:
-    name: str
-    value: Any = None
 
 
 def build_engine(config: EngineConfig, previous=None):
@@ -76,19 +73,16 @@ def engine_info(engine) -> EngineInfo:
     )
 
 
-def _prompt_text(prompt: Any) -> str:
-    if isinstance(prompt, str):
-        return prompt
-    if prompt and isinstance(prompt[0], dict):
-        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in prompt)
-    return " ".join(str(t) for t in prompt)
-
-
 class EngineWorker:
-    """``run`` is the thread body (the app starts it as a thread worker); every other method is for the UI."""
+    """``run`` is the thread body (the app starts it as a thread worker); every other method is for the UI.
+
+    ``log_factory(engine)`` is called for each engine built and returns its run logger (which it has
+    attached as an engine observer, as ``runlog.record_run`` does) or None; the worker closes it when
+    the engine is replaced or the thread ends.
+    """
 
     def __init__(self, target, config: EngineConfig, *, engine_factory: Callable = build_engine,
-                 log_factory: Callable[[EngineConfig, EngineInfo], Any] | None = None,
+                 log_factory: Callable[[Any], Any] | None = None,
                  paused: bool = False, steps_per_s_cap: float | None = None) -> None:
         self.target = target
         self.config = config
@@ -104,42 +98,48 @@ class EngineWorker:
         self._pending_steps = 0
         self._abort_unreported = False
         self._next_step_at = 0.0
-        self._scheduled: list[tuple[int, int, _Add]] = []  # (engine step to add at, order, request)
-        self._unlogged: dict[str, tuple[str, int]] = {}
+        self._scheduled: list[tuple[int, int, AddRequest]] = []  # (engine step to add at, order, request)
         self._ids = itertools.count()
         self._steps_done = 0
         self._stopping = threading.Event()
 
     # --- the UI's side: every call only queues a command --------------------------------
 
+    def send(self, command: WorkerCommand) -> None:
+        """Queue a command for the engine thread. TypeError for anything that is not one."""
+        if not isinstance(command, WorkerCommand):
+            raise TypeError(f"not an engine worker command: {command!r} (see app/worker_commands.py)")
+        if isinstance(command, Stop):
+            self._stopping.set()    # a step in progress stops waiting for the UI at once
+        self._commands.put(command)
+
     def submit(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
-        self._commands.put(_Add(request_id, prompt, params, _prompt_text(prompt)))
+        self.send(AddRequest(request_id, prompt, params))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Command("abort", request_id))
+        self.send(AbortRequest(request_id))
 
     def pause(self) -> None:
-        self._commands.put(_Command("pause"))
+        self.send(SetPaused(True))
 
     def resume(self) -> None:
-        self._commands.put(_Command("resume"))
+        self.send(SetPaused(False))
 
     def step_once(self) -> None:
         """Pause (if running) and advance exactly one step."""
-        self._commands.put(_Command("step"))
+        self.send(StepOnce())
 
     def set_rate_cap(self, steps_per_s: float | None) -> None:
-        self._commands.put(_Command("rate", steps_per_s))
+        self.send(SetRateCap(steps_per_s))
 
     def launch_preset(self, key: str, count: int) -> None:
-        self._commands.put(_Command("preset", (key, count)))
+        self.send(LaunchPreset(key, count))
 
     def rebuild(self, config: EngineConfig) -> None:
-        self._commands.put(_Command("rebuild", config))
+        self.send(Rebuild(config))
 
     def stop(self) -> None:
-        self._stopping.set()
-        self._commands.put(_Command("stop"))
+        self.send(Stop())
 
     def ack(self) -> None:
         """The UI handled one EngineStepped message."""
@@ -162,7 +162,7 @@ class EngineWorker:
                 if not self._stopping.is_set() and self._step_due():
                     self._step()
         finally:
-            self._close_log("finished")
+            self._close_log()
 
     def _wait_time(self) -> float | None:
         """How long to block for a command: forever when idle, until the next step when rate-capped."""
@@ -194,32 +194,29 @@ class EngineWorker:
             except queue.Empty:
                 return
 
-    def _apply(self, command: _Add | _Command) -> None:
-        if isinstance(command, _Add):
-            self._add(command)
-            return
-        name, value = command.name, command.value
-        if name == "stop":
-            self._stopping.set()
-        elif name == "abort" and self.engine is not None:
-            self._scheduled = [entry for entry in self._scheduled if entry[2].request_id != value]
-            heapq.heapify(self._scheduled)
-            # The engine reports an abort with its next step: make sure one runs, even with nothing
-            # else left to do (a paused engine reports it when the user steps or resumes).
-            self._abort_unreported |= self.engine.abort_request(value)
-        elif name in ("pause", "resume"):
-            self._set_paused(name == "pause")
-        elif name == "step":
-            self._pending_steps += 1
-            self._set_paused(True)
-        elif name == "rate":
-            self._steps_per_s_cap = value
-            self._next_step_at = 0.0
-            self._post_state()
-        elif name == "preset":
-            self._launch_preset(*value)
-        elif name == "rebuild":
-            self._build(value)
+    def _apply(self, command: WorkerCommand) -> None:
+        match command:
+            case AddRequest():
+                self._add(command)
+            case AbortRequest(request_id):
+                self._abort(request_id)
+            case SetPaused(paused):
+                self._set_paused(paused)
+            case StepOnce():
+                self._pending_steps += 1
+                self._set_paused(True)
+            case SetRateCap(steps_per_s):
+                self._steps_per_s_cap = steps_per_s
+                self._next_step_at = 0.0
+                self._post_state()
+            case LaunchPreset(key, count):
+                self._launch_preset(key, count)
+            case Rebuild(config):
+                self._build(config)
+            case Stop():
+                self._stopping.set()
+            case _:     # send() refuses these; reaching here means something bypassed it
+                raise TypeError(f"not an engine worker command: {command!r}")
 
     def _set_paused(self, paused: bool) -> None:
         if paused != self._paused:
@@ -229,7 +226,7 @@ class EngineWorker:
     def _post_state(self) -> None:
         self.target.post_message(RunStateChanged(self.state))
 
-    def _add(self, request: _Add) -> None:
+    def _add(self, request: AddRequest) -> None:
         if self.engine is None:
             self.target.post_message(RequestRejected(request.request_id, "the engine is not running"))
             return
@@ -237,8 +234,15 @@ class EngineWorker:
             self.engine.add_request(request.prompt, request.params, request_id=request.request_id)
         except (RequestError, ValueError, TypeError) as exc:
             self.target.post_message(RequestRejected(request.request_id, str(exc)))
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine is None:
             return
-        self._unlogged[request.request_id] = (request.prompt_text, request.params.n)
+        self._scheduled = [entry for entry in self._scheduled if entry[2].request_id != request_id]
+        heapq.heapify(self._scheduled)
+        # The engine reports an abort with its next step: make sure one runs, even with nothing
+        # else left to do (a paused engine reports it when the user steps or resumes).
+        self._abort_unreported |= self.engine.abort_request(request_id)
 
     def _launch_preset(self, key: str, count: int) -> None:
         if self.engine is None:
@@ -250,7 +254,7 @@ class EngineWorker:
             return
         for item in planned:
             number = next(self._ids)
-            request = _Add(f"{key}-{number}", item.prompt, item.params, _prompt_text(item.prompt))
+            request = AddRequest(f"{key}-{number}", item.prompt, item.params)
             if item.delay_steps:
                 heapq.heappush(self._scheduled, (self._steps_done + item.delay_steps, number, request))
             else:
@@ -275,13 +279,12 @@ class EngineWorker:
             self._post_state()
             return
         self._steps_done += 1
-        self._log(result)
         while not self._in_flight.acquire(timeout=0.1):
             if self._stopping.is_set():
                 return
         self.target.post_message(EngineStepped(result))
 
-    # --- building and logging ---------------------------------------------------------------
+    # --- building ----------------------------------------------------------------------------
 
     def _build(self, config: EngineConfig) -> None:
         self.target.post_message(EngineStarting(config))
@@ -291,29 +294,16 @@ class EngineWorker:
         except Exception as exc:  # a bad model path or an impossible pool must not kill the app
             self.target.post_message(EngineFailed(f"could not start the engine: {exc}"))
             return
-        self._close_log("finished")
+        self._close_log()
         self.engine, self.info, self.config = engine, info, config
         self._scheduled.clear()
-        self._unlogged.clear()
         self._steps_done = 0
-        self._logger = self._log_factory(config, info) if self._log_factory else None
-        warning = getattr(self._logger, "warning", None)
-        self.target.post_message(EngineReady(info, getattr(engine, "banner", ""), warning))
+        self._logger = self._log_factory(engine) if self._log_factory else None
+        warning = self._logger.warning if self._logger is not None else None
+        self.target.post_message(EngineReady(info, engine.banner, warning))
         self._post_state()
 
-    def _log(self, result: StepResult) -> None:
-        if self._logger is None:
-            return
-        if self._unlogged:
-            # A request is logged once its prompt length is known: from its first output or snapshot row.
-            sizes = {out.request_id: len(out.prompt_token_ids) for out in result.outputs}
-            sizes.update((view.request_id, view.num_prompt_tokens) for view in result.snapshot.requests)
-            for request_id in [rid for rid in self._unlogged if rid in sizes]:
-                text, n = self._unlogged.pop(request_id)
-                self._logger.request_added(request_id, text, sizes[request_id], n)
-        self._logger.step(result)
-
-    def _close_log(self, status: str) -> None:
+    def _close_log(self) -> None:
         if self._logger is not None:
-            self._logger.close(status)
+            self._logger.close("finished")
             self._logger = None

@@ -1,7 +1,8 @@
 """Typed messages between the engine thread and the UI, and between the UI's widgets.
 
 The engine thread only ever posts these; each carries immutable data, so the UI
-can keep a reference while the engine moves on.
+can keep a reference while the engine moves on. Messages are dataclasses:
+Textual's Message runs its own set-up from ``__post_init__``.
 """
 
 from __future__ import annotations
@@ -49,84 +50,78 @@ class RunState:
     steps_per_s_cap: float | None
 
 
+@dataclass
 class EngineStarting(Message):
     """The engine thread started building an engine (loading a model can take a while)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__()
-        self.config = config
+    config: EngineConfig
 
 
+@dataclass
 class EngineReady(Message):
     """A new engine is built; ``log_warning`` says why the run log is off, when it is."""
 
-    def __init__(self, info: EngineInfo, banner: str, log_warning: str | None) -> None:
-        super().__init__()
-        self.info = info
-        self.banner = banner
-        self.log_warning = log_warning
+    info: EngineInfo
+    banner: str
+    log_warning: str | None
 
 
+@dataclass
 class EngineStepped(Message):
     """One engine step. Posted once per step; the UI draws the newest and keeps every output."""
 
-    def __init__(self, result: StepResult) -> None:
-        super().__init__()
-        self.result = result
+    result: StepResult
 
 
+@dataclass
 class EngineFailed(Message):
     """Building the engine or running a step raised. The engine thread pauses and waits."""
 
-    def __init__(self, error: str) -> None:
-        super().__init__()
-        self.error = error
+    error: str
 
 
+@dataclass
 class RequestRejected(Message):
     """add_request refused a request (RequestError); the engine keeps serving the others."""
 
-    def __init__(self, request_id: str, error: str) -> None:
-        super().__init__()
-        self.request_id = request_id
-        self.error = error
+    request_id: str
+    error: str
 
 
+@dataclass
 class RunStateChanged(Message):
-    def __init__(self, state: RunState) -> None:
-        super().__init__()
-        self.state = state
+    """The engine thread applied a pause, resume, single step or rate cap."""
+
+    state: RunState
 
 
+@dataclass
 class RequestSelected(Message):
     """The user picked a request (in the queues or the map): highlight its blocks everywhere."""
 
-    def __init__(self, request_id: str | None) -> None:
-        super().__init__()
-        self.request_id = request_id
+    request_id: str | None
 
 
+@dataclass
 class BlockHighlighted(Message):
     """The map's cursor or the mouse moved to a cell covering physical blocks ``first..last``."""
 
-    def __init__(self, first_block: int, last_block: int) -> None:
-        super().__init__()
-        self.first_block = first_block
-        self.last_block = last_block
+    first_block: int
+    last_block: int
 
 
+@dataclass
 class ChatSubmitted(Message):
     """The user sent a chat turn; ``messages`` is the whole conversation, ending with it."""
 
-    def __init__(self, request_id: str, messages: tuple[dict, ...], max_tokens: int) -> None:
-        super().__init__()
-        self.request_id = request_id
-        self.messages = messages
-        self.max_tokens = max_tokens
+    request_id: str
+    messages: tuple[dict, ...]
+    max_tokens: int
 
 
+@dataclass
 class PresetLaunched(Message):
-    def __init__(self, preset_key: str, count: int) -> None:
-        super().__init__()
-        self.preset_key = preset_key
-        self.count = count
+    """The load generator's Send: ``count`` requests of the preset ``preset_key``."""
+
+    preset_key: str
+    count: int

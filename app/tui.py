@@ -16,7 +16,6 @@ from kvscope.app.engine_worker import EngineWorker, build_engine
 from kvscope.app.messages import (
     ChatSubmitted,
     EngineFailed,
-    EngineInfo,
     EngineReady,
     EngineStarting,
     EngineStepped,
@@ -25,6 +24,7 @@ from kvscope.app.messages import (
     RunStateChanged,
 )
 from kvscope.app.presets import PRESETS
+from kvscope.app.runlog import record_run
 from kvscope.app.screens.explain import ExplainScreen
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.screens.main import MainScreen
@@ -97,7 +97,7 @@ class KVScopeApp(App):
         self.db_path = (Path(db_path) if db_path else settings().db_path) if log_enabled else None
         self.screenshot_dir = Path(screenshot_dir or os.getcwd())
         self.main = MainScreen(system_sampler=system_sampler, chat_max_tokens=chat_max_tokens)
-        self.worker = EngineWorker(self, config, engine_factory=engine_factory, log_factory=self._open_log,
+        self.worker = EngineWorker(self, config, engine_factory=engine_factory, log_factory=self._record_run,
                                    paused=paused, steps_per_s_cap=steps_per_s_cap)
         for theme in THEMES:
             self.register_theme(theme)
@@ -116,14 +116,8 @@ class KVScopeApp(App):
     def on_unmount(self) -> None:
         self.worker.stop()
 
-    def _open_log(self, config: EngineConfig, info: EngineInfo):
-        from kvscope.app.runlog import open_run_log
-
-        # Log the resolved max_model_len so a replay can draw the contiguous comparison.
-        if config.max_model_len is None:
-            config = dataclasses.replace(config, max_model_len=info.max_model_len)
-        return open_run_log(self.db_path, source="app", config=config, model=info.model_name,
-                            device=info.device, dtype=info.dtype, enabled=self.log_enabled)
+    def _record_run(self, engine):
+        return record_run(engine, source="app", db_path=self.db_path, enabled=self.log_enabled)
 
     # --- from the engine thread -------------------------------------------------------------------
 

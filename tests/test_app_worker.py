@@ -5,11 +5,15 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from test_app_harness import FakeEngines
 
 from kvscope.app.engine_worker import EngineWorker
 from kvscope.app.messages import EngineFailed, EngineReady, EngineStepped, RequestRejected, RunStateChanged
+from kvscope.app.runlog import RunLogReader, record_run
+from kvscope.app.worker_commands import LaunchPreset, SetPaused
 from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.fake_runner import fake_engine
 
 
 class Inbox:
@@ -137,33 +141,63 @@ def test_shared_prefix_preset_staggers_arrivals_after_the_first_prefill():
     assert any(v.num_cached_tokens > 0 for v in later.requests if v.request_id != "shared-0")
 
 
-def test_rebuild_replaces_the_engine_and_the_log():
+def _record_to(db):
+    return lambda engine: record_run(engine, source="app", db_path=db)
+
+
+def test_rebuild_replaces_the_engine_and_the_log(tmp_path):
     engines = FakeEngines()
-    logs = []
-
-    class Log:
-        warning = None
-
-        def __init__(self, config):
-            self.config, self.closed, self.steps, self.added = config, None, 0, []
-            logs.append(self)
-
-        def request_added(self, request_id, text, num_prompt_tokens, n):
-            self.added.append((request_id, num_prompt_tokens, n))
-
-        def step(self, result):
-            self.steps += 1
-
-        def close(self, status="finished"):
-            self.closed = status
-
-    worker, inbox, thread = start(engines, log_factory=lambda config, info: Log(config))
+    db = tmp_path / "runs.db"
+    worker, inbox, thread = start(engines, log_factory=_record_to(db))
     worker.submit("a", "abcd", SamplingParams(max_tokens=2))
-    inbox.wait_for(lambda: logs[0].steps >= 2)
+    inbox.wait_for(lambda: any(o.finished for m in inbox.of(EngineStepped) for o in m.result.outputs))
     worker.rebuild(EngineConfig(num_blocks=64, max_model_len=256, preemption_mode="swap"))
     inbox.wait_for(lambda: len(inbox.of(EngineReady)) == 2)
     stop(worker, thread)
     assert len(engines.built) == 2
-    assert logs[0].closed == "finished" and logs[1].config.preemption_mode == "swap"
-    assert logs[0].added == [("a", 4, 1)]
-    assert logs[1].closed == "finished"
+    reader = RunLogReader(db)
+    first, second = (reader.run(run["id"]) for run in reversed(reader.list_runs()))
+    assert first["status"] == second["status"] == "finished"
+    assert second["config"]["preemption_mode"] == "swap"
+    (request,) = reader.rows("requests", first["id"])
+    assert (request["request_id"], request["prompt_text"], request["num_prompt_tokens"]) == ("a", "abcd", 4)
+    assert reader.rows("requests", second["id"]) == []
+
+
+def test_the_app_logs_a_run_exactly_as_a_script_does(tmp_path):
+    """One way to record a run: the worker adds no bookkeeping of its own to what record_run logs."""
+    prompts = ["hello there", [70, 71, 72], [{"role": "user", "content": "hi"}]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engines = FakeEngines()
+    worker, inbox, thread = start(engines, log_factory=_record_to(tmp_path / "app.db"), paused=True)
+    for i, prompt in enumerate(prompts):
+        worker.submit(str(i), prompt, params)
+    worker.resume()     # all three join the first step, as they do in generate()
+    inbox.wait_for(lambda: sum(o.finished for m in inbox.of(EngineStepped) for o in m.result.outputs) == 3)
+    stop(worker, thread)
+
+    script_engine = fake_engine(worker.config, num_host_blocks=32)
+    with record_run(script_engine, db_path=tmp_path / "script.db"):
+        script_engine.generate(prompts, params)
+
+    def logged(db):
+        reader = RunLogReader(db)
+        (listed,) = reader.list_runs()
+        run = reader.run(listed["id"])
+        columns = ("request_id", "prompt_text", "num_prompt_tokens", "n", "output_text", "finish_reason")
+        requests = [tuple(row[c] for c in columns) for row in reader.rows("requests", run["id"])]
+        return requests, len(reader.steps(run["id"])), {k: run[k] for k in ("model", "device", "dtype", "config")}
+
+    app_log, script_log = logged(tmp_path / "app.db"), logged(tmp_path / "script.db")
+    assert app_log == script_log
+    assert app_log[0][1][1] == "FGH" and app_log[0][2][1] == "user: hi"   # one prompt-text function: the engine's
+    assert app_log[2]["config"]["max_model_len"] == 256
+
+
+def test_only_commands_are_accepted():
+    worker = EngineWorker(Inbox(), EngineConfig())
+    for wrong in ("pause", ("abort", "a"), None, SamplingParams()):
+        with pytest.raises(TypeError, match="not an engine worker command"):
+            worker.send(wrong)
+    worker.send(SetPaused(True))
+    worker.send(LaunchPreset("burst", 2))
