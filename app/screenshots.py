@@ -118,16 +118,14 @@ async def _scene_contiguous(pilot) -> None:
 
 def _select_shared(app) -> None:
     """Select the request with the most blocks and put the map's cursor on a shared block."""
-    from kvscope.app.messages import RequestSelected
-
     snapshot = app.main.latest.snapshot
     views = sorted(snapshot.requests, key=lambda v: -sum(len(t) for t in v.block_tables))
     if views:
-        app.main.post_message(RequestSelected(views[0].request_id))
+        app.main.view.select_request(views[0].request_id)
     shared = [b for b in range(snapshot.num_blocks) if snapshot.ref_counts[b] > 1]
     if shared:
-        app.main.block_map.focus()
-        app.main.block_map.move_cursor_to_block(shared[0])
+        app.main.view.block_map.focus()
+        app.main.view.block_map.move_cursor_to_block(shared[0])
 
 
 async def _ask(pilot, text: str) -> None:

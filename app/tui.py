@@ -28,8 +28,7 @@ from kvscope.app.runlog import record_run
 from kvscope.app.screens.explain import ExplainScreen
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.screens.main import MainScreen
-from kvscope.app.widgets.block_map import BlockMap
-from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
+from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
 from kvscope.engine.config import EngineConfig, SamplingParams
@@ -139,7 +138,7 @@ class KVScopeApp(App):
         self.notify(message.error, title="Engine", severity="error", timeout=15)
 
     def on_request_rejected(self, message: RequestRejected) -> None:
-        self.main.query_one(ChatPane).on_rejected(message.request_id, message.error)
+        self.main.chat.on_rejected(message.request_id, message.error)
         self.notify(message.error, title=f"Request {message.request_id} refused", severity="error",
                     timeout=10)
 
@@ -151,7 +150,7 @@ class KVScopeApp(App):
     def on_chat_submitted(self, message: ChatSubmitted) -> None:
         params = SamplingParams(max_tokens=message.max_tokens, temperature=CHAT_TEMPERATURE, top_p=CHAT_TOP_P)
         self.worker.submit(message.request_id, list(message.messages), params)
-        self.main.query_one(BlockMap).set_chat_request(message.request_id)
+        self.main.view.block_map.set_chat_request(message.request_id)
 
     def on_preset_launched(self, message: PresetLaunched) -> None:
         self.worker.launch_preset(message.preset_key, message.count)
@@ -226,10 +225,10 @@ class KVScopeApp(App):
         self._rebuild()
 
     def action_abort_reply(self) -> None:
-        request_id = self.main.query_one(ChatPane).abort()
+        request_id = self.main.chat.abort()
         if request_id is not None:
             self.worker.abort(request_id)
-            self.main.block_map.set_chat_request(None)
+            self.main.view.block_map.set_chat_request(None)
 
     def action_abort_all(self) -> None:
         snapshot = self.main.latest.snapshot if self.main.latest else None

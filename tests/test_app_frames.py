@@ -58,7 +58,7 @@ async def test_the_map_shows_every_frames_newest_step_and_the_numbers_follow_at_
             if result is not None:
                 main.ingest(result)
             main.paint()
-            return main.block_map.snapshot.step, main.counters.stats.step
+            return main.view.block_map.snapshot.step, main.view.counters.stats.step
 
         first, second, third, fourth = (r.snapshot.step for r in results[:4])
         assert frame(results[0], 0.0) == (first, first)
@@ -68,7 +68,7 @@ async def test_the_map_shows_every_frames_newest_step_and_the_numbers_follow_at_
         assert frame(results[4], text_period + 0.06) == (results[4].snapshot.step, fourth)
         # The steps stopped coming: the numbers catch up on a tick of their own.
         assert frame(None, 3 * text_period) == (results[4].snapshot.step, results[4].snapshot.step)
-        assert main.queues.rows.keys() == {v.request_id for v in results[4].snapshot.requests}
+        assert main.view.queues.rows.keys() == {v.request_id for v in results[4].snapshot.requests}
 
 
 class PanelApp(App):
@@ -105,7 +105,7 @@ async def test_focusing_the_map_shows_its_cursor_at_once_and_leaving_hides_it():
     async with app.run_test(size=(120, 36)) as pilot:
         await started(pilot)
         await burst_steps(pilot, 2, 1)
-        block_map = app.main.block_map
+        block_map = app.main.view.block_map
 
         def cursor_shown() -> bool:
             return cells.decode(block_map._codes[block_map.cursor_cell])[1] == cells.OVERLAY_CURSOR

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
 
-from kvscope.app.messages import RequestSelected
-from kvscope.app.widgets.block_map import BlockMap
+from kvscope.app.engine_worker import engine_info
+from kvscope.app.presets import PresetContext, build
+from kvscope.app.runlog import RunLogReader, record_run
+from kvscope.app.screens.replay import ReplayScreen
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.fake_runner import fake_engine
 
 
 def _app(**kwargs):
@@ -24,8 +28,8 @@ async def _busy_pool(pilot) -> None:
     app.worker.launch_preset("shared", 3)
     await burst_steps(pilot, 4, 10)
     snapshot = app.main.latest.snapshot
-    app.main.post_message(RequestSelected(snapshot.requests[-1].request_id))
-    block_map = app.main.query_one(BlockMap)
+    app.main.view.select_request(snapshot.requests[-1].request_id)
+    block_map = app.main.view.block_map
     block_map.focus()
     shared = next(b for b in range(snapshot.num_blocks) if snapshot.ref_counts[b] > 1)
     block_map.move_cursor_to_block(shared)
@@ -66,3 +70,38 @@ async def _explain(pilot) -> None:
 
 def test_explain_screen(snap_compare):
     assert snap_compare(_app(), terminal_size=(100, 30), run_before=_explain)
+
+
+def _logged_run(path) -> int:
+    """A shared system prompt and a chat burst on a FakeRunner engine, recorded as every run is; each
+    request joins at the step its preset plans, as the app's engine thread adds them."""
+    engine = fake_engine(EngineConfig(block_size=16, num_blocks=128, max_model_len=512), num_host_blocks=32)
+    context = PresetContext.from_engine(engine, engine_info(engine))
+    planned = [(item.delay_steps, f"{key}-{i}", item) for key, count in (("shared", 3), ("burst", 4))
+               for i, item in enumerate(build(key, count, context))]
+    with record_run(engine, db_path=path) as log:
+        for step in range(12):
+            for _, request_id, item in (p for p in planned if p[0] == step):
+                engine.add_request(item.prompt, item.params, request_id=request_id)
+            engine.step()
+    return log.run_id
+
+
+def test_replay_screen(snap_compare, tmp_path):
+    """The replay draws a logged step in the live window's snapshot view, with the same selection."""
+    path = tmp_path / "runs.db"
+    run_id = _logged_run(path)
+
+    async def replay_step_ten(pilot) -> None:
+        await started(pilot)
+        replay = ReplayScreen(RunLogReader(path), run_id)
+        await pilot.app.push_screen(replay)
+        replay.jump_to_step(10)
+        snapshot = replay.frame.snapshot
+        replay.view.select_request(snapshot.requests[-1].request_id)
+        replay.view.block_map.focus()
+        replay.view.block_map.move_cursor_to_block(
+            next(b for b in range(snapshot.num_blocks) if snapshot.ref_counts[b] > 1))
+        await pilot.pause()
+
+    assert snap_compare(_app(), terminal_size=(160, 48), run_before=replay_step_ten)

@@ -27,18 +27,12 @@ from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from kvscope.app.messages import BlockHighlighted, EngineInfo, RequestSelected, RunState
-from kvscope.app.widgets.block_inspector import BlockInspector
-from kvscope.app.widgets.block_legend import BlockLegend
-from kvscope.app.widgets.block_map import BlockMap
-from kvscope.app.widgets.block_table import BlockTable
-from kvscope.app.widgets.box import Box
+from kvscope.app.messages import EngineInfo, RunState
+from kvscope.app.widgets.box import titled
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
-from kvscope.app.widgets.counters import Counters
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.load_generator import LoadGenerator
-from kvscope.app.widgets.paged_vs_contiguous import PagedVsContiguous
-from kvscope.app.widgets.queues import QueuesTable
+from kvscope.app.widgets.snapshot_view import SnapshotView
 from kvscope.app.widgets.system import REFRESH_S as SYSTEM_REFRESH_S
 from kvscope.app.widgets.system import SystemPanel, SystemSampler
 from kvscope.app.widgets.throughput import Throughput
@@ -50,11 +44,6 @@ MIN_FRAME_RATE = 1    # however busy the UI thread is, the view is at most this 
 TEXT_RATE = 4         # the panels of numbers: as often as a person can read them
 
 
-def titled(widget, title: str):
-    widget.border_title = title
-    return widget
-
-
 class MainScreen(Screen):
     AUTO_FOCUS = "#chat-input"
     BLANK = True   # only its background shows, between the panels: no styles pass for it (see Box)
@@ -62,8 +51,6 @@ class MainScreen(Screen):
     def __init__(self, *, system_sampler: SystemSampler | None = None,
                  chat_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         super().__init__(id="main")
-        self._system_sampler = system_sampler
-        self._chat_max_tokens = chat_max_tokens
         self.engine_info: EngineInfo | None = None
         self.latest: StepResult | None = None
         self._painted: StepResult | None = None
@@ -71,39 +58,20 @@ class MainScreen(Screen):
         self._painted_at = 0.0
         self._texted_at = 0.0
         self._last_frame = (time.monotonic(), time.thread_time())
+        self.chat = titled(ChatPane(max_tokens=chat_max_tokens, id="chat", classes="panel"), "Chat")
+        self.throughput = titled(Throughput(id="throughput", classes="panel"), "Throughput")
+        self.system = titled(SystemPanel(system_sampler, id="system", classes="panel"), "System")
+        self.view = SnapshotView(
+            id="body", beside_map=[self.chat], beside_figures=[self.throughput],
+            under_block_table=[self.system],
+            beside_queues=[titled(LoadGenerator(id="load", classes="panel"), "Load generator")])
 
     def compose(self) -> ComposeResult:
         yield EngineHeader(id="header")
-        with Box(id="body"):
-            with Box(id="top", classes="row"):
-                with Box(id="map-column"):
-                    yield titled(BlockMap(id="block-map", classes="panel"), "Block map")
-                    yield BlockLegend(id="legend")
-                    yield titled(BlockInspector(id="inspector", classes="panel"), "Block")
-                yield titled(ChatPane(max_tokens=self._chat_max_tokens, id="chat", classes="panel"), "Chat")
-            with Box(id="stats", classes="row"):
-                yield titled(Counters(id="counters", classes="panel"), "Counters")
-                yield titled(PagedVsContiguous(id="paged", classes="panel"), "Paged vs contiguous")
-                yield titled(Throughput(id="throughput", classes="panel"), "Throughput")
-            with Box(id="bottom", classes="row"):
-                yield titled(QueuesTable(id="queues", classes="panel"), "Queues")
-                with Box(id="details"):
-                    yield titled(BlockTable(id="block-table", classes="panel"), "Block table")
-                    yield titled(SystemPanel(self._system_sampler, id="system", classes="panel"), "System")
-                yield titled(LoadGenerator(id="load", classes="panel"), "Load generator")
+        yield self.view
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
-        # Looked up once: a query walks the DOM, and ingest and paint run for every step.
-        self.chat = self.query_one(ChatPane)
-        self.block_map = self.query_one(BlockMap)
-        self.inspector = self.query_one(BlockInspector)
-        self.block_table = self.query_one(BlockTable)
-        self.counters = self.query_one(Counters)
-        self.paged = self.query_one(PagedVsContiguous)
-        self.throughput = self.query_one(Throughput)
-        self.queues = self.query_one(QueuesTable)
-        self.system = self.query_one(SystemPanel)
         self.set_interval(1 / FRAME_RATE, self.paint)
 
     # --- fed by the app ---------------------------------------------------------------------
@@ -113,6 +81,7 @@ class MainScreen(Screen):
 
     def engine_ready(self, info: EngineInfo) -> None:
         self.engine_info = info
+        self.view.max_model_len = info.max_model_len
         self.latest = self._painted = self._texted = None
         self.query_one(EngineHeader).show_engine(info)
         self.throughput.clear()
@@ -125,8 +94,9 @@ class MainScreen(Screen):
         chat = self.chat
         for output in result.outputs:
             chat.on_output(output)
-        if chat.current_request is None and self.block_map.chat_request is not None:
-            self.block_map.set_chat_request(None)
+        block_map = self.view.block_map
+        if chat.current_request is None and block_map.chat_request is not None:
+            block_map.set_chat_request(None)
         self.throughput.push(result.stats)
         self.latest = result
 
@@ -155,27 +125,10 @@ class MainScreen(Screen):
             return
         if not force and not self._within_budget():
             return
-        snapshot = result.snapshot
         if fresh:
             self._painted, self._painted_at = result, now
-            self.block_map.show_snapshot(snapshot)
-            self.inspector.show_snapshot(snapshot)
+            self.view.show_blocks(result.snapshot)
         if text_due:
             self._texted, self._texted_at = result, now
-            self.counters.show_stats(result.stats)
-            if self.engine_info is not None:
-                self.paged.show_snapshot(snapshot, self.engine_info.max_model_len)
+            self.view.show_figures(result.snapshot, result.stats)
             self.throughput.redraw()
-            self.block_table.show_snapshot(snapshot)
-            self.queues.show_snapshot(snapshot)
-
-    # --- between the panels -------------------------------------------------------------------
-
-    def on_request_selected(self, message: RequestSelected) -> None:
-        message.stop()
-        self.block_map.select_request(message.request_id)
-        self.block_table.select(message.request_id)
-
-    def on_block_highlighted(self, message: BlockHighlighted) -> None:
-        message.stop()
-        self.inspector.inspect(message.first_block, message.last_block)

@@ -1,4 +1,4 @@
-"""Replay a logged run step by step with the live view's own map, queues and counters.
+"""Replay a logged run step by step in the live window's own snapshot view (app/widgets/snapshot_view.py).
 
 Frames are decoded on demand: moving forward one step reads the next frame of an
 open stream (one delta); any other move asks the reader for that step, which
@@ -12,22 +12,13 @@ from collections.abc import Iterator
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
-from kvscope.app.messages import BlockHighlighted, RequestSelected
 from kvscope.app.runlog import ReplayFrame, RunLogReader
-from kvscope.app.screens.main import titled
-from kvscope.app.widgets.block_inspector import BlockInspector
-from kvscope.app.widgets.block_legend import BlockLegend
-from kvscope.app.widgets.block_map import BlockMap
-from kvscope.app.widgets.block_table import BlockTable
-from kvscope.app.widgets.counters import Counters
-from kvscope.app.widgets.paged_vs_contiguous import PagedVsContiguous
-from kvscope.app.widgets.queues import QueuesTable
+from kvscope.app.widgets.snapshot_view import SnapshotView
 
 SPEEDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0)  # steps per second
 DEFAULT_SPEED = 3
@@ -69,20 +60,11 @@ class ReplayScreen(Screen):
         self._stream: Iterator[ReplayFrame] | None = None
         self._stream_index = -1
         config = self.run.get("config") or {}
-        self.max_model_len = config.get("max_model_len")
+        self.view = SnapshotView(id="body", max_model_len=config.get("max_model_len"))
 
     def compose(self) -> ComposeResult:
         yield Static("", id="replay-status")
-        with Horizontal(id="replay-top"):
-            with Vertical(id="map-column"):
-                yield titled(BlockMap(id="block-map", classes="panel"), "Block map")
-                yield BlockLegend(id="legend")
-                yield titled(BlockInspector(id="inspector", classes="panel"), "Block")
-            with Vertical(id="replay-side"):
-                yield titled(Counters(id="counters", classes="panel"), "Counters")
-                yield titled(PagedVsContiguous(id="paged", classes="panel"), "Paged vs contiguous")
-                yield titled(BlockTable(id="block-table", classes="panel"), "Block table")
-        yield titled(QueuesTable(id="queues", classes="panel"), "Queues")
+        yield self.view
         yield Input(placeholder="step number, then Enter", type="integer", id="jump")
         yield Footer()
 
@@ -116,21 +98,8 @@ class ReplayScreen(Screen):
             return
         self.index = min(max(index, 0), len(self.steps) - 1)
         self.frame = frame = self._frame_at(self.index)
-        snapshot = frame.snapshot
-        self.query_one(BlockMap).show_snapshot(snapshot)
-        self.query_one(BlockInspector).show_snapshot(snapshot)
-        self.query_one(BlockTable).show_snapshot(snapshot)
-        self.query_one(QueuesTable).show_snapshot(snapshot)
-        self.query_one(Counters).show_stats(frame.stats)
-        self.query_one(PagedVsContiguous).show_snapshot(snapshot, self._max_model_len(frame))
+        self.view.show(frame.snapshot, frame.stats)
         self._update_status()
-
-    def _max_model_len(self, frame: ReplayFrame) -> int:
-        # Runs logged without a resolved max_model_len: the longest request seen is a lower bound.
-        if self.max_model_len:
-            return int(self.max_model_len)
-        longest = max((v.num_prompt_tokens + v.max_tokens for v in frame.snapshot.requests), default=1)
-        return max(longest, frame.snapshot.block_size)
 
     def _update_status(self) -> None:
         state = f"▶ playing at {SPEEDS[self.speed_index]:g} steps/s" if self.playing else "■ paused"
@@ -191,15 +160,4 @@ class ReplayScreen(Screen):
         if event.value.strip().isdigit():
             self.jump_to_step(int(event.value))
         event.input.value = ""
-        self.query_one(BlockMap).focus()  # hand the keys back to the replay controls
-
-    # --- between the panels ------------------------------------------------------------------------
-
-    def on_request_selected(self, message: RequestSelected) -> None:
-        message.stop()
-        self.query_one(BlockMap).select_request(message.request_id)
-        self.query_one(BlockTable).select(message.request_id)
-
-    def on_block_highlighted(self, message: BlockHighlighted) -> None:
-        message.stop()
-        self.query_one(BlockInspector).inspect(message.first_block, message.last_block)
+        self.view.block_map.focus()  # hand the keys back to the replay controls

@@ -10,8 +10,18 @@ style sheet (``Box`` is vertical, ``Box.row`` horizontal).
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from textual.widget import Widget
+
+W = TypeVar("W", bound=Widget)
 
 
 class Box(Widget):
     BLANK = True
+
+
+def titled(widget: W, title: str) -> W:
+    """The widget with ``title`` on its border (every panel has one)."""
+    widget.border_title = title
+    return widget
