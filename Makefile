@@ -24,12 +24,15 @@ model: $(STAMP)
 run: model
 	$(BIN)/kvscope
 
+# lint-imports checks the layers in pyproject.toml's [tool.importlinter] (kernels, engine, app, widgets).
 test: model
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist load
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 screenshots: model
 	$(BIN)/kvscope screenshots
