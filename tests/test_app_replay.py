@@ -7,7 +7,7 @@ import pytest
 from test_app_harness import FakeEngines, make_app, started, until
 
 from kvscope.app.presets import PresetContext, build
-from kvscope.app.runlog import RunLogReader, open_run_log
+from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.screens.replay import ReplayScreen
 from kvscope.app.widgets.block_map import BlockMap
@@ -27,15 +27,13 @@ def run_log(tmp_path):
     path = tmp_path / "runs.db"
     config = EngineConfig(num_blocks=64, max_model_len=256)
     engine = fake_engine(config, num_host_blocks=8)
-    logger = open_run_log(path, source="script", config=config, model="fake", device="cpu", dtype="float32")
-    assert logger.enabled, logger.warning
     context = PresetContext(16, 64, 256, config.max_num_batched_tokens, lambda text: len(text.encode()))
-    for i, planned in enumerate(build("burst", 5, context)):
-        engine.add_request(planned.prompt, planned.params, request_id=f"r{i}")
-        logger.request_added(f"r{i}", str(planned.prompt), 0, 1)
-    for _ in range(NUM_STEPS):
-        logger.step(engine.step())
-    logger.close()
+    with record_run(engine, db_path=path) as logger:
+        assert logger.enabled, logger.warning
+        for i, planned in enumerate(build("burst", 5, context)):
+            engine.add_request(planned.prompt, planned.params, request_id=f"r{i}")
+        for _ in range(NUM_STEPS):
+            engine.step()
     return path, logger.run_id
 
 
