@@ -1,44 +1,49 @@
-"""The `kvscope` command line. Flags are named as vLLM names them."""
+"""The `kvscope` command line. Engine flags are made from EngineConfig's fields and named as vLLM names them."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
+from collections.abc import Iterable
+from types import UnionType
+from typing import Literal, Union
 
 from kvscope import __version__
-from kvscope.engine.config import ConfigError, EngineConfig, RequestError
+from kvscope.engine.config import ConfigError, EngineConfig, RequestError, config_fields
 from kvscope.engine.loader import ModelError
 
 USER_ERRORS = (ConfigError, RequestError, ModelError)
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
+    """One flag per EngineConfig field (or per field named), as vLLM names it: block_size is --block-size.
+
+    Defaults, types and choices come from the dataclass and the help text from each field's metadata, so
+    the command line cannot drift from the config; EngineConfig itself checks the values.
+    """
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default="default",
-                       help="'default' (SmolLM2-135M-Instruct), a transformers model directory, a .gguf file, "
-                            "or a hub id when you have network")
-    group.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="auto: bf16 on CUDA and on CPUs with native bf16 (AMX/AVX512-BF16), else fp32")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two, 1-256)")
-    group.add_argument("--num-blocks", type=int, default=None,
-                       help="KV pool size in blocks; overrides --kv-cache-memory and --gpu-memory-utilization")
-    group.add_argument("--kv-cache-memory", default=None,
-                       help="CPU KV pool size, e.g. 512MiB (default: 10%% of RAM, at most 2GiB)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.90,
-                       help="fraction of GPU memory for weights, activations and the KV pool")
-    group.add_argument("--swap-space", default="1GiB", help="host pool for swap-mode preemption")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt plus output, in tokens (default: the model's limit)")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse KV blocks of identical prompt prefixes")
-    group.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                       help="what happens to a request pushed out when blocks run short")
-    group.add_argument("--allocator", default="paged", choices=["paged", "contiguous"],
-                       help="contiguous reserves max_model_len per request: the pre-paging baseline")
-    group.add_argument("--seed", type=int, default=0)
+    for spec in dataclasses.fields(EngineConfig):
+        if names is not None and spec.name not in names:
+            continue
+        group.add_argument(f"--{spec.name.replace('_', '-')}", default=spec.default,
+                           help=spec.metadata["help"].replace("%", "%%"), metavar=spec.metadata["metavar"],
+                           **_flag_kind(config_fields()[spec.name]))
+
+
+def _flag_kind(hint) -> dict:
+    """argparse's type, choices or action for a field's type; a size that takes units stays a string."""
+    options = set(typing.get_args(hint)) - {type(None)} if typing.get_origin(hint) in (Union, UnionType) else {hint}
+    if options == {bool}:
+        return {"action": argparse.BooleanOptionalAction}
+    if len(options) == 1 and typing.get_origin(hint) is Literal:
+        return {"choices": typing.get_args(hint)}
+    if options == {int}:
+        return {"type": int}
+    if options == {float}:
+        return {"type": float}
+    return {"type": str}
 
 
 def add_log_flags(parser: argparse.ArgumentParser) -> None:
@@ -47,14 +52,7 @@ def add_log_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode, allocator=args.allocator, seed=args.seed,
-    )
+    return EngineConfig(**{name: getattr(args, name) for name in config_fields()})
 
 
 def build_parser() -> argparse.ArgumentParser:

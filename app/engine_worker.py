@@ -57,20 +57,12 @@ def build_engine(config: EngineConfig, previous=None):
 
 
 def engine_info(engine) -> EngineInfo:
-    """Header facts, read defensively: a stand-in runner may not have every attribute."""
-    runner = engine.runner
-    config = engine.config
-    return EngineInfo(
-        model_name=str(getattr(runner, "model_name", config.model)),
-        device=str(getattr(runner, "device", config.device)),
-        dtype=str(getattr(runner, "dtype", config.dtype)).removeprefix("torch."),
-        block_size=int(getattr(runner, "block_size", config.block_size)),
-        num_blocks=int(runner.num_device_blocks),
-        num_host_blocks=int(getattr(runner, "num_host_blocks", 0)),
-        max_model_len=int(runner.max_model_len),
-        kv_cache_bytes=getattr(runner, "kv_cache_bytes", None),
-        config=config,
-    )
+    """Header facts, from the runner's RunnerInfo."""
+    info = engine.info
+    return EngineInfo(model_name=info.model_name, device=info.device, dtype=info.dtype,
+                      block_size=info.block_size, num_blocks=info.num_device_blocks,
+                      num_host_blocks=info.num_host_blocks, max_model_len=info.max_model_len,
+                      kv_cache_bytes=info.kv_cache_bytes, config=engine.config)
 
 
 class EngineWorker:

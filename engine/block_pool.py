@@ -10,6 +10,7 @@ once no plain free block is left.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 import numpy as np
@@ -103,3 +104,31 @@ class BlockPool:
     def drain_evicted(self) -> list[int]:
         evicted, self.evicted = self.evicted, []
         return evicted
+
+    def rebuild(self, tables, forget) -> None:
+        """Make the pool agree with ``tables`` (the block tables still in use) after a step failed part-way.
+
+        Reference counts are recounted and the free queue, states and prefix map rebuilt from them, so the
+        result is right wherever the step stopped. A block in ``forget`` that nobody holds any more loses its
+        prefix hash: the failed step may have left it half written. Blocks that were free keep their place
+        in the free queue; newly freed ones join it as free() would put them.
+        """
+        entries = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64)
+        self.ref_counts[:] = np.bincount(entries, minlength=self.num_blocks)
+        unreferenced = self.ref_counts == 0
+        for block in forget:
+            if unreferenced[block]:
+                self.hashes[block] = 0
+        hashed = self.hashes != 0
+        self.cached_blocks = {int(self.hashes[block]): int(block) for block in np.flatnonzero(hashed)}
+        self.state[:] = BLOCK_USED
+        self.state[unreferenced & hashed] = BLOCK_CACHED
+        self.state[unreferenced & ~hashed] = BLOCK_FREE
+        self.fill[unreferenced & ~hashed] = 0
+        was_free = [block for block in self.free_block_queue if unreferenced[block]]
+        newly_free = sorted(set(np.flatnonzero(unreferenced).tolist()) - set(was_free))
+        order = newly_free + was_free
+        self.free_block_queue = OrderedDict.fromkeys([b for b in order if not hashed[b]] +
+                                                     [b for b in order if hashed[b]])
+        self.num_cached_free_blocks = int((unreferenced & hashed).sum())
+        self.evicted.clear()

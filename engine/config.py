@@ -1,10 +1,22 @@
-"""Engine and sampling configuration: plain dataclasses, validated on construction."""
+"""Engine and sampling configuration: plain dataclasses, type-checked and validated on construction.
+
+EngineConfig's fields are also the command line: app/cli.py makes one flag per field, named as vLLM
+names it, with the help text kept here in each field's metadata, so a default or a check lives in
+one place.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import numbers
 import re
+import types
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Union
 
 
 class ConfigError(ValueError):
@@ -15,104 +27,193 @@ class RequestError(ValueError):
     """A request the engine refuses. Raised by ``add_request``; the engine state is unchanged."""
 
 
+# Below this, sampling is greedy. Dividing logits by a smaller temperature overflows float32 (1e-38 gives
+# inf, then NaN) and, well before that, already puts all the probability on the top token. vLLM uses the
+# same threshold.
+GREEDY_TEMPERATURE = 1e-5
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
           "tb": 1000**4, "tib": 1024**4}
 
 
-def parse_bytes(value: int | str | None, name: str) -> int | None:
+def parse_bytes(value: int | str | None, name: str, allow_zero: bool = False) -> int | None:
     """Accept 536870912, "512MiB", "0.5GiB" or "1G"; None passes through."""
-    if value is None or isinstance(value, int):
-        if isinstance(value, int) and value <= 0:
-            raise ConfigError(f"{name} must be positive, got {value}")
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{name}: cannot read {value!r} as a size; use bytes or e.g. '512MiB', '2GiB'")
-    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise ConfigError(f"{name} must be positive, got {value!r}")
+    if value is None:
+        return None
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{name}: cannot read {value!r} as a size; use bytes or e.g. '512MiB', '2GiB'")
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size < 0 or (size == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'0 or more' if allow_zero else 'positive'}, got {value!r}")
     return size
+
+
+def _help(text: str, metavar: str | None = None) -> dict:
+    return {"help": text, "metavar": metavar}
 
 
 @dataclass
 class EngineConfig:
-    model: str = "default"
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float = 0.90
-    swap_space: int | str = "1GiB"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    preemption_mode: Literal["recompute", "swap"] = "recompute"
-    allocator: Literal["paged", "contiguous"] = "paged"
-    seed: int = 0
+    model: str = field(default="default", metadata=_help(
+        "'default' (SmolLM2-135M-Instruct), a transformers model directory, a .gguf file, or a hub id "
+        "when you have network"))
+    device: str = field(default="auto", metadata=_help("auto, cpu, cuda or cuda:N"))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata=_help(
+        "auto: bf16 on CUDA and on CPUs with native bf16 (AMX/AVX512-BF16), else fp32"))
+    block_size: int = field(default=16, metadata=_help("tokens per KV block (power of two, 1-256)"))
+    num_blocks: int | None = field(default=None, metadata=_help(
+        "KV pool size in blocks; overrides --kv-cache-memory and --gpu-memory-utilization"))
+    kv_cache_memory: int | str | None = field(default=None, metadata=_help(
+        "CPU KV pool size, e.g. 512MiB (default: 10% of RAM, at most 2GiB)", "SIZE"))
+    gpu_memory_utilization: float = field(default=0.90, metadata=_help(
+        "fraction of GPU memory for weights, activations and the KV pool"))
+    swap_space: int | str = field(default="1GiB", metadata=_help(
+        "host pool for swap-mode preemption, e.g. 1GiB; 0 for none (swap then falls back to recompute)",
+        "SIZE"))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "longest prompt plus output, in tokens (default: the model's limit)"))
+    max_num_seqs: int = field(default=256, metadata=_help("most requests running at once"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget of one step"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "reuse KV blocks of identical prompt prefixes"))
+    preemption_mode: Literal["recompute", "swap"] = field(default="recompute", metadata=_help(
+        "what happens to a request pushed out when blocks run short"))
+    allocator: Literal["paged", "contiguous"] = field(default="paged", metadata=_help(
+        "contiguous reserves max_model_len per request: the pre-paging baseline"))
+    seed: int = field(default=0, metadata=_help("seed of the sampler for requests without their own"))
 
     def __post_init__(self) -> None:
+        for name, hint in config_fields().items():
+            setattr(self, name, _checked(name, getattr(self, name), hint, ConfigError))
         bs = self.block_size
-        if not isinstance(bs, int) or bs < 1 or bs > 256 or bs & (bs - 1):
+        if bs < 1 or bs > 256 or bs & (bs - 1):
             raise ConfigError(f"block_size must be a power of two between 1 and 256, got {bs!r}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"num_blocks must be at least 1, got {self.num_blocks}")
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
-        self.swap_space = parse_bytes(self.swap_space, "swap_space") if self.swap_space else 0
+        self.swap_space = parse_bytes(self.swap_space, "swap_space", allow_zero=True)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be at least 1, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ConfigError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.allocator not in ("paged", "contiguous"):
-            raise ConfigError(f"allocator must be 'paged' or 'contiguous', got {self.allocator!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("num_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1, got {value}")
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+@functools.cache
+def config_fields() -> dict[str, typing.Any]:
+    """EngineConfig's field names and their resolved types, in declaration order."""
+    hints = typing.get_type_hints(EngineConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(EngineConfig)}
+
+
+def _checked(name: str, value, hint, error: type[ValueError]):
+    """``value`` if it has type ``hint`` (ints as int, not bool; an int where a float goes), else ``error``."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
+    for option in options:
+        if typing.get_origin(option) is Literal:
+            if isinstance(value, str) and value in typing.get_args(option):
+                return value
+        elif option is type(None):
+            if value is None:
+                return value
+        elif option is bool:
+            if isinstance(value, bool):
+                return value
+        elif isinstance(value, bool):
+            continue    # True is an int to Python, but never a block size or a count
+        elif option is int and isinstance(value, numbers.Integral):
+            return int(value)
+        elif option is float and isinstance(value, numbers.Real):
+            return float(value)
+        elif option is str and isinstance(value, str):
+            return value
+    raise error(f"{name} must be {describe_type(hint)}, got {value!r}")
+
+
+def describe_type(hint) -> str:
+    """How a type reads in an error message: "an integer or None", "one of 'paged', 'contiguous'"."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(describe_type(option) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(choice) for choice in typing.get_args(hint))
+    return {type(None): "None", bool: "True or False", int: "an integer", float: "a number",
+            str: "a string"}[hint]
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
     max_tokens: int = 16
-    temperature: float = 1.0
+    temperature: float = 1.0    # below GREEDY_TEMPERATURE (0 included): greedy
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: Sequence[str] | str | None = ()
+    stop_token_ids: Sequence[int] | None = ()
     ignore_eos: bool = False
     # False skips turning tokens into text (outputs carry token ids only), as vLLM's option of the same
     # name does: for callers that only want ids, like the bench with its synthetic prompts.
     detokenize: bool = True
 
     def validate(self) -> None:
-        """Raise RequestError naming the first bad field. Called by add_request."""
-        if not isinstance(self.n, int) or self.n < 1:
+        """Raise RequestError naming the first bad field; change nothing."""
+        self.normalized()
+
+    def normalized(self) -> SamplingParams:
+        """A checked copy for the engine to keep: the caller may change or reuse this object afterwards.
+
+        Stop rules become tuples and a temperature below GREEDY_TEMPERATURE becomes 0.0 (greedy).
+        """
+        for name in ("n", "max_tokens", "top_k"):
+            _checked(name, getattr(self, name), int, RequestError)
+        for name in ("ignore_eos", "detokenize"):
+            _checked(name, getattr(self, name), bool, RequestError)
+        seed = _checked("seed", self.seed, int | None, RequestError)
+        temperature = _checked("temperature", self.temperature, float, RequestError)
+        top_p = _checked("top_p", self.top_p, float, RequestError)
+        if self.n < 1:
             raise RequestError(f"n must be at least 1, got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0 <= temperature < math.inf:  # also refuses NaN
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not 0.0 < top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise RequestError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if any(not s for s in self.stop):
+        stop = self._stop_strings()
+        return dataclasses.replace(
+            self, n=int(self.n), max_tokens=int(self.max_tokens), top_k=int(self.top_k), seed=seed,
+            temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature, top_p=top_p,
+            stop=stop, stop_token_ids=self._stop_token_ids())
+
+    def _stop_strings(self) -> tuple[str, ...]:
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if stop is None:
+            return ()
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise RequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not all(stop):
             raise RequestError("stop strings must be non-empty")
-        if self.stop and not self.detokenize:
+        if stop and not self.detokenize:
             raise RequestError("stop strings need detokenize=True: they are matched against the text")
+        return tuple(stop)
+
+    def _stop_token_ids(self) -> tuple[int, ...]:
+        ids = self.stop_token_ids
+        if ids is None:
+            return ()
+        if not isinstance(ids, (list, tuple, set, frozenset)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise RequestError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+        return tuple(int(t) for t in ids)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

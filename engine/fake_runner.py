@@ -9,6 +9,11 @@ copy-on-write, swap, prefix caching and preemption keep the cache right.
 
 The next token is a deterministic function of the context read back, so a
 request's output does not depend on how it was scheduled, only on its tokens.
+
+``fault_at`` makes the next execute() raise InjectedFault at one of its phases
+("moves", before any cache move; "forward", after the moves and the K/V writes;
+"sample", after the reads): how the tests check that a failed step leaves the
+cache consistent.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.runner import RunnerInfo, RunnerOutput
 
 _MASK64 = (1 << 64) - 1
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
@@ -36,6 +42,10 @@ def _mix(x: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def _sample_salt(sample_index: int, seed: int) -> int:
     return _mix(sample_index + 1) ^ _mix(seed + 7)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by FakeRunner.execute at the phase named by ``fault_at``."""
 
 
 class FakeTokenizer:
@@ -83,47 +93,59 @@ class FakeTokenizer:
 
 
 class FakeRunner:
-    """Same interface as engine.model_runner.ModelRunner; see the module docstring."""
+    """A runner (engine.runner.Runner) with no model; see the module docstring."""
 
     def __init__(self, config: EngineConfig, *, num_blocks: int | None = None, num_host_blocks: int = 0,
                  max_model_len: int | None = None, verify: bool = True, eos_period: int | None = None,
                  fail_on: Sequence[str] = ()) -> None:
         self.tokenizer = FakeTokenizer()
-        self.vocab_size = self.tokenizer.vocab_size
-        self.eos_token_ids = frozenset({self.tokenizer.eos_token_id})
         self.block_size = config.block_size
-        self.num_device_blocks = num_blocks or config.num_blocks or 512
-        self.num_host_blocks = num_host_blocks
-        self.max_model_len = max_model_len or config.max_model_len or 1024
+        num_device_blocks = num_blocks or config.num_blocks or 512
+        max_model_len = max_model_len or config.max_model_len or 1024
         self.verify = verify
         self.eos_period = eos_period            # about one token in eos_period is EOS; None: never
         self.fail_on: set[str] = set(fail_on)   # request ids whose items fail, as NaN logits would
+        self.fault_at: str | None = None        # "moves" | "forward" | "sample": the next execute() raises there
         # Set by fake_engine(): the tokens a sequence should hold, to check the context read back.
         self.expected_tokens: Callable[[BatchItem], Sequence[int]] | None = None
-        tokens = self.num_device_blocks * self.block_size
-        self.banner = (f"KV cache: {self.num_device_blocks} blocks x {self.block_size} = {tokens} tokens "
-                       f"(fake runner); maximum concurrency for {self.max_model_len} tokens per request: "
-                       f"{tokens / self.max_model_len:.2f}x")
-        self.pool = np.full((self.num_device_blocks, self.block_size), -1, dtype=np.int64)
+        tokens = num_device_blocks * self.block_size
+        # The header and the run log show the configured names: there is no model, device or dtype to report.
+        self.info = RunnerInfo(
+            model_name=config.model, device=config.device, dtype=config.dtype, block_size=self.block_size,
+            num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks, max_model_len=max_model_len,
+            vocab_size=self.tokenizer.vocab_size, eos_token_ids=frozenset({self.tokenizer.eos_token_id}),
+            kv_cache_bytes=None,
+            banner=(f"KV cache: {num_device_blocks} blocks x {self.block_size} = {tokens} tokens (fake runner); "
+                    f"maximum concurrency for {max_model_len} tokens per request: {tokens / max_model_len:.2f}x"))
+        self.pool = np.full((num_device_blocks, self.block_size), -1, dtype=np.int64)
         self.host_pool = np.full((max(num_host_blocks, 1), self.block_size), -1, dtype=np.int64)
-        self._weights = np.random.default_rng(0).integers(1, 2**63, self.max_model_len, dtype=np.uint64)
+        self._weights = np.random.default_rng(0).integers(1, 2**63, max_model_len, dtype=np.uint64)
 
-    def execute(self, batch: ScheduledBatch) -> list[list[int] | None]:
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        self._fault("moves")
         self._move_blocks(batch)
         if self.verify:
             # Write everything first, then read: a real forward stores a layer's K/V before attending.
             for item in batch.items:
                 self.pool[self._slots(item, item.start_pos)] = item.token_ids
+            self._fault("forward")
             hashes = [self._read_context(item) for item in batch.items]
         else:
+            self._fault("forward")
             hashes = [_mix(item.token_ids[-1] * 1_000_003 + item.context_len) for item in batch.items]
-        results: list[list[int] | None] = []
+        self._fault("sample")
+        results: RunnerOutput = []
         for item, context_hash in zip(batch.items, hashes, strict=True):
             if item.request_id in self.fail_on:
                 results.append(None)
             else:
                 results.append([self._next_token(context_hash, k, item.params) for k in item.sample_indices])
         return results
+
+    def _fault(self, phase: str) -> None:
+        if self.fault_at == phase:
+            self.fault_at = None
+            raise InjectedFault(f"injected fault in the runner's {phase} phase")
 
     def _move_blocks(self, batch: ScheduledBatch) -> None:
         for device_block, host_block in batch.blocks_to_swap_out:
@@ -150,7 +172,7 @@ class FakeRunner:
         return int((context.astype(np.uint64) * self._weights[:item.context_len]).sum())
 
     def _next_token(self, context_hash: int, sample_index: int, params: SamplingParams) -> int:
-        if params.temperature == 0.0:
+        if params.greedy:
             sample_index = 0    # greedy: every sample draws the same token
         x = _mix(context_hash ^ _sample_salt(sample_index, params.seed or 0))
         if self.eos_period and x % self.eos_period == 0:

@@ -87,8 +87,7 @@ class KVCacheManager:
             if need > pool.num_free_blocks:
                 return False
             for seq in seqs:
-                seq.block_table = pool.allocate(self.blocks_per_reservation)
-                seq.table_changed()
+                seq.block_table = tuple(pool.allocate(self.blocks_per_reservation))
             return True
         bs = self.block_size
         need = sum(cdiv(len(hits[seq.index]) * bs + num_new, bs) - len(hits[seq.index])
@@ -103,8 +102,7 @@ class KVCacheManager:
             cached = hits[seq.index]
             seq.num_computed_tokens = len(cached) * bs
             missing = cdiv(seq.num_computed_tokens + num_new, bs) - len(cached)
-            seq.block_table = cached + pool.allocate(missing)
-            seq.table_changed()
+            seq.block_table = (*cached, *pool.allocate(missing))
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += seq.num_computed_tokens
@@ -122,8 +120,7 @@ class KVCacheManager:
         for seq, num_new in plan:
             missing = cdiv(seq.num_computed_tokens + num_new, bs) - len(seq.block_table)
             if missing > 0:
-                seq.block_table.extend(pool.allocate(missing))
-                seq.table_changed()
+                seq.block_table += tuple(pool.allocate(missing))
         return True
 
     def append_slot(self, seq: Sequence) -> bool:
@@ -132,8 +129,7 @@ class KVCacheManager:
             return True
         if not self.block_pool.free_block_queue:
             return False
-        seq.block_table.extend(self.block_pool.allocate(1))
-        seq.table_changed()
+        seq.block_table += tuple(self.block_pool.allocate(1))
         return True
 
     def _count_growth(self, request: Request, plan, pool: BlockPool,
@@ -160,11 +156,11 @@ class KVCacheManager:
     def _copy_last_block(self, seq: Sequence) -> None:
         pool = self.block_pool
         index = seq.num_computed_tokens // self.block_size
-        src = seq.block_table[index]
+        table = seq.block_table
+        src = table[index]
         dst = pool.allocate(1)[0]
         pool.fill[dst] = pool.fill[src]
-        seq.block_table[index] = dst
-        seq.table_changed()
+        seq.block_table = (*table[:index], dst, *table[index + 1:])
         pool.free([src])
         self.blocks_to_copy.append((src, dst))
 
@@ -179,8 +175,7 @@ class KVCacheManager:
                 pool.fill[dst] = pool.fill[src]
                 self.blocks_to_copy.append((src, dst))
             return
-        child.block_table = list(parent.block_table)
-        child.table_changed()
+        child.block_table = parent.block_table
         pool.incref(child.block_table)
 
     def commit(self, seq: Sequence, num_new: int) -> None:
@@ -205,15 +200,27 @@ class KVCacheManager:
         """Release a sample's blocks, last block first so a prefix's end is evicted before its start."""
         if seq.block_table:
             self.block_pool.free(reversed(seq.block_table))
-            seq.block_table = []
-            seq.table_changed()
+            seq.block_table = ()
         if seq.host_block_table:
             self.host_pool.free(reversed(seq.host_block_table))
-            seq.host_block_table = []
+            seq.host_block_table = ()
 
     def free_request(self, request: Request) -> None:
         for seq in request.seqs:
             self.free_sequence(seq)
+
+    def recover(self, keep: list[Sequence], drop: list[Sequence]) -> None:
+        """A step failed part-way: free the samples in ``drop`` and make both pools agree with ``keep``.
+
+        Undoing the step's changes one by one would need to know where it stopped; recounting from
+        the tables that remain does not. The step's pending cache moves are dropped with it.
+        """
+        forget = {block for seq in drop for block in seq.block_table}
+        for seq in drop:
+            seq.block_table = seq.host_block_table = ()
+        self.block_pool.rebuild([seq.block_table for seq in keep], forget)
+        self.host_pool.rebuild([seq.host_block_table for seq in keep], ())
+        self.take_cache_moves()
 
     # ---- swap -----------------------------------------------------------------------------------
 
@@ -256,13 +263,12 @@ class KVCacheManager:
         mapping = dict(zip(unique, targets, strict=True))
         dst_pool.fill[targets] = src_pool.fill[unique]
         for seq, table in zip(seqs, tables, strict=True):
-            new_table = [mapping[block] for block in table]
+            new_table = tuple(mapping[block] for block in table)
             src_pool.free(reversed(table))
             if to_host:
-                seq.host_block_table, seq.block_table = new_table, []
+                seq.host_block_table, seq.block_table = new_table, ()
             else:
-                seq.block_table, seq.host_block_table = new_table, []
-            seq.table_changed()
+                seq.block_table, seq.host_block_table = new_table, ()
         # allocate() gave each target one reference; samples sharing a block add the rest.
         refs = np.bincount(np.asarray([mapping[b] for table in tables for b in table], dtype=np.int64),
                            minlength=dst_pool.num_blocks)

@@ -1,84 +1,121 @@
-"""LLMEngine: the public API. Requests in, one scheduler iteration plus one forward per step, results out."""
+"""LLMEngine: the public API. Requests in, one scheduler iteration plus one forward per step, results out.
+
+A step is four calls: Scheduler.schedule() decides the batch, the runner's execute() computes it,
+Scheduler.update_from_output() records the result, and the engine turns the updated requests into
+outputs, stats and a snapshot. The engine itself holds no request or block state.
+
+Threads: add_request and abort_request may be called from any thread while another thread steps. One
+lock covers a step and each of those calls, so a call made during a step waits for it (at most one
+step) and then sees the engine between steps, as a single-threaded caller would. step() itself, and
+generate(), belong to one thread: each step's outputs go to whoever called it.
+"""
 
 from __future__ import annotations
 
 import itertools
+import numbers
+import threading
 import time
 import warnings
 
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
-from kvscope.engine.outputs import (
-    CacheSnapshot,
-    EngineEvent,
-    RequestOutput,
-    RequestView,
-    SampleOutput,
-    StepResult,
-    StepStats,
-)
+from kvscope.engine.outputs import RequestOutput, SampleOutput, StepResult
 from kvscope.engine.request import Request, RequestStatus, Sequence
+from kvscope.engine.runner import Runner, RunnerInfo, RunnerOutput
 from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.snapshot import PhaseTimes, build_snapshot, build_stats
 
 _PREVIEW_CHARS = 80
-_RUNNER_FAILED = "the model runner produced no token for this request (non-finite logits?)"
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, tokenizer=None, runner=None) -> None:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None, runner: Runner | None = None) -> None:
         self.config = config
         if runner is None:
             from kvscope.engine.model_runner import ModelRunner  # torch and transformers load only when needed
             runner = ModelRunner(config, model=model, tokenizer=tokenizer)
         self.runner = runner
-        self.tokenizer = tokenizer if tokenizer is not None else getattr(runner, "tokenizer", None)
-        self.banner: str = runner.banner
-        self.block_size: int = runner.block_size
-        self.max_model_len: int = runner.max_model_len
-        self.scheduler = Scheduler(config, num_blocks=runner.num_device_blocks,
-                                   num_host_blocks=runner.num_host_blocks, block_size=runner.block_size,
-                                   max_model_len=runner.max_model_len)
-        self._eos_token_ids = runner.eos_token_ids
+        self.info: RunnerInfo = runner.info
+        self.tokenizer = tokenizer if tokenizer is not None else runner.tokenizer
+        info = self.info
+        self.scheduler = Scheduler(config, num_blocks=info.num_device_blocks, num_host_blocks=info.num_host_blocks,
+                                   block_size=info.block_size, max_model_len=info.max_model_len)
         self.step_counter = 0
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()
-        self._pending_outputs: list[RequestOutput] = []    # aborts between steps, reported by the next step
-        self._now = 0.0
+        # Final outputs made between steps (aborts) or by a failed step, reported by the next step. A request id
+        # stays in use until its final output has been returned.
+        self._pending: dict[str, RequestOutput] = {}
+        self._lock = threading.RLock()
+        self._stepping = False
         # Told of every accepted request and every step, e.g. a run log (app.runlog.record_run). Anything
         # with request_added(request_id, prompt_text, num_prompt_tokens, n) and step(result) methods.
         self.observers: list = []
 
     @property
+    def banner(self) -> str:
+        return self.info.banner
+
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
     def num_blocks(self) -> int:
-        return self.runner.num_device_blocks
+        return self.info.num_device_blocks
 
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a prompt: str, token ids or chat messages. RequestError if refused; then nothing changed."""
-        params = params if params is not None else SamplingParams()
-        params.validate()
-        if request_id is None:
-            request_id = self._new_request_id()
-        elif request_id in self.scheduler.requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
+        """Queue a prompt: str, token ids or chat messages. RequestError if refused; then nothing changed.
+
+        The engine keeps a checked copy of ``params``: changing the object afterwards changes nothing.
+        """
+        with self._lock:
+            request = self._make_request(prompt, params, request_id)
+            self.scheduler.add(request)
+            if self.observers:
+                text = self._prompt_text(prompt, request.prompt_token_ids)
+                self._notify("request_added", request.request_id, text, len(request.prompt_token_ids),
+                             request.params.n)
+        return request.request_id
+
+    def _make_request(self, prompt, params: SamplingParams | None, request_id: str | None) -> Request:
+        """Check everything about a new request, changing nothing; the Request if it is acceptable."""
+        if request_id is not None:
+            self._check_request_id(request_id)
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = params.normalized()
         token_ids, preview = self._tokenize(prompt)
         self._check_fits(len(token_ids), params)
-        stop_token_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self._eos_token_ids)
-        request = Request(request_id, token_ids, params, next(self._arrivals), time.time(),
-                          tokenizer=self.tokenizer, prompt_preview=preview, stop_token_ids=stop_token_ids,
-                          max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len))
-        self.scheduler.add(request)
-        if self.observers:
-            text = self._prompt_text(prompt, token_ids)
-            self._notify("request_added", request_id, text, len(token_ids), params.n)
-        return request_id
+        stop_token_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.info.eos_token_ids)
+        return Request(request_id if request_id is not None else self._new_request_id(), token_ids, params,
+                       next(self._arrivals), time.time(), tokenizer=self.tokenizer, prompt_preview=preview,
+                       stop_token_ids=stop_token_ids,
+                       max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len))
 
-    def _prompt_text(self, prompt, token_ids: list[int]) -> str:
+    def _check_request_id(self, request_id) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.scheduler.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if request_id in self._pending:
+            raise RequestError(f"request id {request_id!r} is still in use: its final output has not been "
+                               "reported yet; call step() first")
+
+    def _prompt_text(self, prompt, token_ids) -> str:
         if isinstance(prompt, str):
             return prompt
         if prompt and isinstance(prompt[0], dict):
             return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else f"<{len(token_ids)} token ids>"
+        return self.tokenizer.decode(list(token_ids)) if self.tokenizer is not None else f"<{len(token_ids)} token ids>"
 
     def _notify(self, method: str, *args) -> None:
         """Call every observer; one that raises is dropped with a warning, and the engine goes on."""
@@ -93,35 +130,57 @@ class LLMEngine:
     def _new_request_id(self) -> str:
         while True:
             request_id = str(next(self._request_ids))
-            if request_id not in self.scheduler.requests:
+            if request_id not in self.scheduler.requests and request_id not in self._pending:
                 return request_id
 
     def _tokenize(self, prompt) -> tuple[list[int], str]:
+        """(token ids, a one-line preview) for a text, chat or token-id prompt."""
+        preview = None
         if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("prompt is empty")
-            token_ids = list(self._need_tokenizer("a text prompt").encode(prompt))
-            preview = prompt
+            token_ids, preview = self._encode(prompt), prompt
         elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            token_ids = self._apply_chat_template(list(prompt))
-            preview = str(prompt[-1].get("content", ""))
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            token_ids, preview = self._apply_chat_template(list(prompt)), prompt[-1]["content"]
+        elif isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
             token_ids = [int(t) for t in prompt]
-            preview = self.tokenizer.decode(token_ids[:_PREVIEW_CHARS]) if self.tokenizer is not None else ""
         else:
-            raise RequestError("prompt must be a string, a list of token ids or a list of chat messages")
+            raise RequestError("prompt must be a string, a list of token ids or a list of chat messages "
+                               "(dicts with a 'role' and a 'content')")
         if not token_ids:
             raise RequestError("prompt is empty")
-        vocab_size = self.runner.vocab_size
-        if any(t < 0 or t >= vocab_size for t in token_ids):
-            raise RequestError(f"prompt token ids must be in [0, vocab_size={vocab_size})")
+        self._check_vocabulary(token_ids)
+        if preview is None:     # decoded only now: the tokenizer may overflow on ids outside its vocabulary
+            preview = self._decode_preview(token_ids)
         return token_ids, " ".join(preview.split())[:_PREVIEW_CHARS]
 
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise RequestError("prompt is empty")
+        try:
+            return list(self._need_tokenizer("a text prompt").encode(text))
+        except (UnicodeError, TypeError, ValueError) as exc:
+            raise RequestError(f"the tokenizer cannot encode this prompt: {exc}") from exc
+
+    def _check_vocabulary(self, token_ids: list[int]) -> None:
+        vocab_size = self.info.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"prompt token ids must be in [0, vocab_size={vocab_size}); got {bad}")
+
+    def _decode_preview(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids[:_PREVIEW_CHARS])
+
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if any("role" not in m or "content" not in m for m in messages):
-            raise RequestError("each chat message needs a 'role' and a 'content'")
+        for message in messages:
+            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+                raise RequestError("each chat message needs a 'role' and a 'content' that are strings, got "
+                                   f"{message!r}")
         tokenizer = self._need_tokenizer("chat messages")
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # jinja raises its own errors, and a template may refuse a conversation
+            raise RequestError(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from exc
         if hasattr(encoded, "keys"):    # transformers 5 returns a BatchEncoding by default
             encoded = encoded["input_ids"]
         return list(encoded)
@@ -136,29 +195,32 @@ class LLMEngine:
         if total > self.max_model_len:
             raise RequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
                                f"{total} exceeds max_model_len ({self.max_model_len})")
-        needed = self.scheduler.kv.max_blocks_needed(num_prompt_tokens, params.max_tokens, params.n)
+        needed = self.scheduler.max_blocks_needed(num_prompt_tokens, params.max_tokens, params.n)
         if needed > self.num_blocks:
             raise RequestError(f"request could never fit in the KV cache: it may need {needed} blocks "
                                f"(n={params.n}, {total} tokens, block_size={self.block_size}) but "
                                f"num_blocks is {self.num_blocks}")
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its blocks. False if it is unknown or already finished."""
-        request = self.scheduler.requests.get(request_id)
-        if request is None:
-            return False
-        blocks = tuple(b for seq in request.seqs for b in seq.block_table)
-        self._end_request(request, "abort", time.time())
-        self.scheduler.events.append(EngineEvent("abort", request_id, blocks))
-        self._pending_outputs.append(self._make_output(request, ()))
-        return True
+        """Stop a request wherever it is and free its blocks. False if it is unknown or already finished.
+
+        Its final output (finish_reason "abort") comes with the next step; until then the id stays in use.
+        """
+        with self._lock:
+            request = self.scheduler.abort(request_id)
+            if request is None:
+                return False
+            self._pending[request_id] = self._make_output(request, ())
+            return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request runs or waits, or a final output has yet to be returned by step()."""
+        return bool(self._pending) or self.scheduler.has_unfinished_requests()
 
     def generate(self, prompts,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run the prompts to completion; final outputs in input order."""
+        """Run the prompts to completion; final outputs in input order. All or nothing: if a prompt is
+        refused, or a step raises, every request this call added is aborted and the error raised."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if isinstance(params, list):
@@ -170,130 +232,81 @@ class LLMEngine:
         try:
             for prompt, sampling in zip(prompts, params, strict=True):
                 request_ids.append(self.add_request(prompt, sampling))
-        except RequestError:
-            for request_id in request_ids:
-                self.abort_request(request_id)
-            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in request_ids]
+            final = self._run_until_final(request_ids)
+        except BaseException:
+            self._withdraw(request_ids)
             raise
+        return [final[request_id] for request_id in request_ids]
+
+    def _run_until_final(self, request_ids: list[str]) -> dict[str, RequestOutput]:
         wanted = set(request_ids)
         final: dict[str, RequestOutput] = {}
         while len(final) < len(request_ids):
-            if not self.has_unfinished_requests() and not self._pending_outputs:
+            if not self.has_unfinished_requests():
                 raise RuntimeError("engine went idle before every generate() request finished")
             for output in self.step().outputs:
                 if output.finished and output.request_id in wanted:
                     final[output.request_id] = output
-        return [final[request_id] for request_id in request_ids]
+        return final
+
+    def _withdraw(self, request_ids: list[str]) -> None:
+        """Abort requests and drop their final outputs unreported, as if they had never been added."""
+        with self._lock:
+            for request_id in request_ids:
+                self.abort_request(request_id)
+                self._pending.pop(request_id, None)
 
     # ---- one step -------------------------------------------------------------------------------
 
     def step(self) -> StepResult:
-        start = time.perf_counter()
-        self.step_counter += 1
-        batch, scheduled = self.scheduler.schedule()
-        forward_start = time.perf_counter()
-        if batch.items or batch.blocks_to_swap_out or batch.blocks_to_swap_in or batch.blocks_to_copy:
-            results = self.runner.execute(batch)
-        else:
-            results = []
-        forward_duration = time.perf_counter() - forward_start
-        self._now = time.time()
-        outputs = self._pending_outputs
-        self._pending_outputs = []
-        num_generated = self._process_results(scheduled, batch.items, results, outputs)
-        events = tuple(self.scheduler.events)
-        self.scheduler.events.clear()
-        snapshot = self._snapshot()
-        duration = time.perf_counter() - start
-        stats = self._stats(batch, duration, forward_duration, num_generated)
-        result = StepResult(outputs=outputs, stats=stats, snapshot=snapshot, events=events)
-        if self.observers:
-            self._notify("step", result)
+        """One scheduler iteration and one forward. If any part of it raises, every request the step touched
+        finishes with finish_reason "error" (final outputs with the next step), the others go on untouched,
+        the block pool is left consistent, and the exception propagates."""
+        with self._lock:
+            if self._stepping:
+                raise RuntimeError("step() called from inside step(), e.g. by an observer")
+            self._stepping = True
+            try:
+                result = self._step()
+                if self.observers:
+                    self._notify("step", result)
+            finally:
+                self._stepping = False
         return result
 
-    def _process_results(self, scheduled, items, results, outputs: list[RequestOutput]) -> int:
-        """Commit computed tokens, append sampled ones, apply stop rules; returns tokens generated."""
-        failed = self._fail_requests(scheduled, results, outputs) if None in results else ()
-        commit = self.scheduler.kv.commit
-        now = self._now
-        grouped: dict[Request, int | None] = {}   # n > 1 requests that sampled, with sample 0's token
-        num_generated = 0
-        for (request, seq, num_new), item, sampled in zip(scheduled, items, results, strict=True):
-            if failed and request in failed:
-                continue
-            commit(seq, num_new)
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            sample_indices = item.sample_indices
-            if not sample_indices:
-                continue    # mid-prefill
-            num_generated += len(sampled)
-            if len(request.seqs) == 1:
-                token = sampled[0]
-                self._append_token(request, seq, token)
-                outputs.append(self._make_output(request, (token,)))
-                continue
-            if not request.forked:
-                self._fork(request)
-            grouped.setdefault(request, None)
-            for sample_index, token in zip(sample_indices, sampled, strict=True):
-                self._append_token(request, request.seqs[sample_index], token)
-                if sample_index == 0:
-                    grouped[request] = token
-        for request, token in grouped.items():
-            outputs.append(self._make_output(request, () if token is None else (token,)))
-        return num_generated
+    def _step(self) -> StepResult:
+        start = time.perf_counter()
+        self.step_counter += 1
+        scheduler = self.scheduler
+        try:
+            output = scheduler.schedule()
+            scheduled = time.perf_counter()
+            runner_output = self._execute(output.batch)
+            executed = time.perf_counter()
+            update = scheduler.update_from_output(output, runner_output)
+            outputs = [self._make_output(request, tokens) for request, tokens in update.updated]
+            updated = time.perf_counter()
+            snapshot = build_snapshot(scheduler, self.step_counter, self.config.allocator)
+        except BaseException as exc:
+            self._recover(exc)
+            raise
+        times = PhaseTimes(start, scheduled, executed, updated, time.perf_counter())
+        if self._pending:
+            outputs = [*self._pending.values(), *outputs]
+            self._pending.clear()
+        stats = build_stats(scheduler, self.step_counter, time.time(), output.batch, times, update.num_generated)
+        return StepResult(outputs=outputs, stats=stats, snapshot=snapshot, events=scheduler.take_events())
 
-    def _fail_requests(self, scheduled, results, outputs: list[RequestOutput]) -> set[Request]:
-        """Requests the runner returned None for finish with an error; the rest of the batch goes on."""
-        failed = {request for (request, _, _), sampled in zip(scheduled, results, strict=True)
-                  if sampled is None}
-        for request in failed:
-            request.error = _RUNNER_FAILED
-            blocks = tuple(b for seq in request.seqs for b in seq.block_table)
-            self.scheduler.events.append(EngineEvent("error", request.request_id, blocks, _RUNNER_FAILED))
-            self._end_request(request, "error", self._now)
-            outputs.append(self._make_output(request, ()))
-        return failed
+    def _execute(self, batch) -> RunnerOutput:
+        if batch.items or batch.blocks_to_swap_out or batch.blocks_to_swap_in or batch.blocks_to_copy:
+            return self.runner.execute(batch)
+        return []
 
-    def _fork(self, request: Request) -> None:
-        parent = request.seqs[0]
-        for child in request.seqs[1:]:
-            self.scheduler.kv.fork(parent, child)
-        request.forked = True
-
-    def _append_token(self, request: Request, seq: Sequence, token: int) -> None:
-        token_ids = seq.token_ids
-        token_ids.append(token)
-        if request.first_token_time is None:
-            request.first_token_time = self._now
-        detokenizer = seq.detokenizer
-        by_stop_string = detokenizer is not None and detokenizer.add_token(token)
-        if by_stop_string or token in request.stop_token_ids:
-            reason = "stop"
-        elif len(token_ids) >= request.max_num_tokens:
-            reason = "length"
-        else:
-            return
-        blocks = tuple(seq.block_table)
-        self._finish_sample(seq, reason, by_stop_string)
-        if all(s.finish_reason is not None for s in request.seqs):
-            request.finished_time = self._now
-            self.scheduler.finish(request)
-            self.scheduler.events.append(EngineEvent("finish", request.request_id, blocks, reason))
-
-    def _finish_sample(self, seq: Sequence, reason: str, by_stop_string: bool = False) -> None:
-        seq.finish_reason = reason
-        if seq.detokenizer is not None:
-            seq.detokenizer.finish(by_stop_string)
-        self.scheduler.kv.free_sequence(seq)
-
-    def _end_request(self, request: Request, reason: str, now: float) -> None:
-        for seq in request.seqs:
-            if seq.finish_reason is None:
-                self._finish_sample(seq, reason)
-        request.finished_time = now
-        self.scheduler.finish(request)
+    def _recover(self, exc: BaseException) -> None:
+        """The step raised: let the scheduler fail what it touched, and queue their final outputs."""
+        error = f"the engine step failed: {type(exc).__name__}: {exc}"
+        for request in self.scheduler.fail_step(error):
+            self._pending[request.request_id] = self._make_output(request, ())
 
     # ---- results --------------------------------------------------------------------------------
 
@@ -309,71 +322,12 @@ class LLMEngine:
             request.status == RequestStatus.FINISHED, first.finish_reason, request.num_cached_tokens,
             request.num_preemptions, request.metrics(), samples, request.error)
 
-    def _snapshot(self) -> CacheSnapshot:
-        scheduler = self.scheduler
-        pool, host = scheduler.kv.block_pool, scheduler.kv.host_pool
-        queues = (scheduler.running, scheduler.swapped, scheduler.waiting)
-        views = [self._view(request) for queue in queues for request in queue]
-        return CacheSnapshot(step=self.step_counter, block_size=self.block_size, num_blocks=pool.num_blocks,
-                             allocator=self.config.allocator, block_state=pool.state.copy(),
-                             ref_counts=pool.ref_counts.copy(), block_fill=pool.fill.copy(),
-                             block_hashes=pool.hashes.copy(), requests=tuple(views),
-                             num_host_blocks=host.num_blocks, num_free_host_blocks=host.num_free_blocks)
-
-    def _view(self, request: Request) -> RequestView:
-        """The request as the block map sees it; rebuilt only when the scheduler touched the request."""
-        view = request.view
-        if view is not None:
-            return view
-        first = request.seqs[0]
-        if len(request.seqs) == 1:
-            block_tables = (first.table_tuple(),)
-            host_block_tables = (tuple(first.host_block_table),) if first.host_block_table else ()
-            reserved = len(first.block_table) * self.block_size
-            used = first.num_computed_tokens if first.block_table else 0
-        else:
-            live = request.live_seqs()
-            block_tables = tuple(seq.table_tuple() for seq in live)
-            host_block_tables = tuple(tuple(seq.host_block_table) for seq in live if seq.host_block_table)
-            reserved, used = self._shared_slots(live)
-        view = request.view = RequestView(    # positional, as in _make_output
-            request.request_id, request.status, request.arrival_index, block_tables, host_block_tables,
-            first.num_prompt_tokens, len(first.token_ids) - first.num_prompt_tokens, request.params.max_tokens,
-            first.num_computed_tokens, request.num_cached_tokens, request.num_preemptions, request.params.n,
-            reserved, used, request.prompt_preview)
-        return view
-
-    def _shared_slots(self, live: list[Sequence]) -> tuple[int, int]:
-        """(slots held in device blocks, slots holding computed tokens), counting shared blocks once."""
-        blocks = list({b for seq in live for b in seq.block_table})
-        fill = self.scheduler.kv.block_pool.fill
-        return len(blocks) * self.block_size, int(fill[blocks].sum()) if blocks else 0
-
-    def _stats(self, batch, duration: float, forward_duration: float, num_generated: int) -> StepStats:
-        scheduler = self.scheduler
-        kv = scheduler.kv
-        pool, host = kv.block_pool, kv.host_pool
-        used = pool.num_used_blocks
-        slots = used * self.block_size
-        return StepStats(
-            step=self.step_counter, time=self._now, duration=duration,
-            num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decode_tokens,
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            num_swapped=len(scheduler.swapped), num_free_blocks=pool.num_free_blocks,
-            num_cached_free_blocks=pool.num_cached_free_blocks, num_total_blocks=pool.num_blocks,
-            kv_usage=used / pool.num_blocks,
-            kv_token_utilisation=kv.num_tokens_held() / slots if slots else 0.0,
-            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=scheduler.num_preemptions, num_swapped_out_blocks=kv.num_swapped_out_blocks,
-            num_swapped_in_blocks=kv.num_swapped_in_blocks,
-            prompt_tokens_per_s=batch.num_prefill_tokens / duration if duration > 0 else 0.0,
-            generation_tokens_per_s=num_generated / duration if duration > 0 else 0.0,
-            forward_duration=forward_duration, num_host_blocks=host.num_blocks,
-            num_free_host_blocks=host.num_free_blocks)
-
 
 def _sample_output(seq: Sequence) -> SampleOutput:
     detokenizer = seq.detokenizer
     return SampleOutput(seq.index, tuple(seq.token_ids[seq.num_prompt_tokens:]),
                         detokenizer.output_text if detokenizer else "", seq.finish_reason)
 
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -22,6 +22,7 @@ from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.loader import ModelError, load_model
 from kvscope.engine.memory import format_banner, size_pool
+from kvscope.engine.runner import RunnerInfo, RunnerOutput
 from kvscope.engine.sampler import Sampler, SampleRow
 
 ATTENTION_NAME = "kvscope"
@@ -78,7 +79,11 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("device cuda was asked for but torch sees no CUDA GPU; use --device cpu, "
                           "or install a CUDA build of torch (see the README)")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device} does not exist: torch sees {torch.cuda.device_count()} CUDA GPU(s), "
+                          "numbered from 0")
+    return resolved
 
 
 def cpu_has_native_bf16() -> bool:
@@ -102,6 +107,8 @@ def resolve_dtype(dtype: str, device: torch.device, model=None) -> torch.dtype:
 
 
 class ModelRunner:
+    """A runner (engine.runner.Runner) over a transformers model whose attention is ours."""
+
     def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
@@ -133,6 +140,11 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_device_blocks * self.bytes_per_block
         self.banner = format_banner(self.num_device_blocks, self.block_size, self.kv_cache_bytes,
                                     self.max_model_len)
+        self.info = RunnerInfo(
+            model_name=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.block_size, num_device_blocks=self.num_device_blocks,
+            num_host_blocks=self.num_host_blocks, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids, kv_cache_bytes=self.kv_cache_bytes, banner=self.banner)
         _freeze_heap()
 
     def _attach_attention(self) -> None:
@@ -164,29 +176,32 @@ class ModelRunner:
         """Peak CUDA memory of one forward over max_num_batched_tokens tokens, weights included."""
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
-        self.kv_cache = self._allocate_cache(num_blocks)
         probe = BatchItem(seq_id=-1, request_id="profile", token_ids=(0,) * num_tokens, start_pos=0,
                           block_table=tuple(range(num_blocks)), sample_indices=(0,),
                           params=SamplingParams(temperature=0.0))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.execute(ScheduledBatch(items=(probe,)))
+        self._run(ScheduledBatch(items=(probe,)), self._allocate_cache(num_blocks))  # a scratch pool, dropped here
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        del self.kv_cache
         torch.cuda.empty_cache()
         return peak
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[list[int] | None]:
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         self._move_blocks(batch)
+        return self._run(batch, self.kv_cache)
+
+    @torch.inference_mode()
+    def _run(self, batch: ScheduledBatch, kv_cache: torch.Tensor) -> RunnerOutput:
+        """The forward and the sampling, over ``kv_cache``: the pool, or profiling's scratch pool."""
         if not batch.items:
             return []
         prefill = [i for i, item in enumerate(batch.items) if len(item.token_ids) > 1]
         decode = [i for i, item in enumerate(batch.items) if len(item.token_ids) == 1]
         order = prefill + decode
         items = [batch.items[i] for i in order]
-        ctx, input_ids, positions, logit_rows = self._prepare(items, len(prefill))
+        ctx, input_ids, positions, logit_rows = self._prepare(items, len(prefill), kv_cache)
         hidden_logits = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logit_rows,
                                    kvscope_ctx=ctx, use_cache=False).logits[0]
         per_item = self._sample(items, hidden_logits)
@@ -209,7 +224,7 @@ class ModelRunner:
     def _ids(self, values, device=None) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device or self.device)
 
-    def _prepare(self, items: list[BatchItem], num_prefill: int):
+    def _prepare(self, items: list[BatchItem], num_prefill: int, kv_cache: torch.Tensor):
         """Flatten the batch (prefill chunks first, then decodes) into the forward's inputs.
 
         Decodes are the many small items, so they are handled as columns with numpy, not one by one.
@@ -241,7 +256,7 @@ class ModelRunner:
             logit_rows.extend(num_prefill_tokens + row for row, item in enumerate(decode) if item.sample_indices)
             decode_lens = (starts + 1).astype(np.int32)
         ctx = AttentionContext(
-            kv_cache=self.kv_cache,
+            kv_cache=kv_cache,
             slot_mapping=self._tensor(np.concatenate(slots)),
             num_prefill_tokens=num_prefill_tokens,
             prefill_block_tables=self._tensor(self._padded_tables(prefill, [i.context_len for i in prefill]))

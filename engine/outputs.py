@@ -12,6 +12,7 @@ dataclasses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NamedTuple
 
 import numpy as np
@@ -21,7 +22,31 @@ BLOCK_FREE = 0      # ref count 0, holds no cached prefix
 BLOCK_USED = 1      # ref count >= 1
 BLOCK_CACHED = 2    # ref count 0 but still holds a prefix hash: reusable until evicted
 
-FinishReason = str  # "stop" | "length" | "abort" | "error"
+
+
+class _StrEnum(str, Enum):
+    """Members are their own string values: they compare equal to, print as and store as plain strings,
+    so the run log stays readable and code comparing with "running" keeps working. (enum.StrEnum is
+    Python 3.11+; this is the same for 3.10.) Never read ``.value`` on the hot path: it is a property."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class RequestStatus(_StrEnum):
+    """A request's queue: RequestView.queue holds one of the first three."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(_StrEnum):
+    STOP = "stop"           # an EOS or stop token, or a stop string
+    LENGTH = "length"       # max_tokens, or max_model_len
+    ABORT = "abort"         # abort_request
+    ERROR = "error"         # the model runner failed for this request, or the step failed; see .error
 
 
 class RequestMetrics(NamedTuple):
@@ -76,7 +101,12 @@ class StepStats:
     num_swapped_in_blocks: int          # cumulative
     prompt_tokens_per_s: float          # this step
     generation_tokens_per_s: float      # this step
-    forward_duration: float = 0.0       # seconds of the step spent in the model runner
+    forward_duration: float = 0.0       # seconds of the step spent in the model runner (execute)
+    # The rest of duration, by phase: schedule(), update_from_output() plus building the outputs, and the
+    # snapshot with these stats. Wall-clock seconds, for the bench and anyone asking where a step went.
+    schedule_duration: float = 0.0
+    update_duration: float = 0.0
+    snapshot_duration: float = 0.0
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
 
@@ -85,7 +115,7 @@ class RequestView(NamedTuple):
     """One request as the block map and the queue tables see it."""
 
     request_id: str
-    queue: str                          # "running" | "waiting" | "swapped"
+    queue: RequestStatus                # RUNNING | WAITING | SWAPPED
     arrival_index: int                  # stable per engine; drives the request's colour
     block_tables: tuple[tuple[int, ...], ...]   # one per live sample; device blocks
     host_block_tables: tuple[tuple[int, ...], ...]  # swapped out: blocks in the host pool

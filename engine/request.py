@@ -11,16 +11,9 @@ import itertools
 
 from kvscope.engine.config import SamplingParams
 from kvscope.engine.detokenizer import IncrementalDetokenizer
-from kvscope.engine.outputs import RequestMetrics, RequestView
+from kvscope.engine.outputs import FinishReason, RequestMetrics, RequestStatus, RequestView
 
-
-class RequestStatus:
-    """A request's queue, as the plain strings RequestView.queue reports (an Enum's .value is slow)."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    SWAPPED = "swapped"
-    FINISHED = "finished"
+__all__ = ["Request", "RequestStatus", "Sequence"]
 
 
 _seq_ids = itertools.count()
@@ -30,7 +23,7 @@ class Sequence:
     """One sample: its tokens, how many of them are in the KV cache, and where they live."""
 
     __slots__ = ("seq_id", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_table",
-                 "host_block_table", "block_hashes", "finish_reason", "detokenizer", "_table_tuple")
+                 "host_block_table", "block_hashes", "finish_reason", "detokenizer")
 
     def __init__(self, index: int, prompt_token_ids: list[int], detokenizer: IncrementalDetokenizer | None):
         self.seq_id = next(_seq_ids)
@@ -38,12 +31,13 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0        # tokens whose K/V are in the cache
-        self.block_table: list[int] = []    # device blocks, logical order
-        self.host_block_table: list[int] = []   # host blocks while swapped out
+        # Device blocks in logical order, and host blocks while swapped out. Tuples, replaced whole on every
+        # change: a batch item or a snapshot view can hold one without copying, and it never goes stale.
+        self.block_table: tuple[int, ...] = ()
+        self.host_block_table: tuple[int, ...] = ()
         self.block_hashes: list[int] = []   # prefix-cache hash of each full block, as far as computed
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.detokenizer = detokenizer
-        self._table_tuple: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,14 +47,11 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def table_tuple(self) -> tuple[int, ...]:
-        """The block table as a tuple, rebuilt only after the table changed (every block_size tokens)."""
-        if self._table_tuple is None:
-            self._table_tuple = tuple(self.block_table)
-        return self._table_tuple
-
-    def table_changed(self) -> None:
-        self._table_tuple = None
+    def finish(self, reason: FinishReason, by_stop_string: bool = False) -> None:
+        """The sample is done: release the rest of its text. Its blocks are the KV cache manager's to free."""
+        self.finish_reason = reason
+        if self.detokenizer is not None:
+            self.detokenizer.finish(by_stop_string)
 
 
 class Request:
@@ -77,20 +68,23 @@ class Request:
         self.params = params
         self.arrival_index = arrival_index
         self.prompt_preview = prompt_preview
-        self.status: str = RequestStatus.WAITING
+        self.status = RequestStatus.WAITING
         self.seqs = [Sequence(k, prompt_token_ids, _detokenizer(tokenizer, prompt_token_ids, params))
                      for k in range(params.n)]
         self.forked = params.n == 1     # samples 1..n-1 exist only after the prompt completes
         self.num_preemptions = 0
         self.num_cached_tokens = 0
         self.admitted = False           # first admission done (num_cached_tokens is final)
-        self.error: str | None = None
+        self.error: str | None = None   # why it finished with FinishReason.ERROR
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self._metrics: RequestMetrics | None = None
-        self.view: RequestView | None = None   # cached snapshot view; None when stale
+        # The snapshot's view of this request, reused while nothing about it changed. The scheduler clears it
+        # for the requests a step scheduled or preempted, once per step (update_from_output, or fail_step):
+        # no other request's state changes in a step.
+        self.view: RequestView | None = None
 
     def schedulable_seqs(self) -> list[Sequence]:
         """Samples that run this step: sample 0 until the fork, then every unfinished sample."""
@@ -102,6 +96,27 @@ class Request:
 
     def live_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs if seq.finish_reason is None]
+
+    def device_blocks(self) -> tuple[int, ...]:
+        """Every device block table entry of every sample (a shared block once per sample holding it)."""
+        return tuple(block for seq in self.seqs for block in seq.block_table)
+
+    def append_token(self, seq: Sequence, token: int, now: float) -> bool:
+        """Add a sampled token to one sample and apply the stop rules; True when that sample finished."""
+        token_ids = seq.token_ids
+        token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        detokenizer = seq.detokenizer
+        if detokenizer is not None and detokenizer.add_token(token):
+            seq.finish(FinishReason.STOP, by_stop_string=True)
+        elif token in self.stop_token_ids:
+            seq.finish(FinishReason.STOP)
+        elif len(token_ids) >= self.max_num_tokens:
+            seq.finish(FinishReason.LENGTH)
+        else:
+            return False
+        return True
 
     def metrics(self) -> RequestMetrics:
         cached = self._metrics

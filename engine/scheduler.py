@@ -1,4 +1,6 @@
-"""Iteration-level scheduler: three queues, a token budget, chunked prefill and preemption.
+"""Iteration-level scheduler: three queues, a token budget, chunked prefill, preemption, and each step's
+bookkeeping. It owns every change to requests and blocks: a step is schedule() → the runner's execute()
+→ update_from_output(), as in vLLM V1; abort() and fail_step() are the only other ways a request ends.
 
 Each step the batch is rebuilt. Fill order: running requests, oldest first,
 then swapped requests coming back, then new admissions from waiting, oldest
@@ -14,17 +16,20 @@ a long prompt takes only what the decodes ahead of it leave.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from typing import NamedTuple
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.kv_cache_manager import KVCacheManager
-from kvscope.engine.outputs import EngineEvent
-from kvscope.engine.request import Request, RequestStatus, Sequence
+from kvscope.engine.outputs import EngineEvent, FinishReason, RequestStatus
+from kvscope.engine.request import Request, Sequence
+from kvscope.engine.runner import RunnerOutput
 
 Plan = list[tuple[Sequence, int]]   # (sample, tokens to compute this step)
 _FIRST_SAMPLE = (0,)
+_RUNNER_FAILED = "the model runner produced no token for this request (non-finite logits?)"
 
 
 def _by_arrival(request: Request) -> int:
@@ -33,7 +38,16 @@ def _by_arrival(request: Request) -> int:
 
 class SchedulerOutput(NamedTuple):
     batch: ScheduledBatch
-    scheduled: list[tuple[Request, Sequence, int]]  # parallel to batch.items
+    scheduled: list[tuple[Request, Sequence, int]]  # parallel to batch.items: (request, sample, tokens computed)
+    preempted: list[Request]
+
+
+class StepUpdate(NamedTuple):
+    """What update_from_output changed: each request with something to report (with sample 0's new token,
+    if any), in output order, and how many tokens the step generated."""
+
+    updated: list[tuple[Request, tuple[int, ...]]]
+    num_generated: int
 
 
 class Scheduler:
@@ -53,12 +67,15 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_fallbacks = 0         # swap preemptions that recomputed because the host pool was full
         self.events: list[EngineEvent] = []
-        # What one schedule() pass builds up: its token budget, what it scheduled and the batch items for it.
+        # What one schedule() pass builds up: its token budget, what it scheduled and the batch items for it,
+        # what it preempted, and the request it is working on (what a failed step has touched: fail_step).
         self._budget = 0
         self._num_prefill_tokens = 0
         self._num_decode_tokens = 0
         self._scheduled: list[tuple[Request, Sequence, int]] = []
         self._items: list[BatchItem] = []
+        self._preempted: list[Request] = []
+        self._current: Request | None = None
 
     # ---- queues ---------------------------------------------------------------------------------
 
@@ -69,56 +86,51 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def finish(self, request: Request) -> None:
-        """Take a request out of its queue and free its blocks now, so the next step can reuse them."""
-        status = request.status
-        if status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif status == RequestStatus.WAITING:
-            self.waiting.remove(request)
-        elif status == RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-        self.kv.free_request(request)
-        request.status = RequestStatus.FINISHED
-        request.view = None
-        del self.requests[request.request_id]
-
     def get_sequence(self, request_id: str, seq_id: int) -> Sequence:
         return next(seq for seq in self.requests[request_id].seqs if seq.seq_id == seq_id)
 
-    # ---- one step -------------------------------------------------------------------------------
+    def max_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
+        return self.kv.max_blocks_needed(num_prompt_tokens, max_tokens, n)
+
+    def take_events(self) -> tuple[EngineEvent, ...]:
+        events = tuple(self.events)
+        self.events.clear()
+        return events
+
+    # ---- one step: schedule -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         self._budget = self.max_num_batched_tokens
         self._num_prefill_tokens = self._num_decode_tokens = 0
         scheduled = self._scheduled = []
         items = self._items = []
-        preempted: list[Request] = []
-        self._schedule_running(preempted)
+        preempted = self._preempted = []
+        self._schedule_running()
         if not preempted:
             self._schedule_swapped()
             if not self.swapped:
                 self._schedule_waiting()
+        self._current = None
         swap_out, swap_in, copies = self.kv.take_cache_moves()
         batch = ScheduledBatch(items=tuple(items), blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in,
                                blocks_to_copy=copies, num_prefill_tokens=self._num_prefill_tokens,
                                num_decode_tokens=self._num_decode_tokens,
                                preempted_request_ids=tuple(r.request_id for r in preempted))
-        return SchedulerOutput(batch, scheduled)
+        return SchedulerOutput(batch, scheduled, preempted)
 
-    def _schedule_running(self, preempted: list[Request]) -> None:
+    def _schedule_running(self) -> None:
         running = self.running
         index = 0
         while index < len(running) and self._budget > 0:
-            request = running[index]
+            request = self._current = running[index]
             index += 1
             if self._schedule_decode(request):
                 continue
             plan = self._plan(request)
             while not self.kv.allocate_slots(request, plan):
                 victim = running.pop()
+                self._preempted.append(victim)
                 self._preempt(victim)
-                preempted.append(victim)
                 if victim is request:
                     return  # it was the most recent arrival left, so nobody is behind it
             self._take(request, plan)
@@ -139,34 +151,32 @@ class Scheduler:
             return False
         self._scheduled.append((request, seq, 1))
         # Positional, and built here rather than in a second pass: this runs for every request every step.
-        self._items.append(BatchItem(seq.seq_id, request.request_id, (token_ids[start],), start, seq.table_tuple(),
-                               _FIRST_SAMPLE, request.params))
+        self._items.append(BatchItem(seq.seq_id, request.request_id, (token_ids[start],), start, seq.block_table,
+                                     _FIRST_SAMPLE, request.params))
         if start >= seq.num_prompt_tokens:
             self._num_decode_tokens += 1
         else:
             self._num_prefill_tokens += 1   # a prompt's last token, alone in its chunk
         self._budget -= 1
-        request.view = None
         if self.kv.block_pool.evicted:
             self._record_evictions(request)
         return True
 
     def _schedule_swapped(self) -> None:
         while self.swapped and self._budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.swapped[0]
+            request = self._current = self.swapped[0]
             plan = self._plan(request)
             if not self.kv.swap_in(request, plan):
                 return
             self.swapped.pop(0)
             self._enter_running(request)
-            blocks = tuple(b for seq in request.seqs for b in seq.block_table)
-            self.events.append(EngineEvent("swap_in", request.request_id, blocks))
+            self.events.append(EngineEvent("swap_in", request.request_id, request.device_blocks()))
             self._take(request, plan)
 
     def _schedule_waiting(self) -> None:
         bs = self.block_size
         while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self._current = self.waiting[0]
             hits = {seq.index: self.kv.find_cached_prefix(seq) for seq in request.schedulable_seqs()}
             plan: Plan = []
             budget = self._budget
@@ -202,7 +212,6 @@ class Scheduler:
             self._scheduled.append((request, seq, num_new))
             self._items.append(self._item(request, seq, num_new))
             self._budget -= num_new
-        request.view = None
         if self.kv.block_pool.evicted:
             self._record_evictions(request)
 
@@ -219,7 +228,7 @@ class Scheduler:
             self._num_decode_tokens += 1
         else:
             self._num_prefill_tokens += num_new
-        return BatchItem(seq.seq_id, request.request_id, tuple(seq.token_ids[start:end]), start, seq.table_tuple(),
+        return BatchItem(seq.seq_id, request.request_id, tuple(seq.token_ids[start:end]), start, seq.block_table,
                          samples, request.params)
 
     def _record_evictions(self, request: Request) -> None:
@@ -228,14 +237,12 @@ class Scheduler:
 
     def _enter_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
-        request.view = None
         bisect.insort(self.running, request, key=_by_arrival)
 
     def _preempt(self, victim: Request) -> None:
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        victim.view = None
-        blocks = tuple(b for seq in victim.seqs for b in seq.block_table)
+        blocks = victim.device_blocks()
         if self.preemption_mode == "swap" and self.kv.swap_out(victim):
             victim.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, victim, key=_by_arrival)
@@ -252,3 +259,143 @@ class Scheduler:
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         self.events.append(EngineEvent("preempt", victim.request_id, blocks, detail))
+
+    # ---- one step: update from the runner's output --------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> StepUpdate:
+        """Record what the runner computed and sampled: commit computed tokens (filling blocks, caching full
+        ones), fork the samples of n > 1 requests whose prompt completed, append each sampled token, apply
+        the stop rules, and finish and free the requests that are done. Drops the snapshot view of every
+        request the step scheduled or preempted: no other request changed."""
+        now = time.time()
+        updated: list[tuple[Request, tuple[int, ...]]] = []
+        failed = self._fail_items(output, runner_output, now, updated) if None in runner_output else ()
+        grouped: dict[Request, int | None] = {}   # n > 1 requests that sampled, with sample 0's token
+        commit = self.kv.commit
+        num_generated = 0
+        for (request, seq, num_new), item, sampled in zip(output.scheduled, output.batch.items, runner_output,
+                                                          strict=True):
+            request.view = None
+            if failed and request in failed:
+                continue
+            commit(seq, num_new)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            sample_indices = item.sample_indices
+            if not sample_indices:
+                continue    # mid-prefill
+            num_generated += len(sampled)
+            if len(request.seqs) == 1:
+                token = sampled[0]
+                if request.append_token(seq, token, now):
+                    self._sample_finished(request, seq, now)
+                updated.append((request, (token,)))
+                continue
+            if not request.forked:
+                self._fork(request)
+            grouped.setdefault(request, None)
+            for sample_index, token in zip(sample_indices, sampled):
+                sample = request.seqs[sample_index]
+                if request.append_token(sample, token, now):
+                    self._sample_finished(request, sample, now)
+                if sample_index == 0:
+                    grouped[request] = token
+        updated.extend((request, () if token is None else (token,)) for request, token in grouped.items())
+        for request in output.preempted:
+            request.view = None
+        return StepUpdate(updated, num_generated)
+
+    def _fail_items(self, output: SchedulerOutput, runner_output: RunnerOutput, now: float,
+                    updated: list) -> set[Request]:
+        """Requests the runner returned None for finish with an error; the rest of the batch goes on."""
+        failed = {request for (request, _, _), sampled in zip(output.scheduled, runner_output) if sampled is None}
+        for request in failed:
+            request.error = _RUNNER_FAILED
+            self.events.append(EngineEvent("error", request.request_id, request.device_blocks(), _RUNNER_FAILED))
+            self._end(request, FinishReason.ERROR, now)
+            updated.append((request, ()))
+        return failed
+
+    def _fork(self, request: Request) -> None:
+        parent = request.seqs[0]
+        for child in request.seqs[1:]:
+            self.kv.fork(parent, child)
+        request.forked = True
+
+    def _sample_finished(self, request: Request, seq: Sequence, now: float) -> None:
+        """Free a finished sample's blocks now, so the next step can reuse them; the last one ends the request."""
+        blocks = seq.block_table
+        self.kv.free_sequence(seq)
+        if any(s.finish_reason is None for s in request.seqs):
+            return
+        request.finished_time = now
+        self._remove(request)
+        self.events.append(EngineEvent("finish", request.request_id, blocks, seq.finish_reason))
+
+    # ---- ending requests early ----------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request wherever it is and free its blocks; None if it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        blocks = request.device_blocks()
+        self._end(request, FinishReason.ABORT, time.time())
+        self.events.append(EngineEvent("abort", request_id, blocks))
+        return request
+
+    def _end(self, request: Request, reason: FinishReason, now: float) -> None:
+        for seq in request.seqs:
+            if seq.finish_reason is None:
+                seq.finish(reason)
+        self.kv.free_request(request)
+        request.finished_time = now
+        self._remove(request)
+
+    def _remove(self, request: Request) -> None:
+        status = request.status
+        if status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]
+
+    def fail_step(self, error: str) -> list[Request]:
+        """The step raised part-way. Finish every request it touched (scheduled, preempted, or being worked on
+        when it stopped) with FinishReason.ERROR, and rebuild the pools from the requests that go on: those
+        were not touched, so they go on as if the step never ran. Spared: requests the update had already
+        finished, and recompute victims, which are back in waiting with nothing in the cache to lose.
+        Returns the touched requests that are finished now, for their final outputs."""
+        touched = [request for request, _, _ in self._scheduled] + self._preempted
+        if self._current is not None:
+            touched.append(self._current)
+        touched = list(dict.fromkeys(touched))
+        for request in touched:
+            request.view = None
+        failed = [r for r in touched if r.status != RequestStatus.FINISHED and not self._cleanly_requeued(r)]
+        gone = set(failed)
+        self.waiting = deque(r for r in self.waiting if r not in gone)
+        self.running = [r for r in self.running if r not in gone]
+        self.swapped = [r for r in self.swapped if r not in gone]
+        now = time.time()
+        for request in failed:
+            self.events.append(EngineEvent("error", request.request_id, request.device_blocks(), error))
+            request.error = error
+            request.finished_time = now
+            request.status = RequestStatus.FINISHED
+            self.requests.pop(request.request_id, None)
+            for seq in request.live_seqs():
+                seq.finish(FinishReason.ERROR)
+        self.kv.recover(keep=[seq for r in self.requests.values() for seq in r.seqs],
+                        drop=[seq for r in failed for seq in r.seqs])
+        self._scheduled, self._preempted, self._current = [], [], None
+        return [request for request in touched if request.status == RequestStatus.FINISHED]
+
+    def _cleanly_requeued(self, request: Request) -> bool:
+        """A recompute victim whose preemption completed: waiting, holding no blocks, nothing computed."""
+        return (request.status == RequestStatus.WAITING and request in self.waiting
+                and all(not seq.block_table and not seq.host_block_table and not seq.num_computed_tokens
+                        for seq in request.seqs))

@@ -1,5 +1,6 @@
 """The command line: flags, version, and one clear line (exit 2, no traceback) for each bad input."""
 
+import dataclasses
 import errno
 import os
 import subprocess
@@ -8,8 +9,8 @@ import sys
 import pytest
 from transformers import BertConfig, MambaConfig
 
-from kvscope.app.cli import build_parser, main
-from kvscope.engine import loader
+from kvscope.app.cli import build_parser, config_from_args, main
+from kvscope.engine import EngineConfig, loader
 
 
 def run_cli(capsys, *argv):
@@ -144,4 +145,51 @@ def test_chat_streams_an_answer_and_logs_the_run(capsys, tmp_path):
 
 def test_chat_refuses_bad_sampling_flags_before_loading_the_model(capsys):
     status, _, err = run_cli(capsys, "chat", "hi", "--temperature", "-1", "--model", "/nonexistent/model")
-    assert_one_line_error(status, err, "temperature must be >= 0")
+    assert_one_line_error(status, err, "temperature must be a finite number >= 0")
+
+
+@pytest.mark.parametrize("argv", [[], ["chat", "hi"]])
+def test_every_engine_config_field_has_a_flag_with_the_same_default(argv):
+    args = build_parser().parse_args(argv)
+    for spec in dataclasses.fields(EngineConfig):
+        assert getattr(args, spec.name) == spec.default, spec.name
+        flag = "--" + spec.name.replace("_", "-")
+        assert flag in build_parser().format_help() and spec.metadata["help"]
+    assert config_from_args(args) == EngineConfig()
+
+
+def test_flags_reach_the_config_with_their_types():
+    args = build_parser().parse_args([
+        "--device", "cuda:1", "--dtype", "bfloat16", "--block-size", "32", "--num-blocks", "100",
+        "--kv-cache-memory", "256MiB", "--gpu-memory-utilization", "0.5", "--swap-space", "0",
+        "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+        "--no-enable-prefix-caching", "--preemption-mode", "swap", "--allocator", "contiguous", "--seed", "7"])
+    assert config_from_args(args) == EngineConfig(
+        device="cuda:1", dtype="bfloat16", block_size=32, num_blocks=100, kv_cache_memory="256MiB",
+        gpu_memory_utilization=0.5, swap_space=0, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
+        enable_prefix_caching=False, preemption_mode="swap", allocator="contiguous", seed=7)
+
+
+def test_cuda_n_is_accepted_and_refused_only_when_that_gpu_is_missing(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # as on a machine with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    status, _, err = run_cli(capsys, "chat", "hi", "--device", "cuda:1", "--num-blocks", "8")
+    assert_one_line_error(status, err, "device cuda:1 does not exist", "1 CUDA GPU")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--device", "gpu", "device must be auto, cpu, cuda or cuda:N"),
+    ("--swap-space", "-1", "swap_space"),
+    ("--kv-cache-memory", "lots", "kv_cache_memory"),
+    ("--gpu-memory-utilization", "2", "gpu_memory_utilization"),
+])
+def test_bad_engine_flags_are_one_line_errors(capsys, flag, value, message):
+    status, _, err = run_cli(capsys, "chat", "hi", flag, value)
+    assert_one_line_error(status, err, message)
+
+
+def test_bench_takes_the_generated_model_and_device_flags():
+    args = build_parser().parse_args(["bench", "scheduler", "--device", "cuda:1", "--model", "m"])
+    assert (args.device, args.model) == ("cuda:1", "m")

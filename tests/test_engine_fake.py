@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import json
+import math
+import sqlite3
 import subprocess
 import sys
 import types
@@ -9,8 +13,9 @@ import types
 import pytest
 from invariants import check_invariants, run_checked
 
-from kvscope.engine import EngineConfig, LLMEngine, RequestError, SamplingParams
+from kvscope.engine import EngineConfig, LLMEngine, RequestError, SamplingParams, llm_engine
 from kvscope.engine.fake_runner import FakeRunner, fake_engine
+from kvscope.engine.outputs import FinishReason, RequestStatus
 
 
 def make_engine(num_blocks=64, max_model_len=128, **config):
@@ -33,7 +38,7 @@ def test_public_attributes():
 
 
 def test_importing_the_engine_does_not_load_torch_or_transformers():
-    code = "import sys, engine; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, kvscope.engine; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -287,3 +292,34 @@ def test_an_observer_that_raises_is_dropped_and_the_engine_goes_on():
     assert engine.observers == [counting]
     assert seen == [("a", "hi", 2, 1), *range(1, engine.step_counter + 1)]
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 3
+
+
+def test_statuses_and_finish_reasons_are_enums_that_read_as_strings():
+    engine = make_engine()
+    engine.add_request([1, 2, 3], greedy(2), request_id="a")
+    view = engine.step().snapshot.requests[0]
+    assert view.queue is RequestStatus.RUNNING and view.queue == "running" and f"{view.queue}" == "running"
+    final = run_checked(engine)[-1]
+    assert final.finish_reason is FinishReason.LENGTH and final.samples[0].finish_reason is FinishReason.LENGTH
+    assert final.finish_reason == "length" and str(final.finish_reason) == "length"
+    assert json.dumps([final.finish_reason, view.queue]) == '["length", "running"]'
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE t (x)")
+    db.execute("INSERT INTO t VALUES (?)", [final.finish_reason])
+    assert db.execute("SELECT x, typeof(x) FROM t").fetchone() == ("length", "text")
+
+
+def test_step_stats_time_each_phase_of_the_step():
+    engine = make_engine()
+    engine.add_request(list(range(10)), greedy(3))
+    for _ in range(2):
+        stats = engine.step().stats
+        phases = (stats.schedule_duration, stats.forward_duration, stats.update_duration, stats.snapshot_duration)
+        assert all(phase > 0 for phase in phases)
+        assert math.isclose(sum(phases), stats.duration, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_the_engine_leaves_blocks_and_events_to_the_scheduler():
+    source = inspect.getsource(llm_engine)
+    for reach_in in (".kv.", ".kv\n", "block_pool", ".events", "free_sequence", "commit("):
+        assert reach_in not in source, reach_in

@@ -66,7 +66,7 @@ def test_prefix_hit_reuses_full_blocks_and_never_the_partial_last_block():
     assert admit(kv, b)
     assert b.seqs[0].block_table[:2] == a.seqs[0].block_table[:2]
     assert b.seqs[0].block_table[2] != a.seqs[0].block_table[2]
-    assert kv.block_pool.ref_counts[a.seqs[0].block_table].tolist() == [2, 2, 1]
+    assert kv.block_pool.ref_counts[list(a.seqs[0].block_table)].tolist() == [2, 2, 1]
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (20, 8)
 
 
@@ -107,7 +107,7 @@ def test_failed_admission_changes_nothing_not_even_the_hit_blocks():
     assert not admit(kv, b)
     assert (kv.block_pool.ref_counts.tolist(), list(kv.block_pool.free_block_queue),
             dict(kv.block_pool.cached_blocks), kv.prefix_cache_queries) == (before[0].tolist(), *before[1:])
-    assert b.seqs[0].block_table == [] and b.seqs[0].num_computed_tokens == 0
+    assert b.seqs[0].block_table == () and b.seqs[0].num_computed_tokens == 0
     kv.free_request(holder)
     assert admit(kv, b)
     assert kv.prefix_cache_hits == 8
@@ -140,7 +140,7 @@ def test_copy_on_write_needs_a_free_block_and_fails_atomically():
     fork(kv, req)
     filler = request([7], rid="filler")
     assert admit(kv, filler)            # the last free block
-    tables = [list(seq.block_table) for seq in req.seqs]
+    tables = [seq.block_table for seq in req.seqs]
     assert not decode(kv, req, 1)
     assert kv.take_cache_moves()[2] == ()
     assert kv.block_pool.ref_counts.tolist() == [2, 2, 1]
@@ -201,7 +201,7 @@ def test_swap_out_fails_atomically_when_the_host_pool_is_short():
     kv = manager(num_blocks=8, num_host_blocks=1)
     req = request(range(6))
     assert admit(kv, req)
-    table = list(req.seqs[0].block_table)
+    table = req.seqs[0].block_table
     assert not kv.swap_out(req)
     assert req.seqs[0].block_table == table and kv.host_pool.num_free_blocks == 1
     assert kv.take_cache_moves() == ((), (), ())

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvscope.app.bench.systems import SYSTEMS
 from kvscope.app.bench.workloads import WORKLOAD_NAMES
+from kvscope.app.cli import add_engine_flags
 
 WHAT = ("workloads", "scheduler", "logging", "ui", "kernels")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -44,8 +45,7 @@ def register(subparsers) -> None:
                             "scheduler); default: the issue's")
     bench.add_argument("--seed", type=int, default=0, help="workload seed")
     bench.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
-    bench.add_argument("--model", default="default", help="as for kvscope itself (default: SmolLM2-135M)")
-    bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_engine_flags(bench, names=("model", "device"))
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     bench.add_argument("--no-log", action="store_true", help="do not record the kvscope runs in the run log")
@@ -90,8 +90,10 @@ def _setup(args: argparse.Namespace):
     """Threads and device, decided once for every system; returns the device name."""
     import torch
 
+    from kvscope.engine.config import EngineConfig
     from kvscope.engine.model_runner import resolve_device
 
+    EngineConfig(model=args.model, device=args.device)     # a bad --device fails here, in one line
     if args.threads:
         torch.set_num_threads(args.threads)
     return resolve_device(args.device).type

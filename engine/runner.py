@@ -1,0 +1,47 @@
+"""The model runner's contract with the engine: what the engine calls, and what it may know about it.
+
+LLMEngine reads a runner through this interface only: ``info`` once, when it is built,
+``tokenizer`` for text, and ``execute`` once per step. ModelRunner (a transformers model on
+our paged attention) and FakeRunner (token ids in a fake pool, for tests and the scheduler
+bench) both implement it; anything else that does can stand in for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from kvscope.engine.batch import ScheduledBatch
+
+# One entry per BatchItem: the token drawn for each of its sample_indices, or None when the item failed
+# (non-finite logits), which finishes that request with an error and lets the rest of the batch go on.
+RunnerOutput = list[list[int] | None]
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """Facts about a built runner that do not change while it runs: what the engine sizes itself by,
+    and what the app's header and the run log show."""
+
+    model_name: str
+    device: str                     # "cpu", "cuda:0"
+    dtype: str                      # "float32", "bfloat16", "float16"
+    block_size: int
+    num_device_blocks: int
+    num_host_blocks: int            # the swap pool; 0 unless preemption_mode is "swap"
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    kv_cache_bytes: int | None      # the device pool's size; None where it holds no real K/V
+    banner: str                     # one line saying how big the pool is, printed at start
+
+
+@runtime_checkable
+class Runner(Protocol):
+    info: RunnerInfo
+    tokenizer: Any                  # a transformers tokenizer, or None for token-id-only runners
+
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        """Perform the batch's cache moves (swap out, swap in, copy, in that order), run one forward over its
+        items, and sample. The engine's bookkeeping for the step happens only after this returns."""
+        ...

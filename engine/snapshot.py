@@ -1,0 +1,91 @@
+"""What a step reports besides its outputs: the cache snapshot and the step's counters.
+
+Both only read the scheduler's state. The snapshot copies the pool's per-block arrays and reuses each
+request's view until the scheduler drops it (Scheduler.update_from_output), so a step that touched few
+requests builds few views.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kvscope.engine.outputs import CacheSnapshot, RequestView, StepStats
+from kvscope.engine.request import Request, Sequence
+from kvscope.engine.scheduler import Scheduler
+
+
+class PhaseTimes(NamedTuple):
+    """perf_counter() readings taken through one step."""
+
+    start: float
+    scheduled: float
+    executed: float
+    updated: float
+    snapshotted: float
+
+
+def build_snapshot(scheduler: Scheduler, step: int, allocator: str) -> CacheSnapshot:
+    pool, host = scheduler.kv.block_pool, scheduler.kv.host_pool
+    queues = (scheduler.running, scheduler.swapped, scheduler.waiting)
+    views = [request_view(request, scheduler) for queue in queues for request in queue]
+    return CacheSnapshot(step=step, block_size=pool.block_size, num_blocks=pool.num_blocks, allocator=allocator,
+                         block_state=pool.state.copy(), ref_counts=pool.ref_counts.copy(),
+                         block_fill=pool.fill.copy(), block_hashes=pool.hashes.copy(), requests=tuple(views),
+                         num_host_blocks=host.num_blocks, num_free_host_blocks=host.num_free_blocks)
+
+
+def request_view(request: Request, scheduler: Scheduler) -> RequestView:
+    """The request as the block map sees it; rebuilt only when the scheduler touched the request."""
+    view = request.view
+    if view is not None:
+        return view
+    block_size = scheduler.block_size
+    first = request.seqs[0]
+    if len(request.seqs) == 1:
+        block_tables = (first.block_table,)
+        host_block_tables = (first.host_block_table,) if first.host_block_table else ()
+        reserved = len(first.block_table) * block_size
+        used = first.num_computed_tokens if first.block_table else 0
+    else:
+        live = request.live_seqs()
+        block_tables = tuple(seq.block_table for seq in live)
+        host_block_tables = tuple(seq.host_block_table for seq in live if seq.host_block_table)
+        reserved, used = _shared_slots(live, scheduler)
+    view = request.view = RequestView(    # positional: this runs for every touched request every step
+        request.request_id, request.status, request.arrival_index, block_tables, host_block_tables,
+        first.num_prompt_tokens, len(first.token_ids) - first.num_prompt_tokens, request.params.max_tokens,
+        first.num_computed_tokens, request.num_cached_tokens, request.num_preemptions, request.params.n,
+        reserved, used, request.prompt_preview)
+    return view
+
+
+def _shared_slots(live: list[Sequence], scheduler: Scheduler) -> tuple[int, int]:
+    """(slots held in device blocks, slots holding computed tokens), counting shared blocks once."""
+    blocks = list({b for seq in live for b in seq.block_table})
+    fill = scheduler.kv.block_pool.fill
+    return len(blocks) * scheduler.block_size, int(fill[blocks].sum()) if blocks else 0
+
+
+def build_stats(scheduler: Scheduler, step: int, now: float, batch, times: PhaseTimes,
+                num_generated: int) -> StepStats:
+    kv = scheduler.kv
+    pool, host = kv.block_pool, kv.host_pool
+    used = pool.num_used_blocks
+    slots = used * pool.block_size
+    duration = times.snapshotted - times.start
+    return StepStats(
+        step=step, time=now, duration=duration,
+        num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decode_tokens,
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        num_swapped=len(scheduler.swapped), num_free_blocks=pool.num_free_blocks,
+        num_cached_free_blocks=pool.num_cached_free_blocks, num_total_blocks=pool.num_blocks,
+        kv_usage=used / pool.num_blocks,
+        kv_token_utilisation=kv.num_tokens_held() / slots if slots else 0.0,
+        prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions, num_swapped_out_blocks=kv.num_swapped_out_blocks,
+        num_swapped_in_blocks=kv.num_swapped_in_blocks,
+        prompt_tokens_per_s=batch.num_prefill_tokens / duration if duration > 0 else 0.0,
+        generation_tokens_per_s=num_generated / duration if duration > 0 else 0.0,
+        forward_duration=times.executed - times.scheduled, num_host_blocks=host.num_blocks,
+        num_free_host_blocks=host.num_free_blocks, schedule_duration=times.scheduled - times.start,
+        update_duration=times.updated - times.executed, snapshot_duration=times.snapshotted - times.updated)
