@@ -2,6 +2,8 @@
 
 Call it after every step (pass the StepResult to also check the stats and the
 snapshot against the engine). Works with the fake runner and the real one.
+run_checked steps to the end checking them; record_batches keeps what the runner
+was asked to do.
 """
 
 from __future__ import annotations
@@ -152,3 +154,16 @@ def run_checked(engine, max_steps: int = 10_000, on_step=None) -> list:
         raise AssertionError(f"engine did not finish within {max_steps} steps")
     check_invariants(engine)
     return outputs
+
+
+def record_batches(engine) -> list:
+    """The list every ScheduledBatch the engine hands its runner from now on is appended to."""
+    batches = []
+    execute = engine.runner.execute
+
+    def recording_execute(batch):
+        batches.append(batch)
+        return execute(batch)
+
+    engine.runner.execute = recording_execute
+    return batches

@@ -15,7 +15,7 @@ from bad_inputs import all_cases
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from invariants import check_invariants, run_checked
+from invariants import check_invariants, record_batches, run_checked
 
 from kvscope.engine import EngineConfig, RequestError, SamplingParams
 from kvscope.engine.fake_runner import InjectedFault, fake_engine
@@ -121,18 +121,6 @@ def test_a_fault_in_the_runner_fails_the_step_s_requests_and_spares_the_others(p
         errors = {rid for rid, output in finals.items() if output.finish_reason == "error"}
         assert errors == {item.request_id for item in batch.items} | set(batch.preempted_request_ids) - requeued
         assert all("InjectedFault" in finals[rid].error for rid in errors)
-
-
-def record_batches(engine) -> list:
-    batches = []
-    execute = engine.runner.execute
-
-    def recording(batch):
-        batches.append(batch)
-        return execute(batch)
-
-    engine.runner.execute = recording
-    return batches
 
 
 def finish_and_count(engine) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from invariants import check_invariants, run_checked
+from invariants import check_invariants, record_batches, run_checked
 
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -14,15 +14,7 @@ def make_engine(num_blocks=64, num_host_blocks=0, max_model_len=64, **config):
     config.setdefault("block_size", 4)
     engine = fake_engine(EngineConfig(**config), num_blocks=num_blocks, num_host_blocks=num_host_blocks,
                          max_model_len=max_model_len)
-    batches = []
-    execute = engine.runner.execute
-
-    def recording_execute(batch):
-        batches.append(batch)
-        return execute(batch)
-
-    engine.runner.execute = recording_execute
-    return engine, batches
+    return engine, record_batches(engine)
 
 
 def step(engine):
