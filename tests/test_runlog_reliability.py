@@ -219,18 +219,3 @@ def test_removing_a_run_still_being_written_is_refused(tmp_path, capsys):
     run = RunLogReader(path).run(logger.run_id)
     assert run["status"] == "finished" and run["num_requests"] == 2
     assert kvscope("runs", "rm", str(logger.run_id), "--db", str(path)) == 0
-
-
-@pytest.mark.parametrize("run_id", ["9223372036854775808", "0", "-3", "1e3"])
-def test_a_run_id_sqlite_cannot_hold_is_an_argument_error(tmp_path, capsys, run_id):
-    make_log(tmp_path / "runs.db")
-    with pytest.raises(SystemExit) as exit_:
-        kvscope("runs", "show", run_id, "--db", str(tmp_path / "runs.db"))
-    assert exit_.value.code == 2
-    assert "run id" in capsys.readouterr().err
-
-
-def test_the_largest_run_id_is_simply_not_found(tmp_path, capsys):
-    make_log(tmp_path / "runs.db")
-    assert kvscope("runs", "show", str(2**63 - 1), "--db", str(tmp_path / "runs.db")) == 2
-    assert "no run with id" in one_error_line(capsys)
