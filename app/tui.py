@@ -13,7 +13,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
-from kvscope.app.engine_worker import EngineWorker, build_engine, first_engine_then_build
+from kvscope.app.engine_factory import build_engine, first_engine_then_build
+from kvscope.app.engine_worker import EngineWorker
 from kvscope.app.messages import (
     ChatSubmitted,
     CommandRejected,

@@ -244,7 +244,7 @@ async def test_history_counts_every_generated_token_and_an_unfinished_run_is_int
 
 
 def test_the_empty_pool_shown_at_start_is_the_engines_own():
-    from kvscope.app.engine_worker import engine_info
+    from kvscope.app.engine_factory import engine_info
     from kvscope.app.screens.main import idle_step
 
     engine = fake_engine(EngineConfig(num_blocks=48, block_size=8, preemption_mode="swap"), num_host_blocks=6)

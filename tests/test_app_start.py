@@ -11,7 +11,7 @@ import pytest
 from test_cli import assert_one_line_error, run_cli
 
 from kvscope.app import tui
-from kvscope.app.engine_worker import first_engine_then_build
+from kvscope.app.engine_factory import first_engine_then_build
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.loader import ModelError

@@ -99,14 +99,17 @@ class MainScreen(Screen):
         self.chat.set_engine_waiting(True)
 
     def engine_ready(self, info: EngineInfo) -> None:
-        """A new engine: every panel shows its empty pool at once, nothing of the engine before it."""
+        """A new engine. One that replaces another shows its empty pool in every panel at once,
+        nothing of the engine before it."""
+        replaced = self.engine_info is not None
         self.engine_info = info
         self.view.max_model_len = info.max_model_len
-        self.latest, self._painted, self._texted = idle_step(info), None, None
+        self.latest, self._painted, self._texted = (idle_step(info) if replaced else None), None, None
         self.query_one(EngineHeader).show_engine(info)
         self.throughput.clear()
         self.chat.set_engine_waiting(False)
-        self.paint(force=True)
+        if replaced:
+            self.paint(force=True)
 
     def engine_not_ready(self, still_running: EngineInfo | None, error: str) -> None:
         """A build failed: back to the engine that goes on serving, or say there is none."""
