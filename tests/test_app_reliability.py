@@ -142,6 +142,7 @@ async def test_the_run_log_stopping_is_a_toast_and_the_engine_runs_on(tmp_path, 
         app.worker.launch_preset("burst", 6)
         await until(pilot, lambda: any(text.startswith("Run log: run log stopped writing") for text in notices(app)))
         steps = len(engines.engine.stats)
+        app.worker.launch_preset("burst", 2)    # the engine serves new work after the log stopped
         await until(pilot, lambda: len(engines.engine.stats) > steps + 5)
     (run,) = RunLogReader(path).list_runs()[:1]
     assert run["status"] == "incomplete"
