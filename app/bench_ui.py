@@ -103,7 +103,7 @@ def bench_engine_with_ui(config: EngineConfig, num_requests: int = 32, max_token
                          repeats: int = 3, size: tuple[int, int] = (160, 48)) -> dict:
     """Rounds of one headless run and one with the UI, the order swapped every other round, so a machine
     that gets busier or quieter during the bench weighs on both sides alike; medians over the rounds."""
-    from kvscope.app.engine_worker import build_engine
+    from kvscope.app.engine_factory import build_engine
 
     first = build_engine(config)
 

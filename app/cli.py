@@ -8,11 +8,14 @@ import sys
 import typing
 from collections.abc import Iterable
 from types import UnionType
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Union
 
 from kvscope import __version__
 from kvscope.engine.config import ConfigError, EngineConfig, RequestError, config_fields
 from kvscope.engine.loader import ModelError
+
+if TYPE_CHECKING:
+    from kvscope.engine import LLMEngine
 
 USER_ERRORS = (ConfigError, RequestError, ModelError)
 
@@ -85,7 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
 def _open_app(args: argparse.Namespace) -> int:
     from kvscope.app.tui import run_app
 
-    return run_app(config_from_args(args), db_path=args.db, log_enabled=not args.no_log)
+    engine = _first_engine(config_from_args(args))
+    if engine is None:
+        return 2
+    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine)
+
+
+def _first_engine(config: EngineConfig) -> LLMEngine | None:
+    """Build the app's engine before its window opens, as `kvscope chat` does: a bad --model or a
+    pool that cannot be made fails here, in one line and exit status 2 (main catches USER_ERRORS),
+    instead of in a full-screen window that can only show it."""
+    from kvscope.engine import LLMEngine
+
+    print(f"kvscope: loading {config.model} …", file=sys.stderr, flush=True)
+    try:
+        return LLMEngine(config)
+    except (RuntimeError, MemoryError) as exc:   # torch cannot allocate the pool (a huge --num-blocks)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        print(f"kvscope: error: cannot build the engine: {reason}", file=sys.stderr)
+        return None
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -104,7 +125,8 @@ def _chat(args: argparse.Namespace) -> int:
     params.validate()   # a bad flag fails before the model loads
     engine = LLMEngine(config_from_args(args))
     print(engine.banner, file=sys.stderr)
-    with record_run(engine, source="chat", db_path=args.db, enabled=not args.no_log) as log:
+    with record_run(engine, source="chat", db_path=args.db, enabled=not args.no_log,
+                    on_failure=lambda warning: print(f"\nkvscope: {warning}", file=sys.stderr)) as log:
         if log.warning:
             print(f"kvscope: {log.warning}", file=sys.stderr)
         engine.add_request([{"role": "user", "content": args.prompt}], params)

@@ -7,10 +7,17 @@ back with ``post_message``, which never waits for the UI; a semaphore bounds
 how far the engine may run ahead of a UI that has stopped draining messages.
 The run log is not the worker's business: ``log_factory`` attaches a logger to
 each engine it builds as an engine observer, as every other caller does.
+
+Nothing a command does may end the thread: a command that raises is refused
+with a message and the thread goes on. Every request the engine accepted gets
+exactly one final output, even when its engine goes away: a rebuild or quitting
+aborts the requests in flight and hands on their final outputs, each saying why
+in ``error`` (RequestOutput has no field of its own for an abort's reason).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import queue
@@ -20,7 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 from kvscope.app import presets
+from kvscope.app.engine_factory import build_engine, engine_info
 from kvscope.app.messages import (
+    CommandRejected,
+    EngineBuildFailed,
+    EngineDied,
     EngineFailed,
     EngineInfo,
     EngineReady,
@@ -44,44 +55,36 @@ from kvscope.app.worker_commands import (
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
 
 MAX_STEPS_AHEAD_OF_UI = 256
+ENGINE_REBUILT = "the engine was restarted"
+ENGINE_STOPPED = "kvscope quit while the request was in flight"
 
 
-def build_engine(config: EngineConfig, previous=None):
-    """A new LLMEngine; reuses the previous engine's weights when only the cache settings changed."""
-    from kvscope.engine import LLMEngine
-
-    model = getattr(getattr(previous, "runner", None), "model", None)
-    if model is not None and previous.config.model == config.model and previous.config.dtype == config.dtype:
-        return LLMEngine(config, model=model, tokenizer=previous.tokenizer)
-    return LLMEngine(config)
-
-
-def engine_info(engine) -> EngineInfo:
-    """Header facts, from the runner's RunnerInfo."""
-    info = engine.info
-    return EngineInfo(model_name=info.model_name, device=info.device, dtype=info.dtype,
-                      block_size=info.block_size, num_blocks=info.num_device_blocks,
-                      num_host_blocks=info.num_host_blocks, max_model_len=info.max_model_len,
-                      kv_cache_bytes=info.kv_cache_bytes, config=engine.config)
+def describe_error(exc: BaseException) -> str:
+    """A refusal (RequestError) in its own words; anything else, which is a bug, with its type."""
+    return str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
 
 
 class EngineWorker:
-    """``run`` is the thread body (the app starts it as a thread worker); every other method is for the UI.
+    """``run`` is the thread body (the app starts it as a thread worker); ``send`` and the methods
+    that call it are for the UI. ``start``, ``run_once`` and ``shutdown`` are the thread body's
+    parts, for a caller that drives the worker on its own thread (the tests).
 
     ``log_factory(engine)`` is called for each engine built and returns its run logger (which it has
     attached as an engine observer, as ``runlog.record_run`` does) or None; the worker closes it when
-    the engine is replaced or the thread ends.
+    the engine is replaced or the thread ends. ``clock`` times the rate cap.
     """
 
     def __init__(self, target, config: EngineConfig, *, engine_factory: Callable = build_engine,
                  log_factory: Callable[[Any], Any] | None = None,
-                 paused: bool = False, steps_per_s_cap: float | None = None) -> None:
+                 paused: bool = False, steps_per_s_cap: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.target = target
         self.config = config
         self.engine = None
         self.info: EngineInfo | None = None
         self._engine_factory = engine_factory
         self._log_factory = log_factory
+        self._clock = clock
         self._logger = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight = threading.BoundedSemaphore(MAX_STEPS_AHEAD_OF_UI)
@@ -91,9 +94,11 @@ class EngineWorker:
         self._abort_unreported = False
         self._next_step_at = 0.0
         self._scheduled: list[tuple[int, int, AddRequest]] = []  # (engine step to add at, order, request)
+        self._accepted: set[str] = set()     # added to the engine, final output not yet seen
         self._ids = itertools.count()
         self._steps_done = 0
         self._stopping = threading.Event()
+        self._died: BaseException | None = None
 
     # --- the UI's side: every call only queues a command --------------------------------
 
@@ -144,23 +149,52 @@ class EngineWorker:
     def state(self) -> RunState:
         return RunState(self._paused, self._steps_per_s_cap)
 
+    @property
+    def stopping(self) -> bool:
+        """Stop was sent: the thread ending now is expected."""
+        return self._stopping.is_set()
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step is due now or later (paused with nothing to step: False)."""
+        return self._has_work()
+
     # --- the engine thread -------------------------------------------------------------------
 
     def run(self) -> None:
-        self._build(self.config)
         try:
+            self.start()
             while not self._stopping.is_set():
-                self._take_commands(self._wait_time())
-                if not self._stopping.is_set() and self._step_due():
-                    self._step()
+                self.run_once(self._wait_time())
+        except BaseException as exc:    # the window must say the engine is gone, not look idle
+            self._died = exc
+            self.target.post_message(EngineDied(describe_error(exc)))
+            raise
         finally:
-            self._close_log()
+            self.shutdown()
+
+    def start(self) -> None:
+        """Build the first engine."""
+        built = self._build(self.config)
+        if built is not None:
+            self._install(*built)
+
+    def run_once(self, timeout: float | None = 0.0) -> None:
+        """Apply the queued commands (waiting up to ``timeout`` for the first, None: for ever), then
+        take one step if one is due."""
+        self._take_commands(timeout)
+        if not self._stopping.is_set() and self._step_due():
+            self._step()
+
+    def shutdown(self) -> None:
+        """The thread is ending: end the requests in flight and close the run log."""
+        self._retire(ENGINE_STOPPED)
 
     def _wait_time(self) -> float | None:
         """How long to block for a command: forever when idle, until the next step when rate-capped."""
         if not self._has_work():
             return None
-        return max(0.0, self._next_step_at - time.monotonic())
+        return max(0.0, self._next_step_at - self._clock())
 
     def _has_work(self) -> bool:
         if self.engine is None:
@@ -172,7 +206,7 @@ class EngineWorker:
         return self._abort_unreported or bool(self._scheduled) or self.engine.has_unfinished_requests()
 
     def _step_due(self) -> bool:
-        return self._has_work() and time.monotonic() >= self._next_step_at
+        return self._has_work() and self._clock() >= self._next_step_at
 
     def _take_commands(self, timeout: float | None) -> None:
         try:
@@ -187,6 +221,16 @@ class EngineWorker:
                 return
 
     def _apply(self, command: WorkerCommand) -> None:
+        """Apply one command; one that raises is refused with a message and changes nothing else."""
+        try:
+            self._dispatch(command)
+        except Exception as exc:
+            if isinstance(command, AddRequest):
+                self._reject(command.request_id, exc)
+            else:
+                self.target.post_message(CommandRejected(type(command).__name__, describe_error(exc)))
+
+    def _dispatch(self, command: WorkerCommand) -> None:
         match command:
             case AddRequest():
                 self._add(command)
@@ -204,7 +248,7 @@ class EngineWorker:
             case LaunchPreset(key, count):
                 self._launch_preset(key, count)
             case Rebuild(config):
-                self._build(config)
+                self._rebuild(config)
             case Stop():
                 self._stopping.set()
             case _:     # send() refuses these; reaching here means something bypassed it
@@ -223,9 +267,14 @@ class EngineWorker:
             self.target.post_message(RequestRejected(request.request_id, "the engine is not running"))
             return
         try:
-            self.engine.add_request(request.prompt, request.params, request_id=request.request_id)
-        except (RequestError, ValueError, TypeError) as exc:
-            self.target.post_message(RequestRejected(request.request_id, str(exc)))
+            request_id = self.engine.add_request(request.prompt, request.params, request_id=request.request_id)
+        except Exception as exc:    # a refusal, or an engine bug: either way this request only
+            self._reject(request.request_id, exc)
+            return
+        self._accepted.add(request_id)
+
+    def _reject(self, request_id: str, exc: BaseException) -> None:
+        self.target.post_message(RequestRejected(request_id, describe_error(exc)))
 
     def _abort(self, request_id: str) -> None:
         if self.engine is None:
@@ -239,11 +288,7 @@ class EngineWorker:
     def _launch_preset(self, key: str, count: int) -> None:
         if self.engine is None:
             return
-        try:
-            planned = presets.build(key, count, presets.PresetContext.from_engine(self.engine, self.info))
-        except ValueError as exc:
-            self.target.post_message(EngineFailed(f"preset {key}: {exc}"))
-            return
+        planned = presets.build(key, count, presets.PresetContext.from_engine(self.engine, self.info))
         for item in planned:
             number = next(self._ids)
             request = AddRequest(f"{key}-{number}", item.prompt, item.params)
@@ -261,41 +306,100 @@ class EngineWorker:
         self._pending_steps = max(0, self._pending_steps - 1)
         self._abort_unreported = False
         if self._steps_per_s_cap:
-            self._next_step_at = time.monotonic() + 1.0 / self._steps_per_s_cap
+            self._next_step_at = self._clock() + 1.0 / self._steps_per_s_cap
         try:
             result = self.engine.step()
         except Exception as exc:  # the UI must survive any engine bug: show it, pause, wait for the user
             self._paused = True
             self._pending_steps = 0
-            self.target.post_message(EngineFailed(f"engine step failed: {type(exc).__name__}: {exc}"))
+            self.target.post_message(EngineFailed(f"engine step failed: {describe_error(exc)}"))
             self._post_state()
             return
         self._steps_done += 1
+        self._forget_finished(result)
+        self._post_step(result)
+
+    def _forget_finished(self, result) -> None:
+        for output in result.outputs:
+            if output.finished:
+                self._accepted.discard(output.request_id)
+
+    def _post_step(self, result) -> None:
         while not self._in_flight.acquire(timeout=0.1):
             if self._stopping.is_set():
                 return
         self.target.post_message(EngineStepped(result))
 
-    # --- building ----------------------------------------------------------------------------
+    # --- building and retiring engines ---------------------------------------------------------
 
-    def _build(self, config: EngineConfig) -> None:
+    def _rebuild(self, config: EngineConfig) -> None:
+        """Build first: if that fails, the engine in use goes on as it was."""
+        built = self._build(config)
+        if built is not None:
+            self._retire(ENGINE_REBUILT)
+            self._install(*built)
+
+    def _build(self, config: EngineConfig) -> tuple[Any, EngineInfo, EngineConfig] | None:
         self.target.post_message(EngineStarting(config))
         try:
             engine = self._engine_factory(config, self.engine)
-            info = engine_info(engine)
+            return engine, engine_info(engine), config
         except Exception as exc:  # a bad model path or an impossible pool must not kill the app
-            self.target.post_message(EngineFailed(f"could not start the engine: {exc}"))
-            return
-        self._close_log()
+            self.target.post_message(EngineBuildFailed(f"could not start the engine: {exc}", self.info))
+            return None
+
+    def _install(self, engine, info: EngineInfo, config: EngineConfig) -> None:
         self.engine, self.info, self.config = engine, info, config
-        self._scheduled.clear()
         self._steps_done = 0
-        self._logger = self._log_factory(engine) if self._log_factory else None
-        warning = self._logger.warning if self._logger is not None else None
+        self._abort_unreported = False
+        warning = None
+        try:
+            self._logger = self._log_factory(engine) if self._log_factory else None
+        except Exception as exc:    # the run log is never worth the engine
+            self._logger, warning = None, f"run log off: {describe_error(exc)}"
+        if self._logger is not None:
+            warning = self._logger.warning
         self.target.post_message(EngineReady(info, engine.banner, warning))
         self._post_state()
 
-    def _close_log(self) -> None:
-        if self._logger is not None:
-            self._logger.close("finished")
-            self._logger = None
+    def _retire(self, reason: str) -> None:
+        """The engine is being replaced or left: every request in flight gets its final output,
+        saying ``reason``; the run log records them and is closed."""
+        engine, logger = self.engine, self._logger
+        self.engine, self._logger = None, None
+        self._scheduled.clear()     # preset requests not yet added: never accepted, nothing to end
+        if engine is None:
+            return
+        aborted: list[str] = []
+        try:
+            aborted = [rid for rid in sorted(self._accepted) if engine.abort_request(rid)]
+            if aborted or self._abort_unreported:
+                self._final_step(engine, logger, set(aborted), reason)
+        except Exception as exc:    # a broken engine: say so for each request, close the log anyway
+            for request_id in sorted(self._accepted):
+                self.target.post_message(RequestRejected(
+                    request_id, f"{reason}; its final output was lost ({describe_error(exc)})"))
+        finally:
+            self._accepted.clear()
+            self._abort_unreported = False
+            if logger is not None:
+                logger.close(*self._closing_status(len(aborted), reason))
+
+    def _final_step(self, engine, logger, aborted: set[str], reason: str) -> None:
+        """One last step hands out the aborted requests' final outputs, with the reason added."""
+        if logger is not None and logger in engine.observers:
+            engine.observers.remove(logger)     # it hears this step below, with the reasons
+        result = engine.step()
+        outputs = [output._replace(error=reason) if output.request_id in aborted and output.finished
+                   else output for output in result.outputs]
+        result = dataclasses.replace(result, outputs=outputs)
+        if logger is not None:
+            logger.step(result)
+        self._post_step(result)
+
+    def _closing_status(self, num_aborted: int, reason: str) -> tuple[str, str | None]:
+        if self._died is not None:
+            return "crashed", f"the engine thread died: {describe_error(self._died)}"
+        if num_aborted:
+            return "interrupted", f"{num_aborted} request(s) in flight aborted: {reason}"
+        return "finished", None

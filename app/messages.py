@@ -75,17 +75,49 @@ class EngineStepped(Message):
 
 @dataclass
 class EngineFailed(Message):
-    """Building the engine or running a step raised. The engine thread pauses and waits."""
+    """A step raised. The engine thread pauses and waits; the requests in flight go on after a resume."""
+
+    error: str
+
+
+@dataclass
+class EngineBuildFailed(Message):
+    """Building an engine raised. ``still_running`` is the engine that goes on serving (the one a
+    rebuild was to replace), or None when there is none."""
+
+    error: str
+    still_running: EngineInfo | None
+
+
+@dataclass
+class EngineDied(Message):
+    """The engine thread ended with an exception: no request runs until the app is restarted."""
 
     error: str
 
 
 @dataclass
 class RequestRejected(Message):
-    """add_request refused a request (RequestError); the engine keeps serving the others."""
+    """The engine thread could not add a request (add_request refused or raised), or could not give
+    an accepted one its final output; the engine keeps serving the others."""
 
     request_id: str
     error: str
+
+
+@dataclass
+class CommandRejected(Message):
+    """A command other than an add raised while the engine thread applied it; nothing else changed."""
+
+    command: str
+    error: str
+
+
+@dataclass
+class RunLogFailed(Message):
+    """The run log stopped writing (a full disk, a removed file); the engine goes on without it."""
+
+    warning: str
 
 
 @dataclass

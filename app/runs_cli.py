@@ -9,11 +9,23 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from kvscope.app.runlog.reader import EXPORT_TABLES, RunLogReader, RunNotFound
+from kvscope.app.runlog.reader import EXPORT_TABLES, DamagedRunLog, RunInUse, RunLogReader, RunNotFound
 from kvscope.app.runlog.schema import SchemaError
 from kvscope.settings import settings
 
 _LIST_COLUMNS = ("id", "started", "model", "requests", "tokens", "tok/s", "status")
+MAX_RUN_ID = 2**63 - 1     # SQLite's largest integer key
+
+
+def run_id(text: str) -> int:
+    """argparse type of a run id: a positive integer SQLite can hold."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a run id is a whole number, got {text!r}") from None
+    if not 1 <= value <= MAX_RUN_ID:
+        raise argparse.ArgumentTypeError(f"a run id is between 1 and {MAX_RUN_ID}, got {text}")
+    return value
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -24,12 +36,12 @@ def register(subparsers) -> argparse.ArgumentParser:
     actions = runs.add_subparsers(title="actions", metavar="ACTION")
 
     show = actions.add_parser("show", help="print a run's summary")
-    show.add_argument("run_id", type=int, metavar="ID")
+    show.add_argument("run_id", type=run_id, metavar="ID")
     _add_db_flag(show)
     show.set_defaults(func=show_run)
 
     export = actions.add_parser("export", help="write a run as JSON (everything) or CSV (one table)")
-    export.add_argument("run_id", type=int, metavar="ID")
+    export.add_argument("run_id", type=run_id, metavar="ID")
     export.add_argument("--format", choices=["json", "csv"], default="json")
     export.add_argument("--table", choices=EXPORT_TABLES, default="steps", help="the table CSV writes")
     export.add_argument("-o", "--output", default=None, help="file to write (default: standard output)")
@@ -37,7 +49,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     export.set_defaults(func=export_run)
 
     remove = actions.add_parser("rm", help="remove a run and all its rows")
-    remove.add_argument("run_id", type=int, metavar="ID")
+    remove.add_argument("run_id", type=run_id, metavar="ID")
     _add_db_flag(remove)
     remove.set_defaults(func=remove_run)
     return runs
@@ -71,7 +83,7 @@ def _with_reader(action, *, writable: bool = False):
             return _fail(f"cannot read {path}: {exc}")
         try:
             return action(reader, args)
-        except (RunNotFound, SchemaError) as exc:
+        except (RunNotFound, RunInUse, SchemaError, DamagedRunLog) as exc:
             return _fail(str(exc))
         except sqlite3.Error as exc:
             return _fail(f"cannot read {path}: {exc}")
@@ -121,6 +133,7 @@ def _show(reader: RunLogReader, args: argparse.Namespace) -> int:
     hit_rate = hits / queries if queries else None
     lines = [
         ("run", f"{run['id']} ({run['status']}, started by {run['source']})"),
+        *([("why", run["status_detail"])] if run.get("status_detail") else []),
         ("started", _local_time(run["started_at"])),
         ("ended", _local_time(run["ended_at"])),
         ("kvscope", run["kvscope_version"]),

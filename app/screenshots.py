@@ -41,7 +41,7 @@ class SharedWeights:
         self.first = None
 
     def __call__(self, config: EngineConfig, previous=None):
-        from kvscope.app.engine_worker import build_engine
+        from kvscope.app.engine_factory import build_engine
 
         engine = build_engine(config, previous or self.first)
         self.first = self.first or engine

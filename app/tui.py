@@ -11,16 +11,22 @@ from pathlib import Path
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
+from textual.worker import Worker, WorkerState
 
-from kvscope.app.engine_worker import EngineWorker, build_engine
+from kvscope.app.engine_factory import build_engine, first_engine_then_build
+from kvscope.app.engine_worker import EngineWorker
 from kvscope.app.messages import (
     ChatSubmitted,
+    CommandRejected,
+    EngineBuildFailed,
+    EngineDied,
     EngineFailed,
     EngineReady,
     EngineStarting,
     EngineStepped,
     PresetLaunched,
     RequestRejected,
+    RunLogFailed,
     RunStateChanged,
 )
 from kvscope.app.presets import PRESETS
@@ -98,6 +104,7 @@ class KVScopeApp(App):
         self.main = MainScreen(system_sampler=system_sampler, chat_max_tokens=chat_max_tokens)
         self.worker = EngineWorker(self, config, engine_factory=engine_factory, log_factory=self._record_run,
                                    paused=paused, steps_per_s_cap=steps_per_s_cap)
+        self.engine_died: str | None = None     # why the engine thread ended, once it has
         for theme in THEMES:
             self.register_theme(theme)
         self.theme = DEFAULT_THEME
@@ -116,7 +123,8 @@ class KVScopeApp(App):
         self.worker.stop()
 
     def _record_run(self, engine):
-        return record_run(engine, source="app", db_path=self.db_path, enabled=self.log_enabled)
+        return record_run(engine, source="app", db_path=self.db_path, enabled=self.log_enabled,
+                          on_failure=lambda warning: self.post_message(RunLogFailed(warning)))
 
     # --- from the engine thread -------------------------------------------------------------------
 
@@ -137,10 +145,40 @@ class KVScopeApp(App):
         # The engine thread has paused; requests in flight (the chat reply too) go on after a resume.
         self.notify(message.error, title="Engine", severity="error", timeout=15)
 
+    def on_engine_build_failed(self, message: EngineBuildFailed) -> None:
+        self.main.engine_not_ready(message.still_running, message.error)
+        kept = " The engine before it goes on." if message.still_running else ""
+        self.notify(message.error + kept, title="Engine", severity="error", timeout=15)
+
+    def on_engine_died(self, message: EngineDied) -> None:
+        self._say_engine_died(message.error)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        # The engine thread ended without being told to (it posts EngineDied first when it can).
+        worker = event.worker
+        if worker.name == "engine" and event.state in (WorkerState.ERROR, WorkerState.SUCCESS) \
+                and not self.worker.stopping:
+            self._say_engine_died(f"{type(worker.error).__name__}: {worker.error}" if worker.error
+                                  else "the engine thread ended")
+
+    def _say_engine_died(self, error: str) -> None:
+        if self.engine_died is not None:
+            return
+        self.engine_died = error
+        self.main.engine_died(error)
+        self.notify(f"The engine thread stopped: {error}. Requests no longer run; restart kvscope.",
+                    title="Engine", severity="error", timeout=60)
+
     def on_request_rejected(self, message: RequestRejected) -> None:
         self.main.chat.on_rejected(message.request_id, message.error)
         self.notify(message.error, title=f"Request {message.request_id} refused", severity="error",
                     timeout=10)
+
+    def on_command_rejected(self, message: CommandRejected) -> None:
+        self.notify(message.error, title=f"{message.command} refused", severity="error", timeout=10)
+
+    def on_run_log_failed(self, message: RunLogFailed) -> None:
+        self.notify(message.warning, title="Run log", severity="warning", timeout=30)
 
     def on_run_state_changed(self, message: RunStateChanged) -> None:
         self.main.show_state(message.state)
@@ -244,7 +282,9 @@ class KVScopeApp(App):
         self.notify(f"saved {path}", title="Screenshot", timeout=6)
 
 
-def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool) -> int:
-    app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled)
+def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool, engine=None) -> int:
+    """Open the window; ``engine``, when given, is the first engine (built, and so checked, before)."""
+    factory = build_engine if engine is None else first_engine_then_build(engine)
+    app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled, engine_factory=factory)
     app.run()
     return app.return_code or 0

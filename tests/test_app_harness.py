@@ -13,6 +13,7 @@ from kvscope.app.tui import KVScopeApp
 from kvscope.app.widgets.system import SystemSample
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import fake_engine
+from kvscope.engine.loader import ModelError
 
 STEP_SECONDS = 0.02
 
@@ -54,9 +55,13 @@ class FakeEngines:
         self.runner_kwargs = {"num_host_blocks": 32, **runner_kwargs}
         self.fixed_clock = fixed_clock
         self.fail_steps = fail_steps
+        self.fail_builds = 0    # the next this many builds raise, as a bad model path does
         self.built: list[RecordingEngine] = []
 
     def __call__(self, config: EngineConfig, previous=None):
+        if self.fail_builds:
+            self.fail_builds -= 1
+            raise ModelError(f"model path {config.model} does not exist; check the path")
         wrapper = FixedClockEngine if self.fixed_clock else RecordingEngine
         engine = wrapper(fake_engine(config, **self.runner_kwargs))
         if self.fail_steps:

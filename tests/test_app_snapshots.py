@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
 
-from kvscope.app.engine_worker import engine_info
+from kvscope.app.engine_factory import engine_info
 from kvscope.app.presets import PresetContext, build
 from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.app.screens.replay import ReplayScreen

@@ -8,7 +8,7 @@ from test_app_harness import replace
 from textual.content import Content
 
 from kvscope.app.bench_ui import synthetic_snapshot
-from kvscope.app.engine_worker import engine_info
+from kvscope.app.engine_factory import engine_info
 from kvscope.app.presets import PRESETS, PresetContext, build
 from kvscope.app.widgets import block_cells as cells
 from kvscope.app.widgets.block_inspector import describe_block, describe_cell

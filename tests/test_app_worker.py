@@ -8,8 +8,17 @@ import time
 import pytest
 from test_app_harness import FakeEngines
 
-from kvscope.app.engine_worker import EngineWorker
-from kvscope.app.messages import EngineFailed, EngineReady, EngineStepped, RequestRejected, RunStateChanged
+from kvscope.app.engine_worker import ENGINE_REBUILT, ENGINE_STOPPED, EngineWorker
+from kvscope.app.messages import (
+    CommandRejected,
+    EngineBuildFailed,
+    EngineDied,
+    EngineFailed,
+    EngineReady,
+    EngineStepped,
+    RequestRejected,
+    RunStateChanged,
+)
 from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.app.worker_commands import LaunchPreset, SetPaused
 from kvscope.engine.config import EngineConfig, SamplingParams
@@ -135,8 +144,8 @@ def test_shared_prefix_preset_staggers_arrivals_after_the_first_prefill():
     for _ in range(4):
         worker.step_once()
     inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 5)
-    stop(worker, thread)
-    later = inbox.of(EngineStepped)[-1].result.snapshot
+    stop(worker, thread)    # quitting aborts the three: one more step hands out their final outputs
+    later = inbox.of(EngineStepped)[4].result.snapshot
     assert {v.request_id for v in later.requests} == {"shared-0", "shared-1", "shared-2"}
     assert any(v.num_cached_tokens > 0 for v in later.requests if v.request_id != "shared-0")
 
@@ -201,3 +210,139 @@ def test_only_commands_are_accepted():
             worker.send(wrong)
     worker.send(SetPaused(True))
     worker.send(LaunchPreset("burst", 2))
+
+
+# --- issue 13: nothing a command does ends the thread; every request ends once -----------------
+
+
+def finals(inbox: Inbox) -> dict:
+    return {o.request_id: o for m in inbox.of(EngineStepped) for o in m.result.outputs if o.finished}
+
+
+@pytest.mark.parametrize("prompt, params", [
+    ("abc", {"max_tokens": 3}),                     # AttributeError inside add_request
+    ("abc", SamplingParams(temperature="hot")),     # TypeError
+    ([[1, 2]], SamplingParams()),                   # a list of lists: TypeError
+], ids=["params-dict", "params-str-temperature", "nested-token-ids"])
+def test_a_malformed_request_is_refused_and_the_thread_serves_the_next(prompt, params):
+    worker, inbox, thread = start(FakeEngines())
+    worker.submit("bad", prompt, params)
+    worker.submit("ok", "fine", SamplingParams(max_tokens=3))
+    inbox.wait_for(lambda: "ok" in finals(inbox))
+    assert thread.is_alive()
+    stop(worker, thread)
+    assert [r.request_id for r in inbox.of(RequestRejected)] == ["bad"]
+
+
+class ExplodingAdds(FakeEngines):
+    """add_request raises something no refusal is: an engine bug."""
+
+    def __call__(self, config, previous=None):
+        engine = super().__call__(config, previous)
+        real_add = engine.add_request
+
+        def add_request(prompt, params=None, request_id=None):
+            if request_id == "boom":
+                raise KeyError("a bug inside the engine")
+            return real_add(prompt, params, request_id=request_id)
+
+        engine.add_request = add_request
+        return engine
+
+
+def test_an_engine_bug_in_add_request_refuses_that_request_only():
+    worker, inbox, thread = start(ExplodingAdds())
+    worker.submit("boom", "abc", SamplingParams(max_tokens=3))
+    worker.submit("ok", "fine", SamplingParams(max_tokens=3))
+    inbox.wait_for(lambda: "ok" in finals(inbox))
+    stop(worker, thread)
+    (rejected,) = inbox.of(RequestRejected)
+    assert rejected.request_id == "boom" and "KeyError" in rejected.error
+
+
+def test_a_command_that_raises_is_refused_and_the_thread_goes_on():
+    worker, inbox, thread = start(FakeEngines())
+    worker.launch_preset("no-such-preset", 2)
+    worker.submit("ok", "fine", SamplingParams(max_tokens=3))
+    inbox.wait_for(lambda: "ok" in finals(inbox))
+    stop(worker, thread)
+    (refused,) = inbox.of(CommandRejected)
+    assert refused.command == "LaunchPreset" and "no-such-preset" in refused.error
+
+
+class DyingEngines(FakeEngines):
+    """The engine's has_unfinished_requests raises once a request is in: the thread cannot go on."""
+
+    def __call__(self, config, previous=None):
+        engine = super().__call__(config, previous)
+
+        def has_unfinished_requests():
+            raise RuntimeError("the engine's state is gone")
+
+        engine._engine.add_request("x", SamplingParams(max_tokens=2))
+        engine.has_unfinished_requests = has_unfinished_requests
+        return engine
+
+
+def test_a_dying_thread_says_so():
+    inbox = Inbox()
+    worker = EngineWorker(inbox, EngineConfig(num_blocks=64, max_model_len=256), engine_factory=DyingEngines())
+    inbox.worker = worker
+    thread = threading.Thread(target=lambda: pytest.raises(RuntimeError, worker.run), daemon=True)
+    thread.start()
+    inbox.wait_for(lambda: inbox.of(EngineDied))
+    thread.join(5)
+    assert "the engine's state is gone" in inbox.of(EngineDied)[0].error
+
+
+def test_a_rebuild_gives_each_request_in_flight_a_final_output_and_logs_why(tmp_path):
+    engines = FakeEngines()
+    db = tmp_path / "runs.db"
+    worker, inbox, thread = start(engines, log_factory=_record_to(db), paused=True)
+    worker.submit("a", "abcd", SamplingParams(max_tokens=50))
+    worker.submit("b", [5, 6, 7], SamplingParams(max_tokens=50, n=2))
+    worker.step_once()
+    inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 1)
+    worker.rebuild(EngineConfig(num_blocks=64, max_model_len=256, enable_prefix_caching=False))
+    inbox.wait_for(lambda: len(inbox.of(EngineReady)) == 2)
+    ended = finals(inbox)
+    assert {rid: (o.finish_reason, o.error) for rid, o in ended.items()} == {
+        "a": ("abort", ENGINE_REBUILT), "b": ("abort", ENGINE_REBUILT)}
+    assert engines.built[0].scheduler.kv.block_pool.num_free_blocks == 64   # nothing left behind
+    stop(worker, thread)
+    reader = RunLogReader(db)
+    first = reader.run(min(run["id"] for run in reader.list_runs()))
+    assert first["status"] == "interrupted" and ENGINE_REBUILT in first["status_detail"]
+    rows = {row["request_id"]: row for row in reader.rows("requests", first["id"])}
+    assert {rid: (row["finish_reason"], row["error"]) for rid, row in rows.items()} == {
+        "a": ("abort", ENGINE_REBUILT), "b": ("abort", ENGINE_REBUILT)}
+    assert all(row["finish_time"] is not None for row in rows.values())
+
+
+def test_a_failed_rebuild_keeps_the_engine_and_its_requests():
+    engines = FakeEngines()
+    worker, inbox, thread = start(engines, paused=True)
+    worker.submit("a", "abcd", SamplingParams(max_tokens=5))
+    engines.fail_builds = 1
+    worker.rebuild(EngineConfig(model="/no/such/model", num_blocks=64, max_model_len=256))
+    inbox.wait_for(lambda: inbox.of(EngineBuildFailed))
+    worker.resume()
+    inbox.wait_for(lambda: "a" in finals(inbox))
+    stop(worker, thread)
+    assert finals(inbox)["a"].finish_reason != "abort"
+    assert inbox.of(EngineBuildFailed)[0].still_running is not None
+
+
+def test_quitting_with_requests_in_flight_ends_them_and_marks_the_run_interrupted(tmp_path):
+    db = tmp_path / "runs.db"
+    worker, inbox, thread = start(FakeEngines(), log_factory=_record_to(db), paused=True)
+    worker.submit("a", "abcd", SamplingParams(max_tokens=50))
+    worker.step_once()
+    inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 1)
+    stop(worker, thread)
+    assert (finals(inbox)["a"].finish_reason, finals(inbox)["a"].error) == ("abort", ENGINE_STOPPED)
+    reader = RunLogReader(db)
+    (run,) = reader.list_runs()
+    assert run["status"] == "interrupted"
+    (row,) = reader.rows("requests", run["id"])
+    assert (row["finish_reason"], row["error"]) == ("abort", ENGINE_STOPPED)

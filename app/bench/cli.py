@@ -24,6 +24,17 @@ WHAT = ("workloads", "scheduler", "logging", "ui", "kernels")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def register(subparsers) -> None:
     bench = subparsers.add_parser(
         "bench", help="measure kvscope against transformers and its contiguous baseline",
@@ -40,23 +51,23 @@ def register(subparsers) -> None:
     bench.add_argument("--dtype", default=None,
                        help="float32, bfloat16 or float16; a comma-separated list runs each in turn "
                             "(default: float32; for kernels, float32,bfloat16)")
-    bench.add_argument("--requests", type=int, default=None,
+    bench.add_argument("--requests", type=positive_int, default=None,
                        help="requests per workload (prompts, for parallel-sampling; running requests, for "
                             "scheduler); default: the issue's")
     bench.add_argument("--seed", type=int, default=0, help="workload seed")
     bench.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     add_engine_flags(bench, names=("model", "device"))
-    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    bench.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     bench.add_argument("--no-log", action="store_true", help="do not record the kvscope runs in the run log")
     bench.add_argument("--no-floor", action="store_true", help="skip timing the forward-only floor")
     peers = bench.add_argument_group("transformers peers")
-    peers.add_argument("--hf-batch-size", type=int, default=32,   # StaticSettings' tuned default
+    peers.add_argument("--hf-batch-size", type=positive_int, default=32,   # StaticSettings' tuned default
                        help="hf-static: requests per static batch")
-    peers.add_argument("--hf-cb-max-requests", type=int, default=16, help="hf-cb: most requests per step")
-    peers.add_argument("--hf-cb-batch-tokens", type=int, default=512, help="hf-cb: most tokens per step")
-    peers.add_argument("--hf-cb-page-size", type=int, default=256, help="hf-cb: tokens per cache page")
-    bench.add_argument("--repeats", type=int, default=None,
+    peers.add_argument("--hf-cb-max-requests", type=positive_int, default=16, help="hf-cb: most requests per step")
+    peers.add_argument("--hf-cb-batch-tokens", type=positive_int, default=512, help="hf-cb: most tokens per step")
+    peers.add_argument("--hf-cb-page-size", type=positive_int, default=256, help="hf-cb: tokens per cache page")
+    bench.add_argument("--repeats", type=positive_int, default=None,
                        help="logging: off/on/on/off rounds (default 1); kernels: timed calls per case (default 20)")
     bench.set_defaults(func=run)
 
@@ -100,16 +111,21 @@ def _setup(args: argparse.Namespace):
 
 
 def _log_opener(db: str | Path | None):
-    """open_log(engine) for each kvscope run: records it as any run is; warns once if the run log is off."""
+    """open_log(engine) for each kvscope run: records it as any run is; warns once if the run log is off
+    or stops writing (a full disk)."""
     from kvscope.app.runlog import record_run
 
     warned = []
 
+    def warn(warning: str) -> None:     # once: every later run would say the same
+        if not warned:
+            warned.append(warning)
+            print(f"kvscope bench: {warning}", file=sys.stderr, flush=True)
+
     def open_log(engine):
-        logger = record_run(engine, source="bench", db_path=db)
-        if logger.warning and not warned:
-            warned.append(logger.warning)
-            print(f"kvscope bench: {logger.warning}", file=sys.stderr)
+        logger = record_run(engine, source="bench", db_path=db, on_failure=warn)
+        if logger.warning:
+            warn(logger.warning)
         return logger
 
     return open_log

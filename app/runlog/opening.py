@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import sqlite_utils
@@ -20,11 +21,13 @@ SOURCES = ("app", "bench", "chat", "script")
 
 
 def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, model: str,
-                 device: str, dtype: str, enabled: bool = True) -> RunLogger:
+                 device: str, dtype: str, enabled: bool = True,
+                 on_failure: Callable[[str], None] | None = None) -> RunLogger:
     """A logger for a new run in the database at ``path`` (default: the user data dir).
 
     Never raises for a bad file or directory: the logger comes back disabled, with
-    ``warning`` saying what is wrong with which path and how to fix it.
+    ``warning`` saying what is wrong with which path and how to fix it. If the log
+    stops writing later (a full disk), ``on_failure(warning)`` is called once.
     """
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
@@ -48,11 +51,11 @@ def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, 
     except (sqlite3.Error, OSError) as exc:
         _close_quietly(db)
         return RunLogger.disabled(path, explain(path, exc))
-    return RunLogger(path, db=db, run_id=run_id)
+    return RunLogger(path, db=db, run_id=run_id, on_failure=on_failure)
 
 
 def record_run(engine, *, source: str = "script", db_path: str | Path | None = None,
-               enabled: bool = True) -> RunLogger:
+               enabled: bool = True, on_failure: Callable[[str], None] | None = None) -> RunLogger:
     """Log everything ``engine`` does from now on as one run; close the logger (or use it in a
     ``with`` block) to end the run. Like open_run_log, it never raises for a bad database.
 
@@ -62,7 +65,7 @@ def record_run(engine, *, source: str = "script", db_path: str | Path | None = N
     # The resolved max_model_len, so a replay can draw the contiguous comparison.
     config = dataclasses.replace(engine.config, max_model_len=engine.max_model_len)
     logger = open_run_log(db_path, source=source, config=config, enabled=enabled,
-                          model=model, device=device, dtype=dtype)
+                          model=model, device=device, dtype=dtype, on_failure=on_failure)
     if logger.enabled:
         engine.observers.append(logger)
     return logger

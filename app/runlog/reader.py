@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import csv
 import dataclasses
 import json
@@ -25,6 +26,24 @@ _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(StepStats))
 
 class RunNotFound(LookupError):
     pass
+
+
+class RunInUse(RuntimeError):
+    """The run is still being written by a live process: removing it would break that writer."""
+
+
+class DamagedRunLog(ValueError):
+    """A row of the run log cannot be decoded (a corrupt snapshot blob)."""
+
+
+@contextlib.contextmanager
+def _decoding(run_id: int, step: int):
+    """Whatever a damaged blob makes the decoder raise (zlib, struct, json, numpy) becomes DamagedRunLog."""
+    try:
+        yield
+    except Exception as exc:
+        raise DamagedRunLog(f"run {run_id}, step {step}: the recorded snapshot cannot be decoded "
+                            f"({type(exc).__name__}: {exc})") from exc
 
 
 @dataclass(frozen=True)
@@ -130,8 +149,13 @@ class RunLogReader:
             raise RunNotFound(f"no run with id {run_id} in {self.path}")
 
     def delete(self, run_id: int) -> None:
-        """Remove the run; foreign keys cascade to its requests, steps, events and snapshots."""
+        """Remove the run; foreign keys cascade to its requests, steps, events and snapshots.
+        RunInUse if its process is still writing it."""
         self._require(run_id)
+        (row,) = self.db.query("SELECT status, pid, pid_started_at, hostname FROM runs WHERE id = ?", [run_id])
+        if self._live_status(row) == "running":
+            raise RunInUse(f"run {run_id} is still being written by process {row['pid']} on {row['hostname']}; "
+                           "end that kvscope first")
         with self.db.atomic():
             self.db.execute("DELETE FROM runs WHERE id = ?", [run_id])
 
@@ -173,8 +197,10 @@ class RunLogReader:
             "SELECT steps.*, snapshots.data FROM steps JOIN snapshots USING (run_id, step) "
             "WHERE run_id = ? AND step BETWEEN ? AND ? ORDER BY step", [run_id, first, last])
         for row in rows:
-            decoder.advance(row["data"])
-            yield ReplayFrame(_stats(row), decoder.snapshot(), events.get(row["step"], ()))
+            with _decoding(run_id, row["step"]):
+                decoder.advance(row["data"])
+                snapshot = decoder.snapshot()
+            yield ReplayFrame(_stats(row), snapshot, events.get(row["step"], ()))
 
     def iter_snapshots(self, run_id: int) -> Iterator[ReplayFrame]:
         """Every recorded step of the run, in order."""
@@ -223,11 +249,23 @@ class Replay:
             return self._current
         if position is None or not keyframe <= position < target:
             self._decoder, position = SnapshotDecoder(), keyframe - 1
+        try:
+            row = self._decode_until(position, target)
+            with _decoding(self.run_id, target):
+                snapshot = self._decoder.snapshot()
+        except DamagedRunLog:
+            self._decoder, self._current = SnapshotDecoder(), None    # start afresh from a keyframe next time
+            raise
+        events = _events_by_step(self._reader.db, self.run_id, target, target).get(target, ())
+        self._current = ReplayFrame(_stats(row), snapshot, events)
+        return self._current
+
+    def _decode_until(self, position: int, target: int) -> dict:
+        """Apply the frames after ``position`` up to ``target``; the last row read."""
         row = None
         for row in self._reader.db.query(
                 "SELECT steps.*, snapshots.data FROM steps JOIN snapshots USING (run_id, step) "
                 "WHERE run_id = ? AND step > ? AND step <= ? ORDER BY step", [self.run_id, position, target]):
-            self._decoder.advance(row["data"])
-        events = _events_by_step(self._reader.db, self.run_id, target, target).get(target, ())
-        self._current = ReplayFrame(_stats(row), self._decoder.snapshot(), events)
-        return self._current
+            with _decoding(self.run_id, row["step"]):
+                self._decoder.advance(row["data"])
+        return row

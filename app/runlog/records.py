@@ -57,10 +57,12 @@ class RowBuilder:
         # step's generated-token count is exact whatever the engine's rate definition.
         self._tokens_seen: dict[str, int] = {}
         self._seen_a_step = False
+        self.unfinished: set[str] = set()   # added, no final output yet: the run is interrupted if it ends now
 
     def add(self, rows: Rows, record: RequestAdded | StepResult) -> None:
         if isinstance(record, RequestAdded):
             rows.added_requests.append({"run_id": self.run_id, **dataclasses.asdict(record)})
+            self.unfinished.add(record.request_id)
         else:
             self._add_step(rows, record)
 
@@ -72,6 +74,7 @@ class RowBuilder:
             generated += max(0, total - self._tokens_seen.get(output.request_id, 0))
             if output.finished:
                 self._tokens_seen.pop(output.request_id, None)
+                self.unfinished.discard(output.request_id)
                 rows.finished_requests.append(self._finished_row(output, total))
             else:
                 self._tokens_seen[output.request_id] = total

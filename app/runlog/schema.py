@@ -18,9 +18,11 @@ from pathlib import Path
 import sqlite_utils
 from sqlite_utils.db import ForeignKey
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RUN_TABLES = ("runs", "requests", "steps", "events", "snapshots")
 BUSY_TIMEOUT_S = 1.0
+# How SQLite says it could not create the WAL index of a read-only connection.
+_NO_WAL_INDEX = ("readonly", "unable to open")
 
 
 class SchemaError(Exception):
@@ -102,20 +104,42 @@ def _create_v1(db: sqlite_utils.Database) -> None:
     """)
 
 
+def _add_status_detail(db: sqlite_utils.Database) -> None:
+    # Why a run ended as it did: the reason its log is incomplete, what interrupted it.
+    db["runs"].add_column("status_detail", str)
+
+
 # MIGRATIONS[v] lifts a database at version v - 1 to version v.
-MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _create_v1}
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _create_v1, 2: _add_status_detail}
 
 
 def connect(path: str, *, read_only: bool = False, timeout: float = BUSY_TIMEOUT_S) -> sqlite_utils.Database:
     """A connection the writer thread may use after the opening thread (check_same_thread off)."""
     if read_only:
-        uri = f"{Path(path).resolve().as_uri()}?mode=ro"  # as_uri escapes '?' and '#' in the path
-        conn = sqlite3.connect(uri, uri=True, timeout=timeout, check_same_thread=False)
+        conn = _connect_read_only(path, timeout)
     else:
         conn = sqlite3.connect(path, timeout=timeout, check_same_thread=False)
     db = sqlite_utils.Database(conn, execute_plugins=False)
     db.execute("PRAGMA foreign_keys = ON")
     return db
+
+
+def _connect_read_only(path: str, timeout: float) -> sqlite3.Connection:
+    """mode=ro, which reads what a live writer has in its WAL. A WAL database whose writer has closed
+    cannot be opened so where SQLite may not create the WAL index beside it (a read-only mount or
+    directory); there nothing is writing, and immutable=1 reads the file as it is."""
+    uri = Path(path).resolve().as_uri()  # as_uri escapes '?' and '#' in the path
+    conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=timeout, check_same_thread=False)
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return conn
+    except sqlite3.OperationalError as exc:
+        conn.close()
+        if not any(words in str(exc) for words in _NO_WAL_INDEX):
+            raise
+    conn = sqlite3.connect(f"{uri}?immutable=1", uri=True, timeout=timeout, check_same_thread=False)
+    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()   # any other trouble raises here
+    return conn
 
 
 def schema_version(db: sqlite_utils.Database) -> int:

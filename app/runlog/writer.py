@@ -3,14 +3,25 @@
 The engine thread only enqueues records (never waits on disk). One daemon
 thread drains the queue, turns records into rows and inserts them in batches,
 each batch one ``db.atomic()`` transaction, at least every FLUSH_INTERVAL_S.
+
+A batch that fails (a full disk, a file removed under it) ends the logging but
+never the run: the logger stops taking records, says so once through
+``on_failure``, and marks the run "incomplete" with the reason, so nobody
+mistakes a log that stopped at step 1 for a short run or a crash.
+
+How a run ended (``runs.status``): finished; interrupted (it ended with requests
+unfinished); crashed (an exception ended it, or its process died); incomplete
+(the log stopped before the run did). ``runs.status_detail`` says why.
 """
 
 from __future__ import annotations
 
 import atexit
 import queue
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,6 +44,7 @@ CLOSE_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class _Close:
     status: str
+    detail: str | None
 
 
 def utc_now() -> str:
@@ -43,13 +55,17 @@ class RunLogger:
     """Records one run. Disabled loggers (``enabled`` False) accept every call and do nothing."""
 
     def __init__(self, path: Path | None, *, db: sqlite_utils.Database | None = None,
-                 run_id: int | None = None, warning: str | None = None):
+                 run_id: int | None = None, warning: str | None = None,
+                 on_failure: Callable[[str], None] | None = None):
         self.path = path
         self.run_id = run_id
         self.warning = warning
         self.num_dropped_records = 0
+        self.on_failure = on_failure    # called once, from the writer thread, if the log stops writing
         self._db = db
         self._failed = False
+        self.failure: str | None = None     # why the log stopped writing, once it has
+        self._num_written_steps = 0
         self._closed = db is None
         self._close_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED_RECORDS)
@@ -58,7 +74,7 @@ class RunLogger:
             db.execute(f"PRAGMA busy_timeout = {WRITER_BUSY_TIMEOUT_MS}")
             self._thread = threading.Thread(target=self._drain, name=f"kvscope-runlog-{run_id}", daemon=True)
             self._thread.start()
-            atexit.register(self.close)
+            atexit.register(self._close_at_exit)
 
     @classmethod
     def disabled(cls, path: Path | None, warning: str | None = None) -> RunLogger:
@@ -69,8 +85,11 @@ class RunLogger:
 
     def __exit__(self, exc_type, exc, traceback) -> None:
         # Ctrl-C is the user ending the run; anything else escaping the block ended it abnormally.
-        crashed = exc_type is not None and not issubclass(exc_type, KeyboardInterrupt)
-        self.close("crashed" if crashed else "finished")
+        self.close(*_ending(exc))
+
+    def _close_at_exit(self) -> None:
+        # The interpreter sets sys.last_value when it reports an uncaught exception, before atexit.
+        self.close(*_ending(getattr(sys, "last_value", None)))
 
     @property
     def enabled(self) -> bool:
@@ -90,23 +109,25 @@ class RunLogger:
         except queue.Full:
             self.num_dropped_records += 1
 
-    def close(self, status: str = "finished") -> None:
-        """Flush what is queued and mark the run ended. Idempotent; also runs at interpreter exit."""
+    def close(self, status: str = "finished", detail: str | None = None) -> None:
+        """Flush what is queued and mark the run ended, ``detail`` saying why when it is not plainly
+        finished. "finished" with requests still unfinished is recorded as "interrupted". Idempotent;
+        also runs at interpreter exit."""
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         if self._thread is not None and self._thread.is_alive():
-            self._queue.put(_Close(status))
+            self._queue.put(_Close(status, detail))
             self._thread.join(CLOSE_TIMEOUT_S)
 
     # --- writer thread -------------------------------------------------------------
 
     def _drain(self) -> None:
         rows_for = RowBuilder(self.run_id)
-        closing_status = None
-        while closing_status is None and not self._failed:
+        closing = None
+        while closing is None:
             batch = [self._queue.get()]
             deadline = time.monotonic() + FLUSH_INTERVAL_S
             while len(batch) < MAX_BATCH_RECORDS and not isinstance(batch[-1], _Close):
@@ -115,18 +136,37 @@ class RunLogger:
                 except queue.Empty:
                     break
             if isinstance(batch[-1], _Close):
-                closing_status = batch.pop().status
-            self._guarded(self._write, rows_for, batch)
-        if closing_status is not None and not self._failed:
-            self._guarded(self._finish, closing_status)
-        self._db.close()
-
-    def _guarded(self, write, *args) -> None:
+                closing = batch.pop()
+            if not self._failed:
+                self._write_batch(rows_for, batch)
+        self._set_status(*self._final_status(closing, rows_for), ended=True)
         try:
-            write(*args)
+            self._db.close()
+        except Exception:
+            pass
+
+    def _write_batch(self, rows_for: RowBuilder, batch: list) -> None:
+        try:
+            self._write(rows_for, batch)
         except Exception as exc:  # whatever breaks the log must not reach the engine
             self._failed = True
-            self.warning = f"run log stopped writing to {self.path}: {exc}; the run continues without it"
+            self.failure = f"the log stopped after {self._num_written_steps} steps: {exc}"
+            self.warning = f"run log stopped writing to {self.path}: {self.failure}; the run continues without it"
+            self._set_status("incomplete", self.failure)
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(self.warning)
+                except Exception:
+                    pass    # a broken callback must not end the writer before it closes the run
+
+    def _final_status(self, closing: _Close, rows_for: RowBuilder) -> tuple[str, str | None]:
+        status, detail = closing.status, closing.detail
+        if self._failed:
+            ended = "" if status == "finished" else f"; the run then ended {status}"
+            return "incomplete", self.failure + ended
+        if status == "finished" and rows_for.unfinished:
+            return "interrupted", f"{len(rows_for.unfinished)} request(s) unfinished when the run ended"
+        return status, detail
 
     def _write(self, rows_for: RowBuilder, batch: list) -> None:
         rows = Rows()
@@ -142,12 +182,26 @@ class RunLogger:
             _insert(db, "events", rows.events)
             _insert(db, "snapshots", rows.snapshots, verb="INSERT OR REPLACE")
             _insert(db, "requests", rows.finished_requests, upsert_on=("run_id", "request_id"))
+        self._num_written_steps += len(rows.steps)
 
-    def _finish(self, status: str) -> None:
-        self._db.execute(
-            "UPDATE runs SET status = ?, ended_at = ?, num_dropped_records = ? WHERE id = ?",
-            [status, utc_now(), self.num_dropped_records, self.run_id],
-        )
+    def _set_status(self, status: str, detail: str | None, ended: bool = False) -> None:
+        """One small UPDATE, tried even after a failed batch: it often fits where a batch did not.
+        If it cannot be written either, readers call the run crashed once its process is gone."""
+        try:
+            with self._db.atomic():
+                self._db.execute(
+                    "UPDATE runs SET status = ?, status_detail = ?, num_dropped_records = ?"
+                    + (", ended_at = ?" if ended else "") + " WHERE id = ?",
+                    [status, detail, self.num_dropped_records, *([utc_now()] if ended else []), self.run_id])
+        except Exception:
+            pass
+
+
+def _ending(exc: BaseException | None) -> tuple[str, str | None]:
+    """(status, detail) for a run ended by ``exc``: None or Ctrl-C is the user ending it."""
+    if exc is None or isinstance(exc, KeyboardInterrupt):
+        return "finished", None
+    return "crashed", f"{type(exc).__name__}: {exc}"
 
 
 def _insert(db: sqlite_utils.Database, table: str, rows: list[dict], *,

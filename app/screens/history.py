@@ -1,9 +1,16 @@
-"""Past runs from the run log: a list, and for the highlighted run its summary and charts."""
+"""Past runs from the run log: a list, and for the highlighted run its summary and charts.
+
+The run log is a file anything may have damaged (garbage pages, a truncated
+copy, a blob that no longer decodes). Every read goes through ``_read``, which
+shows what went wrong in the summary panel instead of ending the app.
+"""
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -15,6 +22,8 @@ from textual.widgets import DataTable, Footer, Label, Sparkline, Static
 from kvscope.app.runlog import RunLogReader, SchemaError
 from kvscope.app.screens.replay import ReplayScreen
 
+T = TypeVar("T")
+
 
 def describe_run(run: dict) -> str:
     config = run.get("config") or {}
@@ -25,15 +34,17 @@ def describe_run(run: dict) -> str:
 
     hits = run.get("prefix_cache_hits") or 0
     queries = run.get("prefix_cache_queries") or 0
+    detail = run.get("status_detail")
     lines = [
         f"[b]Run {run['id']}[/b] · {run.get('status')} · started {(run.get('started_at') or '')[:19]} by "
         f"{run.get('source')}",
+        *(["$detail"] if detail else []),
         f"$model · {run.get('device')} · {run.get('dtype')} · {config.get('allocator', '?')} · "
         f"preempt {config.get('preemption_mode', '?')} · prefix cache "
         f"{'on' if config.get('enable_prefix_caching', True) else 'off'}",
         f"pool {number('num_blocks')} blocks × {number('block_size')} tokens",
         f"steps {number('num_steps')} · requests {number('num_requests')} "
-        f"({number('num_finished_requests')} finished) · output tokens {number('num_output_tokens')}",
+        f"({number('num_finished_requests')} finished) · generated tokens {number('num_generated_tokens')}",
         f"mean {number('mean_tokens_per_s', ',.1f')} tok/s · peak KV usage "
         f"{100 * (run.get('peak_kv_usage') or 0):.1f}% · preemptions {number('num_preemptions')} · "
         f"prefix hits {100 * hits / queries if queries else 0:.1f}%",
@@ -87,6 +98,15 @@ class HistoryScreen(Screen):
     def _say(self, text: str) -> None:
         self.query_one("#run-summary", Static).update(Content(text))
 
+    def _read(self, read: Callable[[], T]) -> T | None:
+        """``read()``, or None after saying why it failed: whatever a damaged file makes the reader
+        raise must not end the app."""
+        try:
+            return read()
+        except Exception as exc:
+            self._say(f"Cannot read the run log at {self.db_path}: {type(exc).__name__}: {exc}")
+            return None
+
     def action_reload(self) -> None:
         if self.reader is None:
             self.reader = self._open()
@@ -94,12 +114,14 @@ class HistoryScreen(Screen):
             return
         table = self.query_one("#runs", DataTable)
         table.clear()
-        runs = self.reader.list_runs()
+        runs = self._read(self.reader.list_runs)
+        if runs is None:
+            return
         for run in runs:
             rate = run.get("mean_tokens_per_s")
             table.add_row(str(run["id"]), (run.get("started_at") or "")[:19].replace("T", " "),
                           Content(str(run.get("model") or "")), run.get("source") or "",
-                          str(run.get("num_requests") or 0), f"{run.get('num_output_tokens') or 0:,}",
+                          str(run.get("num_requests") or 0), f"{run.get('num_generated_tokens') or 0:,}",
                           "–" if rate is None else f"{rate:,.1f}", run.get("status") or "",
                           key=str(run["id"]))
         if not runs:
@@ -109,10 +131,12 @@ class HistoryScreen(Screen):
         if event.row_key is None or self.reader is None:
             return
         self.run_id = int(event.row_key.value)
-        run = self.reader.run(self.run_id)
-        self.query_one("#run-summary", Static).update(
-            Content.from_markup(describe_run(run), model=str(run.get("model") or "")))
-        steps = self.reader.steps(self.run_id)
+        found = self._read(lambda: (self.reader.run(self.run_id), self.reader.steps(self.run_id)))
+        if found is None:
+            return
+        run, steps = found
+        self.query_one("#run-summary", Static).update(Content.from_markup(
+            describe_run(run), model=str(run.get("model") or ""), detail=str(run.get("status_detail") or "")))
         self.query_one("#run-throughput", Sparkline).data = [s.generation_tokens_per_s for s in steps]
         self.query_one("#run-kv", Sparkline).data = [100 * s.kv_usage for s in steps]
 
@@ -121,7 +145,9 @@ class HistoryScreen(Screen):
 
     def action_replay(self) -> None:
         if self.reader is not None and self.run_id is not None:
-            self.app.push_screen(ReplayScreen(self.reader, self.run_id))
+            screen = self._read(lambda: ReplayScreen(self.reader, self.run_id))
+            if screen is not None:
+                self.app.push_screen(screen)
 
     def on_unmount(self) -> None:
         if self.reader is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer
@@ -36,12 +37,29 @@ from kvscope.app.widgets.snapshot_view import SnapshotView
 from kvscope.app.widgets.system import REFRESH_S as SYSTEM_REFRESH_S
 from kvscope.app.widgets.system import SystemPanel, SystemSampler
 from kvscope.app.widgets.throughput import Throughput
-from kvscope.engine.outputs import StepResult
+from kvscope.engine.outputs import BLOCK_FREE, CacheSnapshot, StepResult, StepStats
 
 FRAME_RATE = 20
 UI_CPU_BUDGET = 0.04  # share of one core the UI thread may use for painting and handling steps
 MIN_FRAME_RATE = 1    # however busy the UI thread is, the view is at most this stale
 TEXT_RATE = 4         # the panels of numbers: as often as a person can read them
+
+
+def idle_step(info: EngineInfo) -> StepResult:
+    """What a new engine holds before its first step: every block free, no request, no rate."""
+    n, config = info.num_blocks, info.config
+    snapshot = CacheSnapshot(
+        step=0, block_size=info.block_size, num_blocks=n, allocator=config.allocator,
+        block_state=np.full(n, BLOCK_FREE, dtype=np.int8), ref_counts=np.zeros(n, dtype=np.int32),
+        block_fill=np.zeros(n, dtype=np.int16), block_hashes=np.zeros(n, dtype=np.uint64),
+        num_host_blocks=info.num_host_blocks, num_free_host_blocks=info.num_host_blocks)
+    stats = StepStats(
+        step=0, time=time.time(), duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_running=0,
+        num_waiting=0, num_swapped=0, num_free_blocks=n, num_cached_free_blocks=0, num_total_blocks=n,
+        kv_usage=0.0, kv_token_utilisation=0.0, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+        num_swapped_out_blocks=0, num_swapped_in_blocks=0, prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0,
+        num_host_blocks=info.num_host_blocks, num_free_host_blocks=info.num_host_blocks)
+    return StepResult(outputs=[], stats=stats, snapshot=snapshot)
 
 
 class MainScreen(Screen):
@@ -78,14 +96,32 @@ class MainScreen(Screen):
 
     def show_starting(self, model: str) -> None:
         self.query_one(EngineHeader).show_starting(model)
+        self.chat.set_engine_waiting(True)
 
     def engine_ready(self, info: EngineInfo) -> None:
+        """A new engine. One that replaces another shows its empty pool in every panel at once,
+        nothing of the engine before it."""
+        replaced = self.engine_info is not None
         self.engine_info = info
         self.view.max_model_len = info.max_model_len
-        self.latest = self._painted = self._texted = None
+        self.latest, self._painted, self._texted = (idle_step(info) if replaced else None), None, None
         self.query_one(EngineHeader).show_engine(info)
         self.throughput.clear()
-        self.chat.interrupt("the engine was restarted; ask again")
+        self.chat.set_engine_waiting(False)
+        if replaced:
+            self.paint(force=True)
+
+    def engine_not_ready(self, still_running: EngineInfo | None, error: str) -> None:
+        """A build failed: back to the engine that goes on serving, or say there is none."""
+        header = self.query_one(EngineHeader)
+        if still_running is not None:
+            header.show_engine(still_running)
+        else:
+            header.show_stopped(error)
+        self.chat.set_engine_waiting(still_running is None and self.engine_info is None)
+
+    def engine_died(self, error: str) -> None:
+        self.query_one(EngineHeader).show_stopped(error)
 
     def show_state(self, state: RunState) -> None:
         self.query_one(EngineHeader).show_state(state)

@@ -2,7 +2,9 @@
 
 Frames are decoded on demand: moving forward one step reads the next frame of an
 open stream (one delta); any other move asks the reader for that step, which
-decodes from the keyframe before it.
+decodes from the keyframe before it. A step that cannot be read (a damaged
+blob or page) is reported in the status line; the screen stays on the last good
+frame and the other steps can still be shown.
 """
 
 from __future__ import annotations
@@ -96,18 +98,28 @@ class ReplayScreen(Screen):
     def show_index(self, index: int) -> None:
         if not self.steps:
             return
-        self.index = min(max(index, 0), len(self.steps) - 1)
-        self.frame = frame = self._frame_at(self.index)
+        index = min(max(index, 0), len(self.steps) - 1)
+        try:
+            frame = self._frame_at(index)
+        except Exception as exc:    # whatever a damaged file makes the reader raise must not end the app
+            self._stream = None
+            self._stop_timer()
+            self._say(f"[b]Replay[/b] · run {self.run_id} · cannot show step {self.steps[index]:,}: "
+                      f"$error", error=f"{type(exc).__name__}: {exc}")
+            return
+        self.index, self.frame = index, frame
         self.view.show(frame.snapshot, frame.stats)
         self._update_status()
+
+    def _say(self, markup: str, **variables: str) -> None:
+        self.query_one("#replay-status", Static).update(Content.from_markup(markup, **variables))
 
     def _update_status(self) -> None:
         state = f"▶ playing at {SPEEDS[self.speed_index]:g} steps/s" if self.playing else "■ paused"
         events = describe_events(self.frame) if self.frame else ""
         text = (f"[b]Replay[/b] · run {self.run_id} · $model · step {self.steps[self.index]:,} "
                 f"({self.index + 1:,} of {len(self.steps):,} recorded) · {state}{events}")
-        self.query_one("#replay-status", Static).update(
-            Content.from_markup(text, model=str(self.run.get("model") or "")))
+        self._say(text, model=str(self.run.get("model") or ""))
 
     # --- controls ---------------------------------------------------------------------------------
 

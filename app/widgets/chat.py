@@ -20,6 +20,7 @@ from kvscope.engine.outputs import RequestOutput
 
 PLACEHOLDER = "Ask the model…"
 DEFAULT_MAX_TOKENS = 256
+WAITING = "waiting for the engine…"
 
 
 class ChatPane(Vertical):
@@ -32,6 +33,9 @@ class ChatPane(Vertical):
         self._reply = ""
         self._reply_bubble: Static | None = None
         self._turns = itertools.count(1)
+        # Until the engine is ready (the model loads, a rebuild), a question waits in the engine
+        # thread's queue and is answered once it is; the bubble says so meanwhile.
+        self.engine_waiting = True
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="chat-log"):
@@ -66,7 +70,7 @@ class ChatPane(Vertical):
         self.messages.append({"role": "user", "content": text})
         self._bubble(text, "user")
         self._reply = ""
-        self._reply_bubble = self._bubble("…", "assistant streaming")
+        self._reply_bubble = self._bubble(WAITING if self.engine_waiting else "…", "assistant streaming")
         self.current_request = f"chat-{next(self._turns)}"
         self.post_message(ChatSubmitted(self.current_request, tuple(self.messages), self.max_tokens))
 
@@ -80,11 +84,19 @@ class ChatPane(Vertical):
         if output.finished:
             self._finish(output)
 
+    def set_engine_waiting(self, waiting: bool) -> None:
+        self.engine_waiting = waiting
+        if self.current_request is not None and not self._reply:
+            self._reply_bubble.update(Content(WAITING if waiting else "…"))
+
     def _finish(self, output: RequestOutput) -> None:
         bubble = self._reply_bubble
         bubble.remove_class("streaming")
         if output.finish_reason == "error":
             self._fail(output.error or "the engine could not finish this reply")
+            return
+        if output.finish_reason == "abort" and output.error:   # aborted by the app (a rebuild), not the user
+            self._fail(f"{output.error}; ask again")
             return
         text = output.text or self._reply
         note = {"abort": " [aborted]", "length": " [max tokens]"}.get(output.finish_reason or "", "")
@@ -116,8 +128,3 @@ class ChatPane(Vertical):
     def on_rejected(self, request_id: str, error: str) -> None:
         if request_id == self.current_request:
             self._fail(error)
-
-    def interrupt(self, reason: str) -> None:
-        """The engine went away (rebuilt or failed) with a reply in flight."""
-        if self.current_request is not None:
-            self._fail(reason)

@@ -42,13 +42,18 @@ class EngineHeader(Static):
         self.info: EngineInfo | None = None
         self.state: RunState | None = None
         self.starting: str | None = None
+        self.stopped: str | None = None     # why no engine runs, when none does
 
     def show_starting(self, model: str) -> None:
         self.starting = model
         self._redraw()
 
     def show_engine(self, info: EngineInfo) -> None:
-        self.info, self.starting = info, None
+        self.info, self.starting, self.stopped = info, None, None
+        self._redraw()
+
+    def show_stopped(self, error: str) -> None:
+        self.starting, self.stopped = None, error
         self._redraw()
 
     def show_state(self, state: RunState) -> None:
@@ -64,6 +69,10 @@ class EngineHeader(Static):
         if self.state is not None:
             parts.append(describe_state(self.state))
         model = self.starting if self.starting is not None else (self.info.model_name if self.info else "")
+        if self.stopped is not None:    # the run state means nothing without an engine
+            self.update(Content.from_markup(f"{parts[0]} │ [b $error]no engine running[/]: $stopped",
+                                            stopped=self.stopped))
+            return
         if self.starting is not None:
             parts.append("loading $model…")
         elif self.info is not None:
