@@ -16,7 +16,7 @@ from kvscope.app.runlog.writer import RunLogger, utc_now
 from kvscope.engine.config import EngineConfig
 from kvscope.settings import settings
 
-SOURCES = ("app", "bench", "chat", "script")
+SOURCES = ("app", "bench", "chat", "script", "vllm")
 
 
 def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, model: str,
@@ -26,6 +26,16 @@ def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, 
     Never raises for a bad file or directory: the logger comes back disabled, with
     ``warning`` saying what is wrong with which path and how to fix it.
     """
+    return open_observed_run_log(
+        path, source=source, model=model, device=device, dtype=dtype, block_size=config.block_size,
+        num_blocks=config.num_blocks, config=dataclasses.asdict(config), enabled=enabled)
+
+
+def open_observed_run_log(path: str | Path | None, *, source: str, model: str, device: str, dtype: str,
+                          block_size: int, num_blocks: int | None, config: dict,
+                          enabled: bool = True) -> RunLogger:
+    """open_run_log for a run kvscope watches rather than runs (``kvscope attach``: source "vllm"),
+    described by a plain ``config`` mapping instead of an EngineConfig."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if not enabled:
@@ -41,7 +51,7 @@ def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, 
         db = connect(str(path))
         prepare(db, str(path))
         mark_crashed_runs(db)
-        run_id = _insert_run(db, source, config, model, device, dtype)
+        run_id = _insert_run(db, source, model, device, dtype, block_size, num_blocks, config)
     except SchemaError as exc:
         _close_quietly(db)
         return RunLogger.disabled(path, f"run log off: {exc}")
@@ -87,14 +97,14 @@ def explain(path: Path, exc: Exception) -> str:
     return f"run log off: cannot write {path} ({reason}); make it writable, pass --db PATH, or use --no-log"
 
 
-def _insert_run(db: sqlite_utils.Database, source: str, config: EngineConfig,
-                model: str, device: str, dtype: str) -> int:
+def _insert_run(db: sqlite_utils.Database, source: str, model: str, device: str, dtype: str,
+                block_size: int, num_blocks: int | None, config: dict) -> int:
     pid, pid_started_at, hostname = current_process_identity()
     row = {
         "started_at": utc_now(), "status": "running", "source": source,
         "kvscope_version": __version__, "model": model, "device": device, "dtype": dtype,
-        "block_size": config.block_size, "num_blocks": config.num_blocks,
-        "config": json.dumps(dataclasses.asdict(config), default=str),
+        "block_size": block_size, "num_blocks": num_blocks,
+        "config": json.dumps(config, default=str),
         "pid": pid, "pid_started_at": pid_started_at, "hostname": hostname,
     }
     return db["runs"].insert(row).last_pk

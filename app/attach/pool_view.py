@@ -1,0 +1,179 @@
+"""Immutable pictures of a PoolModel for the window and the run log.
+
+The picture is the app's own CacheSnapshot, so the block map, the block
+inspector and replay draw it unchanged. What fills it is what vLLM says:
+
+- an announced block (known from events) is a full, hashed block in its stable
+  slot; whether a request still holds it or it sits cached and free, vLLM does
+  not say, so every announced block is drawn alike, coloured by prefix tree;
+- each prefix tree is the "owner" of its blocks (a RequestView named
+  ``prefix-N`` in queue ``prefix``), which is what colours the map by tree and
+  lets a click select a whole tree;
+- blocks in use that were never announced (partly filled, or not yet hashed)
+  are counted from ``kv_cache_usage_perc``: used blocks beyond the announced
+  ones, at least, drawn as empty reserved cells in the highest free slots.
+
+Trees that did not change since the previous picture keep their RequestView,
+so a picture of a big, busy pool rebuilds only the trees that moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvscope.app.attach.pool import PoolCounters, PoolModel
+from kvscope.engine.outputs import BLOCK_USED, CacheSnapshot, RequestView
+
+PREFIX_QUEUE = "prefix"
+MAX_TREES = 64          # the largest trees described in a picture (every tree still colours the map)
+
+
+@dataclass(frozen=True)
+class PrefixTree:
+    tree_id: int
+    num_blocks: int
+    depth: int                  # blocks on its longest path from the root
+    num_branches: int           # leaves: distinct sequences now cached under this root
+    num_reuses: int             # store events since attach that show a request reusing this prefix
+    preview_token_ids: tuple[int, ...]
+    preview: str                # decoded text when the model's tokenizer is at hand, else ""
+    partial: bool               # the root's own parent was evicted or announced before kvscope attached
+
+    @property
+    def name(self) -> str:
+        return f"prefix-{self.tree_id}"
+
+
+@dataclass(frozen=True)
+class PoolView:
+    label: str                  # "rank 0", or the endpoint too when several publishers are watched
+    snapshot: CacheSnapshot
+    num_known_blocks: int
+    num_in_use_blocks: int | None    # from kv_cache_usage_perc; None before the first metrics sample
+    num_unannounced_blocks: int      # in use beyond the announced blocks (a lower bound)
+    num_trees: int
+    trees: tuple[PrefixTree, ...]    # the MAX_TREES largest, largest first
+    counters: PoolCounters
+
+    @property
+    def num_blocks(self) -> int:
+        return self.snapshot.num_blocks
+
+    @property
+    def num_cached_free_at_least(self) -> int:
+        """Announced blocks that cannot all be in use: at least this many sit cached and free."""
+        if self.num_in_use_blocks is None:
+            return 0
+        return max(0, self.num_known_blocks - self.num_in_use_blocks)
+
+
+def in_use_blocks(kv_usage: float, num_blocks: int) -> int:
+    """vLLM's usage is used / (num_gpu_blocks - 1): block 0 is its null block, never handed out."""
+    return min(num_blocks, round(kv_usage * max(num_blocks - 1, 1)))
+
+
+class PoolPicture:
+    """Makes PoolViews of one PoolModel, reusing what did not change since the last one."""
+
+    def __init__(self, pool: PoolModel, label: str, preview_text=None) -> None:
+        self.pool = pool
+        self.label = label
+        self.preview_text = preview_text or (lambda token_ids: "")
+        self._views: dict[int, RequestView] = {}
+        self._texts: dict[int, tuple[tuple[int, ...], str]] = {}
+        self._shapes: dict[int, tuple[int, int]] = {}
+
+    def view(self, step: int, kv_usage: float | None) -> PoolView:
+        pool = self.pool
+        in_use = None if kv_usage is None else in_use_blocks(kv_usage, pool.num_blocks)
+        band = max(0, in_use - pool.num_known_blocks) if in_use is not None else 0
+        trees = self._tree_records()
+        snapshot = CacheSnapshot(step=step, block_size=pool.block_size, num_blocks=pool.num_blocks,
+                                 allocator="vllm", **self._arrays(band), requests=self._request_views(trees))
+        return PoolView(self.label, snapshot, pool.num_known_blocks, in_use, band, len(pool.trees),
+                        tuple(trees[:MAX_TREES]), pool.counters)
+
+    def _arrays(self, band: int) -> dict[str, np.ndarray]:
+        pool = self.pool
+        known = pool.tree_at >= 0
+        state = np.where(known, BLOCK_USED, 0).astype(np.int8)
+        if band:
+            state[np.flatnonzero(~known)[-band:]] = BLOCK_USED
+        arrays = {
+            "block_state": state,
+            "ref_counts": (state == BLOCK_USED).astype(np.int32),
+            "block_fill": np.where(known, pool.block_size, 0).astype(np.int16),
+            "block_hashes": pool.hash_at.copy(),
+        }
+        for array in arrays.values():
+            array.flags.writeable = False
+        return arrays
+
+    def _tree_records(self) -> list[PrefixTree]:
+        pool = self.pool
+        largest = sorted(pool.trees.items(), key=lambda item: (-item[1].num_blocks, item[0]))
+        records = []
+        for index, (tree_id, stats) in enumerate(largest):
+            detailed = index < MAX_TREES
+            depth, branches = self._shape(tree_id) if detailed else (0, 0)
+            token_ids = tuple(stats.preview)
+            records.append(PrefixTree(tree_id, stats.num_blocks, depth, branches, stats.num_reuses, token_ids,
+                                      self._text(tree_id, token_ids) if detailed else "", stats.partial))
+        return records
+
+    def _shape(self, tree_id: int) -> tuple[int, int]:
+        """(depth, leaves), recomputed only for trees that changed since the last picture."""
+        shape = self._shapes.get(tree_id)
+        if shape is None or tree_id in self.pool.dirty_trees:
+            pool = self.pool
+            members = np.flatnonzero(pool.tree_at[:pool.high_water] == tree_id)
+            shape = (int(pool.depth_at[members].max()) + 1 if members.size else 0,
+                     int(np.count_nonzero(pool.children_at[members] == 0)))
+            self._shapes[tree_id] = shape
+        return shape
+
+    def _text(self, tree_id: int, token_ids: tuple[int, ...]) -> str:
+        cached = self._texts.get(tree_id)
+        if cached is None or cached[0] != token_ids:
+            cached = self._texts[tree_id] = (token_ids, self.preview_text(token_ids))
+        return cached[1]
+
+    def _request_views(self, trees: list[PrefixTree]) -> tuple[RequestView, ...]:
+        pool = self.pool
+        dirty = pool.dirty_trees
+        live = {tree.tree_id for tree in trees}
+        for tree_id in list(self._views):
+            if tree_id not in live:
+                del self._views[tree_id]
+                self._texts.pop(tree_id, None)
+                self._shapes.pop(tree_id, None)
+        stale = [tree for tree in trees if tree.tree_id in dirty or tree.tree_id not in self._views]
+        if stale:
+            tables = self._block_tables({tree.tree_id for tree in stale})
+            for tree in stale:
+                self._views[tree.tree_id] = self._request_view(tree, tables.get(tree.tree_id, ()))
+        dirty.clear()
+        return tuple(self._views[tree_id] for tree_id in sorted(live))
+
+    def _block_tables(self, wanted: set[int]) -> dict[int, tuple[int, ...]]:
+        """The slots of each wanted tree, in slot order, from one sort of the pool."""
+        pool = self.pool
+        slots = np.flatnonzero(pool.tree_at[:pool.high_water] >= 0)
+        owners = pool.tree_at[slots]
+        keep = np.isin(owners, np.fromiter(wanted, dtype=np.int32, count=len(wanted)))
+        slots, owners = slots[keep], owners[keep]
+        order = np.argsort(owners, kind="stable")
+        slots, owners = slots[order], owners[order]
+        starts = np.flatnonzero(np.r_[True, owners[1:] != owners[:-1]]) if owners.size else np.array([], int)
+        ends = np.r_[starts[1:], owners.size]
+        return {int(owners[a]): tuple(slots[a:b].tolist()) for a, b in zip(starts.tolist(), ends.tolist())}
+
+    def _request_view(self, tree: PrefixTree, table: tuple[int, ...]) -> RequestView:
+        tokens = tree.num_blocks * self.pool.block_size
+        return RequestView(
+            request_id=tree.name, queue=PREFIX_QUEUE, arrival_index=tree.tree_id, block_tables=(table,),
+            host_block_tables=(), num_prompt_tokens=tokens, num_output_tokens=0, max_tokens=0,
+            num_computed_tokens=tokens, num_cached_tokens=tokens, num_preemptions=0, num_samples=1,
+            reserved_slots=tokens, used_slots=tokens, prompt_preview=tree.preview)
