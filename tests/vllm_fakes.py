@@ -120,11 +120,24 @@ class FakeServer:
             def log_message(self, *args) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self._handler = Handler
+        self.port = 0
+        self.start()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Listen (again, on the same port after stop(): the server came back)."""
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler)
+        self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        """The server is gone: connections are refused."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(2)
 
     def answer(self, path: str) -> tuple[bytes, str, int]:
         if path == "/metrics":
@@ -139,9 +152,8 @@ class FakeServer:
         return b'{"detail":"Not Found"}', "application/json", 404
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self._thread.join(2)
+        if self._thread.is_alive():
+            self.stop()
 
 
 def until(predicate, timeout_s: float = 5.0, step_s: float = 0.01) -> None:

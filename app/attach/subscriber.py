@@ -53,9 +53,9 @@ class StreamStatus:
     num_events: int
     num_malformed: int
     unknown_kinds: tuple[tuple[str, int], ...]
-    num_gaps: int
-    num_replayed: int
-    num_lost: int
+    num_gaps: int                  # jumps in the sequence seen
+    num_replayed: int              # batches that came by replay
+    num_lost: int                  # batches neither the live stream nor a replay delivered
     num_restarts: int
     last_event_time: float | None
     error: str | None = None
@@ -143,14 +143,16 @@ class EventStream:
             self._restart()
             out.append(Reset(f"the event sequence went back from {last} to {seq}: the server restarted"))
         expected = self._expected()
-        if expected is not None and seq > expected and self.endpoint.replay:
-            self._replay_from(expected, out)
-            if self.last_seq is not None and seq <= self.last_seq:
-                return
-            expected = self._expected()
-        if expected is not None and seq > expected and self.last_seq is not None:
-            self._counts["gaps"] += 1
-            self._counts["lost"] += seq - expected
+        if expected is not None and seq > expected:
+            if self.last_seq is not None:
+                self._counts["gaps"] += 1
+            if self.endpoint.replay:
+                self._replay_from(expected, out)
+                if self.last_seq is not None and seq <= self.last_seq:
+                    return
+                expected = self._expected()
+            if self.last_seq is not None and seq > expected:
+                self._counts["lost"] += seq - expected
         if seq not in self._replayed:
             self._replayed.clear()  # live again past what the replay sent: no duplicates can follow
         self._deliver(seq, payload, out)
@@ -173,7 +175,6 @@ class EventStream:
             if self.last_seq is not None and seq <= self.last_seq:
                 continue
             if self.last_seq is not None and seq > self.last_seq + 1:
-                self._counts["gaps"] += 1
                 self._counts["lost"] += seq - self.last_seq - 1
             self._replayed[seq] = hash(payload)
             self._counts["replayed"] += 1
