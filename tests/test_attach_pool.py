@@ -22,6 +22,10 @@ def check_invariants(pool: PoolModel) -> None:
     counted = np.bincount(pool.tree_at[known], minlength=max(pool.trees, default=0) + 1)
     for tree_id, stats in pool.trees.items():
         assert counted[tree_id] == stats.num_blocks > 0
+        assert pool.tree_row_ids[stats.row] == tree_id and pool.tree_row_sizes[stats.row] == stats.num_blocks
+    rows = pool.tree_rows_used
+    assert int((pool.tree_row_ids[:rows] >= 0).sum()) == len(pool.trees)
+    assert not pool.tree_row_sizes[:rows][pool.tree_row_ids[:rows] < 0].any()
     # A live child points at its live parent of the same tree, one level up; children counts agree.
     children = np.zeros(pool.num_blocks, dtype=np.int64)
     for slot in np.flatnonzero(known):

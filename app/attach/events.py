@@ -29,11 +29,14 @@ DEVICE_MEDIA = (None, "GPU")
 
 
 class StoredFields(msgspec.Struct):
-    """A block (or a run of blocks) became full and entered the prefix cache."""
+    """A block (or a run of blocks) became full and entered the prefix cache.
+
+    ``token_ids`` stays encoded: the pool decodes it only for the few blocks whose text it previews,
+    which keeps decoding from being most of the cost of an event."""
 
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: list[int]
+    token_ids: msgspec.Raw
     block_size: int
     lora_id: int | None = None
     medium: str | None = None

@@ -8,10 +8,14 @@ and keeps it until vLLM says it was evicted. That is what the map draws.
 A block's parent hash chains it to the block before it in the same sequence, so
 announced blocks form prefix trees: a block whose parent is unknown (no parent,
 or a parent evicted or announced before kvscope attached) starts a tree of its
-own. Per slot the model keeps its tree, depth and live children in numpy arrays,
-so a snapshot of a pool of a million blocks is a few array copies; per tree it
-keeps a handful of numbers and the first tokens of its root, for the preview.
-Everything here is bounded by the pool size, whatever the number of events.
+own. Per slot the model keeps its tree, depth and live children in flat
+``array.array`` columns: the event path reads and writes single items, which
+these do several times faster than numpy, and the snapshot builder reads them
+through zero-copy numpy views (``tree_at`` and the like), so a snapshot of a
+pool of a million blocks is a few array copies. Per tree it keeps a handful of
+numbers and the first tokens of its root, for the preview. Token ids arrive
+still encoded and are decoded only for those. Everything here is bounded by the
+pool size, whatever the number of events.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import heapq
 from array import array
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
-from kvscope.app.attach.events import CLEARED, REMOVED, STORED, on_device
+from kvscope.app.attach.events import CLEARED, DEVICE_MEDIA, REMOVED, STORED
 
 MASK64 = (1 << 64) - 1
 PREVIEW_TOKENS = 48     # tokens kept from a tree's root block(s) for the prefix panel
@@ -60,15 +65,20 @@ class Journal:
 class TreeStats:
     """One prefix tree's running figures. Mutable; lives only inside PoolModel."""
 
-    __slots__ = ("num_blocks", "num_reuses", "preview", "partial")
+    __slots__ = ("num_blocks", "num_reuses", "preview", "partial", "row")
 
-    def __init__(self, preview: array, partial: bool) -> None:
+    def __init__(self, preview: array, partial: bool, row: int) -> None:
+        self.row = row              # its row in the pool's tree table (tree_row_sizes)
         self.num_blocks = 0
         # Store events that show a request reusing the tree: blocks announced again (vLLM re-announces
         # the blocks a request hit in some paths) or a new branch under a block that already had one.
         self.num_reuses = 0
         self.preview = preview      # token ids from the root block on (at most PREVIEW_TOKENS)
         self.partial = partial      # its root's parent was announced but is not known here
+
+
+def _column(typecode: str, size: int, fill: int) -> array:
+    return array(typecode, [fill]) * size
 
 
 def hash_key(block_hash: int | bytes) -> int:
@@ -89,14 +99,27 @@ class PoolModel:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.slot_of: dict[int | bytes, int] = {}
-        self.hash_at = np.zeros(num_blocks, dtype=np.uint64)
-        self.tree_at = np.full(num_blocks, -1, dtype=np.int32)
-        self.depth_at = np.zeros(num_blocks, dtype=np.int32)
-        self.children_at = np.zeros(num_blocks, dtype=np.int32)
-        self.parent_at = np.full(num_blocks, -1, dtype=np.int32)
+        size = num_blocks
+        self._hash, self._tree = _column("Q", size, 0), _column("i", size, -1)
+        self._depth, self._children = _column("i", size, 0), _column("i", size, 0)
+        self._parent = _column("i", size, -1)
         # A slot's generation tells a child whether its parent slot still holds its parent.
-        self.generation_at = np.zeros(num_blocks, dtype=np.int32)
-        self.parent_generation_at = np.zeros(num_blocks, dtype=np.int32)
+        self._generation, self._parent_generation = _column("i", size, 0), _column("i", size, 0)
+        # Zero-copy numpy views of the columns, for snapshots and checks (never resized, so always valid).
+        self.hash_at = np.frombuffer(self._hash, dtype=np.uint64)
+        self.tree_at = np.frombuffer(self._tree, dtype=np.int32)
+        self.depth_at = np.frombuffer(self._depth, dtype=np.int32)
+        self.children_at = np.frombuffer(self._children, dtype=np.int32)
+        self.parent_at = np.frombuffer(self._parent, dtype=np.int32)
+        self.generation_at = np.frombuffer(self._generation, dtype=np.int32)
+        self.parent_generation_at = np.frombuffer(self._parent_generation, dtype=np.int32)
+        # A table of the live trees' sizes, a row each (a tree has a block, so rows never outnumber slots):
+        # finding the largest of thousands of trees is then one numpy partition, not a pass over a dict.
+        self._row_tree, self._row_size = _column("q", size, -1), _column("i", size, 0)
+        self.tree_row_ids = np.frombuffer(self._row_tree, dtype=np.int64)
+        self.tree_row_sizes = np.frombuffer(self._row_size, dtype=np.int32)
+        self._free_rows: list[int] = []
+        self.tree_rows_used = 0
         self.trees: dict[int, TreeStats] = {}
         self.dirty_trees: set[int] = set()
         self.version = 0
@@ -136,30 +159,34 @@ class PoolModel:
 
     def apply(self, events) -> None:
         for event in events:
-            if isinstance(event, STORED):
-                if on_device(event):
+            kind = type(event)
+            if kind in STORED:
+                if event.medium in DEVICE_MEDIA:
                     self.store(event.block_hashes, event.parent_block_hash, event.token_ids)
                 else:
                     self._counts["num_other_media"] += 1
-            elif isinstance(event, REMOVED):
-                if on_device(event):
+            elif kind in REMOVED:
+                if event.medium in DEVICE_MEDIA:
                     self.remove(event.block_hashes)
                 else:
                     self._counts["num_other_media"] += 1
-            elif isinstance(event, CLEARED):
+            elif kind in CLEARED:
                 self.clear()
                 self._counts["num_cleared"] += 1
 
     def store(self, block_hashes, parent_hash, token_ids) -> None:
+        """``token_ids``: a list, or still encoded (msgspec.Raw), decoded only if a preview needs it."""
         size = self.block_size
+        tokens = _TokenSlicer(token_ids, size)
         reused = None   # the tree this event shows a request reusing, if any
+        slot_of = self.slot_of
         for index, block_hash in enumerate(block_hashes):
-            slot = self.slot_of.get(block_hash)
+            slot = slot_of.get(block_hash)
             if slot is not None:
                 self._counts["num_duplicates"] += 1
-                reused = int(self.tree_at[slot]) if reused is None else reused
+                reused = self._tree[slot] if reused is None else reused
             else:
-                forked = self._store_one(block_hash, parent_hash, token_ids[index * size:(index + 1) * size])
+                forked = self._store_one(block_hash, parent_hash, tokens, index)
                 reused = forked if reused is None else reused
             parent_hash = block_hash
         if reused is not None:
@@ -168,7 +195,7 @@ class PoolModel:
         self._counts["num_stored"] += len(block_hashes)
         self.version += 1
 
-    def _store_one(self, block_hash, parent_hash, tokens) -> int | None:
+    def _store_one(self, block_hash, parent_hash, tokens: _TokenSlicer, index: int) -> int | None:
         """Give the block a slot; the tree it branched off, when it started a new branch of one."""
         slot = self._take_slot()
         if slot is None:
@@ -177,34 +204,43 @@ class PoolModel:
         parent = self.slot_of.get(parent_hash) if parent_hash is not None else None
         forked = None
         if parent is None:
-            tree = self._new_tree(tokens, partial=parent_hash is not None)
+            tree = self._new_tree(tokens.block(index), partial=parent_hash is not None)
             depth = 0
+            self._parent[slot] = -1
+            self._parent_generation[slot] = 0
         else:
-            tree, depth = int(self.tree_at[parent]), int(self.depth_at[parent]) + 1
-            forked = tree if self.children_at[parent] else None
-            self._adopt(parent, tree, depth, tokens)
+            tree, depth = self._tree[parent], self._depth[parent] + 1
+            forked = tree if self._children[parent] else None
+            self._adopt(parent, tree, depth, tokens, index)
+            self._parent[slot] = parent
+            self._parent_generation[slot] = self._generation[parent]
         self.slot_of[block_hash] = slot
-        self.hash_at[slot] = hash_key(block_hash)
-        self.tree_at[slot] = tree
-        self.depth_at[slot] = depth
-        self.parent_at[slot] = -1 if parent is None else parent
-        self.parent_generation_at[slot] = 0 if parent is None else self.generation_at[parent]
-        self.trees[tree].num_blocks += 1
+        self._hash[slot] = hash_key(block_hash)
+        self._tree[slot] = tree
+        self._depth[slot] = depth
+        stats = self.trees[tree]
+        stats.num_blocks += 1
+        self._row_size[stats.row] += 1
         self.dirty_trees.add(tree)
         self._note(0, slot)
         return forked
 
-    def _adopt(self, parent: int, tree: int, depth: int, tokens) -> None:
+    def _adopt(self, parent: int, tree: int, depth: int, tokens: _TokenSlicer, index: int) -> None:
         stats = self.trees[tree]
-        self.children_at[parent] += 1
+        self._children[parent] += 1
         # The preview follows the tree's first path only: this block must start where it stops.
         if len(stats.preview) == depth * self.block_size < PREVIEW_TOKENS:
-            stats.preview.extend(tokens[:PREVIEW_TOKENS - len(stats.preview)])
+            stats.preview.extend(tokens.block(index)[:PREVIEW_TOKENS - len(stats.preview)])
 
     def _new_tree(self, tokens, partial: bool) -> int:
         tree = self._next_tree
         self._next_tree += 1
-        self.trees[tree] = TreeStats(array("l", tokens[:PREVIEW_TOKENS]), partial)
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row, self.tree_rows_used = self.tree_rows_used, self.tree_rows_used + 1
+        self._row_tree[row] = tree
+        self.trees[tree] = TreeStats(array("l", tokens[:PREVIEW_TOKENS]), partial, row)
         return tree
 
     def _take_slot(self) -> int | None:
@@ -216,30 +252,34 @@ class PoolModel:
         return None
 
     def remove(self, block_hashes) -> None:
+        pop, removed = self.slot_of.pop, 0
         for block_hash in block_hashes:
-            slot = self.slot_of.pop(block_hash, None)
-            if slot is None:
-                self._counts["num_unknown_removed"] += 1
-            else:
+            slot = pop(block_hash, None)
+            if slot is not None:
                 self._release(slot)
-                self._counts["num_removed"] += 1
+                removed += 1
+        self._counts["num_removed"] += removed
+        self._counts["num_unknown_removed"] += len(block_hashes) - removed
         self.version += 1
 
     def _release(self, slot: int) -> None:
-        parent = int(self.parent_at[slot])
-        if parent >= 0 and self.generation_at[parent] == self.parent_generation_at[slot]:
-            self.children_at[parent] -= 1
-        tree = int(self.tree_at[slot])
+        parent = self._parent[slot]
+        if parent >= 0 and self._generation[parent] == self._parent_generation[slot]:
+            self._children[parent] -= 1
+        tree = self._tree[slot]
         stats = self.trees[tree]
         stats.num_blocks -= 1
+        self._row_size[stats.row] -= 1
         if stats.num_blocks == 0:
+            self._row_tree[stats.row] = -1
+            self._free_rows.append(stats.row)
             del self.trees[tree]
         self.dirty_trees.add(tree)
-        self.hash_at[slot] = 0
-        self.tree_at[slot] = -1
-        self.children_at[slot] = 0
-        self.parent_at[slot] = -1
-        self.generation_at[slot] += 1
+        self._hash[slot] = 0
+        self._tree[slot] = -1
+        self._children[slot] = 0
+        self._parent[slot] = -1
+        self._generation[slot] += 1
         heapq.heappush(self._free_slots, slot)
         self._note(1, slot)
 
@@ -249,6 +289,10 @@ class PoolModel:
         self.dirty_trees.update(self.trees)
         self.slot_of.clear()
         self.trees.clear()
+        self.tree_row_ids[:self.tree_rows_used] = -1
+        self.tree_row_sizes[:self.tree_rows_used] = 0
+        self._free_rows.clear()
+        self.tree_rows_used = 0
         self._free_slots.clear()
         self._high_water = 0
         self.hash_at[:used] = 0
@@ -259,3 +303,21 @@ class PoolModel:
         self.generation_at[:used] += 1
         self._journal[2][2] += 1
         self.version += 1
+
+
+class _TokenSlicer:
+    """One store event's token ids, decoded from msgpack the first time a block's are asked for."""
+
+    __slots__ = ("_raw", "_tokens", "_size")
+
+    def __init__(self, token_ids, block_size: int) -> None:
+        self._raw, self._size = token_ids, block_size
+        self._tokens = None if isinstance(token_ids, msgspec.Raw) else token_ids
+
+    def block(self, index: int) -> list[int]:
+        if self._tokens is None:
+            try:
+                self._tokens = msgspec.msgpack.decode(self._raw, type=list[int])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self._tokens = []   # a preview without text is all this costs
+        return self._tokens[index * self._size:(index + 1) * self._size]

@@ -89,50 +89,66 @@ class PoolPicture:
         pool = self.pool
         in_use = None if kv_usage is None else in_use_blocks(kv_usage, pool.num_blocks)
         band = max(0, in_use - pool.num_known_blocks) if in_use is not None else 0
-        trees = self._tree_records()
+        trees = self._largest_trees()
         snapshot = CacheSnapshot(step=step, block_size=pool.block_size, num_blocks=pool.num_blocks,
-                                 allocator="vllm", **self._arrays(band), requests=self._request_views(trees))
+                                 allocator="vllm", **self._arrays(band), requests=self._request_views())
         return PoolView(self.label, snapshot, pool.num_known_blocks, in_use, band, len(pool.trees),
-                        tuple(trees[:MAX_TREES]), pool.counters)
+                        tuple(trees), pool.counters)
 
     def _arrays(self, band: int) -> dict[str, np.ndarray]:
+        """The four per-block arrays, fresh copies (the model goes on changing its own)."""
         pool = self.pool
         known = pool.tree_at >= 0
-        state = np.where(known, BLOCK_USED, 0).astype(np.int8)
+        state = known.astype(np.int8)          # BLOCK_USED is 1
         if band:
             state[np.flatnonzero(~known)[-band:]] = BLOCK_USED
         arrays = {
             "block_state": state,
-            "ref_counts": (state == BLOCK_USED).astype(np.int32),
-            "block_fill": np.where(known, pool.block_size, 0).astype(np.int16),
+            "ref_counts": state.astype(np.int32),
+            "block_fill": np.multiply(known, pool.block_size, dtype=np.int16),
             "block_hashes": pool.hash_at.copy(),
         }
         for array in arrays.values():
             array.flags.writeable = False
         return arrays
 
-    def _tree_records(self) -> list[PrefixTree]:
+    def _largest_trees(self) -> list[PrefixTree]:
+        """Records of the MAX_TREES largest trees (a busy pool has thousands: only these are described)."""
         pool = self.pool
-        largest = sorted(pool.trees.items(), key=lambda item: (-item[1].num_blocks, item[0]))
+        trees = pool.trees
+        ids = pool.tree_row_ids[:pool.tree_rows_used]
+        sizes = pool.tree_row_sizes[:pool.tree_rows_used]
+        if len(ids) > MAX_TREES:
+            keep = np.argpartition(-sizes, MAX_TREES - 1)[:MAX_TREES]
+            ids, sizes = ids[keep], sizes[keep]
+        live = sizes > 0     # rows of trees that are gone are free, size 0
+        ids, sizes = ids[live], sizes[live]
+        largest = ids[np.lexsort((ids, -sizes))].tolist()
+        self._update_shapes([t for t in largest if t in self.pool.dirty_trees or t not in self._shapes])
         records = []
-        for index, (tree_id, stats) in enumerate(largest):
-            detailed = index < MAX_TREES
-            depth, branches = self._shape(tree_id) if detailed else (0, 0)
+        for tree_id in largest:
+            stats = trees[tree_id]
+            depth, branches = self._shapes[tree_id]
             token_ids = tuple(stats.preview)
             records.append(PrefixTree(tree_id, stats.num_blocks, depth, branches, stats.num_reuses, token_ids,
-                                      self._text(tree_id, token_ids) if detailed else "", stats.partial))
+                                      self._text(tree_id, token_ids), stats.partial))
         return records
 
-    def _shape(self, tree_id: int) -> tuple[int, int]:
-        """(depth, leaves), recomputed only for trees that changed since the last picture."""
-        shape = self._shapes.get(tree_id)
-        if shape is None or tree_id in self.pool.dirty_trees:
-            pool = self.pool
-            members = np.flatnonzero(pool.tree_at[:pool.high_water] == tree_id)
-            shape = (int(pool.depth_at[members].max()) + 1 if members.size else 0,
-                     int(np.count_nonzero(pool.children_at[members] == 0)))
-            self._shapes[tree_id] = shape
-        return shape
+    def _update_shapes(self, tree_ids: list[int]) -> None:
+        """(depth, leaves) of each tree, from one pass over the pool for all of them."""
+        if not tree_ids:
+            return
+        pool = self.pool
+        owners = pool.tree_at[:pool.high_water]
+        members = np.flatnonzero(np.isin(owners, np.array(tree_ids, dtype=np.int32)))
+        owner = owners[members]
+        order = np.argsort(owner, kind="stable")
+        members, owner = members[order], owner[order]
+        starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]]) if owner.size else np.array([], np.int64)
+        depth = np.maximum.reduceat(pool.depth_at[members], starts) if owner.size else []
+        leaves = np.add.reduceat((pool.children_at[members] == 0).astype(np.int64), starts) if owner.size else []
+        for tree_id, d, n in zip(owner[starts].tolist(), np.asarray(depth).tolist(), np.asarray(leaves).tolist()):
+            self._shapes[tree_id] = (d + 1, n)
 
     def _text(self, tree_id: int, token_ids: tuple[int, ...]) -> str:
         cached = self._texts.get(tree_id)
@@ -140,22 +156,22 @@ class PoolPicture:
             cached = self._texts[tree_id] = (token_ids, self.preview_text(token_ids))
         return cached[1]
 
-    def _request_views(self, trees: list[PrefixTree]) -> tuple[RequestView, ...]:
-        pool = self.pool
+    def _request_views(self) -> tuple[RequestView, ...]:
+        """One view per tree; only the trees events touched since the last picture are rebuilt."""
+        pool, views = self.pool, self._views
         dirty = pool.dirty_trees
-        live = {tree.tree_id for tree in trees}
-        for tree_id in list(self._views):
-            if tree_id not in live:
-                del self._views[tree_id]
+        for tree_id in dirty:
+            if tree_id not in pool.trees:
+                views.pop(tree_id, None)
                 self._texts.pop(tree_id, None)
                 self._shapes.pop(tree_id, None)
-        stale = [tree for tree in trees if tree.tree_id in dirty or tree.tree_id not in self._views]
+        stale = [tree_id for tree_id in dirty if tree_id in pool.trees]   # a new tree is dirty too
         if stale:
-            tables = self._block_tables({tree.tree_id for tree in stale})
-            for tree in stale:
-                self._views[tree.tree_id] = self._request_view(tree, tables.get(tree.tree_id, ()))
+            tables = self._block_tables(set(stale))
+            for tree_id in stale:
+                views[tree_id] = self._request_view(tree_id, tables.get(tree_id, ()))
         dirty.clear()
-        return tuple(self._views[tree_id] for tree_id in sorted(live))
+        return tuple(views.values())
 
     def _block_tables(self, wanted: set[int]) -> dict[int, tuple[int, ...]]:
         """The slots of each wanted tree, in slot order, from one sort of the pool."""
@@ -170,10 +186,12 @@ class PoolPicture:
         ends = np.r_[starts[1:], owners.size]
         return {int(owners[a]): tuple(slots[a:b].tolist()) for a, b in zip(starts.tolist(), ends.tolist())}
 
-    def _request_view(self, tree: PrefixTree, table: tuple[int, ...]) -> RequestView:
-        tokens = tree.num_blocks * self.pool.block_size
+    def _request_view(self, tree_id: int, table: tuple[int, ...]) -> RequestView:
+        stats = self.pool.trees[tree_id]
+        tokens = stats.num_blocks * self.pool.block_size
+        cached = self._texts.get(tree_id)
         return RequestView(
-            request_id=tree.name, queue=PREFIX_QUEUE, arrival_index=tree.tree_id, block_tables=(table,),
+            request_id=f"prefix-{tree_id}", queue=PREFIX_QUEUE, arrival_index=tree_id, block_tables=(table,),
             host_block_tables=(), num_prompt_tokens=tokens, num_output_tokens=0, max_tokens=0,
             num_computed_tokens=tokens, num_cached_tokens=tokens, num_preemptions=0, num_samples=1,
-            reserved_slots=tokens, used_slots=tokens, prompt_preview=tree.preview)
+            reserved_slots=tokens, used_slots=tokens, prompt_preview=cached[1] if cached else "")

@@ -20,6 +20,7 @@ from kvscope.app.attach.frame import AttachFrame
 from kvscope.app.attach.metrics import MetricsSample
 from kvscope.app.attach.pool import Journal
 from kvscope.app.attach.pool_view import PoolView
+from kvscope.app.attach.rates import ServerRates
 from kvscope.app.attach.server import ServerInfo
 from kvscope.app.runlog import open_observed_run_log
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepResult, StepStats
@@ -62,11 +63,10 @@ class AttachRunLog:
     def close(self) -> None:
         self.logger.close()
 
-    def record(self, frame: AttachFrame, previous: MetricsSample | None,
-               journals: list[tuple[str, Journal]]) -> None:
-        if not self.logger.enabled or frame.metrics is None:
+    def record(self, frame: AttachFrame, journals: list[tuple[str, Journal]]) -> None:
+        if not self.logger.enabled or frame.stats is None:
             return
-        stats, generated = step_stats(frame, previous)
+        stats, generated = frame.stats, frame.generated_tokens
         events = (*journal_events(journals, frame.pools), *self._new_notices(frame))
         result = StepResult(outputs=[], stats=stats, snapshot=merged_snapshot(frame.pools, stats.step),
                             events=events)
@@ -86,19 +86,20 @@ def _grew(now: float, before: float | None) -> int:
     return int(now - before)
 
 
-def step_stats(frame: AttachFrame, previous: MetricsSample | None) -> tuple[StepStats, int]:
-    sample, rates = frame.metrics, frame.rates
+def step_stats(step: int, sample: MetricsSample, previous: MetricsSample | None, rates: ServerRates | None,
+               pools: tuple[PoolView, ...]) -> tuple[StepStats, int]:
+    """The sample as a step of the run log (and of the throughput panel), and the tokens generated in it."""
     totals = sample.totals()
     old = previous.totals() if previous is not None else None
-    num_blocks = sum(pool.num_blocks for pool in frame.pools)
-    in_use = sum(pool.num_in_use_blocks or 0 for pool in frame.pools)
+    num_blocks = sum(pool.num_blocks for pool in pools)
+    in_use = sum(pool.num_in_use_blocks or 0 for pool in pools)
     generated = _grew(totals.generation_tokens, old.generation_tokens if old else None)
     stats = StepStats(
-        step=frame.sample_index, time=sample.time, duration=sample.time - previous.time if previous else 0.0,
+        step=step, time=sample.time, duration=sample.time - previous.time if previous else 0.0,
         num_prefill_tokens=_grew(totals.prompt_tokens, old.prompt_tokens if old else None),
         num_decode_tokens=generated, num_running=totals.num_running, num_waiting=totals.num_waiting,
         num_swapped=0, num_free_blocks=num_blocks - in_use,
-        num_cached_free_blocks=sum(pool.num_cached_free_at_least for pool in frame.pools),
+        num_cached_free_blocks=sum(pool.num_cached_free_at_least for pool in pools),
         num_total_blocks=num_blocks, kv_usage=totals.kv_usage, kv_token_utilisation=None,
         prefix_cache_queries=int(totals.prefix_cache_queries), prefix_cache_hits=int(totals.prefix_cache_hits),
         num_preemptions=int(totals.num_preemptions), num_swapped_out_blocks=0, num_swapped_in_blocks=0,

@@ -29,16 +29,22 @@ import zmq
 from kvscope.app.attach.frame import CONNECTED, DISCONNECTED, AttachFrame, Connection, Notice, QueuePoint
 from kvscope.app.attach.metrics import MetricsSample
 from kvscope.app.attach.pool_set import PoolSet
+from kvscope.app.attach.pool_view import PoolView
 from kvscope.app.attach.rates import RateWindow, ServerRates
+from kvscope.app.attach.run_log import step_stats
 from kvscope.app.attach.server import AttachError, ServerInfo, describe_http_error, fetch_metrics
 from kvscope.app.attach.subscriber import Delivery, EventStream
+from kvscope.engine.outputs import StepStats
 
 FRAME_RATE = 10
-FRAME_CPU_BUDGET = 0.05
+FRAME_CPU_BUDGET = 0.03
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 QUEUE_HISTORY = 120
 NOTICES_KEPT = 5
 IDLE_WAKE_S = 0.25      # the longest the thread sleeps, so stop() is quick
+# Events are taken in batches at most this often: each wake-up costs a poll and a pass over the
+# sockets, and a busy server sends thousands of messages a second; a person sees no 20 ms delay.
+DRAIN_EVERY_S = 0.02
 
 
 class AttachSource:
@@ -58,6 +64,8 @@ class AttachSource:
         self.streams: list[EventStream] = []
         self.sample: MetricsSample | None = None
         self.rates: ServerRates | None = None
+        self.stats: StepStats | None = None
+        self.generated = 0
         self.sample_index = 0
         self.frame_index = 0
         self.history: deque[QueuePoint] = deque(maxlen=QUEUE_HISTORY)
@@ -96,18 +104,19 @@ class AttachSource:
     def _tick(self) -> None:
         if time.monotonic() >= self._next_sample:
             self.poll_metrics()
-        self._publish_if_due()
+        self.publish_if_due()
         wake = min(self._next_sample, self._next_frame if self._dirty else float("inf"),
                    time.monotonic() + IDLE_WAKE_S)
         timeout_ms = max(0, int((wake - time.monotonic()) * 1000))
         if not self.streams:
             self._stopping.wait(timeout_ms / 1000)
             return
-        poller = self._poller
-        ready = dict(poller.poll(timeout_ms))
+        ready = dict(self._poller.poll(timeout_ms))
         for index, stream in enumerate(self.streams):
             if stream.socket in ready:
                 self.apply(index, stream.drain())
+        if ready:
+            self._stopping.wait(DRAIN_EVERY_S)
 
     def open_streams(self, context: zmq.Context | None = None) -> None:
         context = context or self._context
@@ -161,9 +170,11 @@ class AttachSource:
         totals = sample.totals()
         self.history.append(QueuePoint(sample.time, totals.num_running, totals.num_waiting,
                                        totals.waiting_by_reason))
-        frame = self._publish()
+        pools = self.pools.views(self.sample_index, sample)
+        self.stats, self.generated = step_stats(self.sample_index, sample, previous, self.rates, pools)
+        frame = self._publish(pools)
         if self.run_log is not None:
-            self.run_log.record(frame, previous, self.pools.journals())
+            self.run_log.record(frame, self.pools.journals())
 
     @staticmethod
     def _restarted(before: MetricsSample, after: MetricsSample) -> bool:
@@ -199,7 +210,7 @@ class AttachSource:
             else:
                 pools.clear_stream(stream_index)
                 self.notice(f"{item.reason}; the map was cleared")
-        lost = sum(stream.status().num_lost for stream in self.streams)
+        lost = sum(stream.num_lost for stream in self.streams)
         if lost > self._lost_batches:
             self.notice(f"{lost - self._lost_batches} event batches lost (gone from the server's replay "
                         "buffer); the map may lack some blocks until they are evicted")
@@ -212,24 +223,25 @@ class AttachSource:
 
     # --- frames -------------------------------------------------------------------------------
 
-    def _publish_if_due(self) -> None:
+    def publish_if_due(self) -> None:
+        """A frame, if events changed something and the frame budget allows one now."""
         if self._dirty and time.monotonic() >= self._next_frame:
             self._publish()
 
-    def _publish(self) -> AttachFrame:
+    def _publish(self, pools: tuple[PoolView, ...] | None = None) -> AttachFrame:
         started = time.thread_time()
-        frame = self.make_frame()
+        frame = self.make_frame(pools)
         self.publish(frame)
         cost = time.thread_time() - started
         self._next_frame = time.monotonic() + max(1 / FRAME_RATE, cost / FRAME_CPU_BUDGET)
         self._dirty = False
         return frame
 
-    def make_frame(self) -> AttachFrame:
+    def make_frame(self, pools: tuple[PoolView, ...] | None = None) -> AttachFrame:
         self.frame_index += 1
         return AttachFrame(
             index=self.frame_index, time=time.time(), server=self.server, connection=self.connection,
             sample_index=self.sample_index, metrics=self.sample, rates=self.rates,
-            queue_history=tuple(self.history), pools=self.pools.views(self.sample_index, self.sample),
+            queue_history=tuple(self.history), pools=pools or self.pools.views(self.sample_index, self.sample),
             streams=tuple(stream.status() for stream in self.streams), notices=tuple(self.notices),
-            preview_note=self.preview_note)
+            preview_note=self.preview_note, stats=self.stats, generated_tokens=self.generated)

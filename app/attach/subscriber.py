@@ -30,6 +30,7 @@ from kvscope.app.attach.server import EventEndpoint
 
 RECEIVE_HWM = 100_000   # as vLLM's publisher: a burst waits in the socket instead of being dropped
 DRAIN_LIMIT = 2_000     # messages taken per call, so metrics and frames are not starved by a flood
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: pyzmq turns the enum member into one on every call otherwise
 
 
 class Delivery(NamedTuple):
@@ -112,7 +113,7 @@ class EventStream:
         out: list = []
         for _ in range(limit):
             try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(_NOBLOCK)
             except zmq.Again:
                 break
             except zmq.ZMQError as exc:
@@ -123,6 +124,10 @@ class EventStream:
                 continue
             self._on_message(decode_seq(frames[1]), frames[2], out)
         return out
+
+    @property
+    def num_lost(self) -> int:
+        return self._counts["lost"]
 
     def status(self) -> StreamStatus:
         c = self._counts
