@@ -34,6 +34,8 @@ def run_config(server: ServerInfo, interval_s: float) -> dict:
         "max_model_len": server.max_model_len, "num_gpu_blocks": server.num_gpu_blocks,
         "block_size": server.block_size, "engines": list(server.engines), "prefix_caching": server.prefix_caching,
         "event_sources": [source.label for source in server.event_sources], "interval_s": interval_s,
+        # What the run list and History show for every run; vLLM V1 recomputes a preempted request.
+        "allocator": "vLLM paged", "preemption_mode": "recompute", "enable_prefix_caching": server.prefix_caching,
     }
 
 
@@ -48,7 +50,7 @@ class AttachRunLog:
         ranks = max(len(server.engines), 1)
         logger = open_observed_run_log(
             db_path, source=SOURCE, model=server.model, device=f"vLLM {server.version} at {server.url}",
-            dtype=None, block_size=server.block_size, num_blocks=server.num_gpu_blocks * ranks,
+            dtype="not published", block_size=server.block_size, num_blocks=server.num_gpu_blocks * ranks,
             config=run_config(server, interval_s), enabled=enabled)
         return cls(logger)
 

@@ -50,43 +50,42 @@ class AttachScreen(Screen):
 
     def __init__(self, url: str, num_pools: int) -> None:
         super().__init__(id="attach")
-        self.url = url
-        self.num_pools = max(num_pools, 1)
         self.latest: AttachFrame | None = None
         self._painted: AttachFrame | None = None
         self._texted: AttachFrame | None = None
         self._texted_at = 0.0
         self._sampled = 0    # the sample index the throughput was last pushed
+        # Made here, not looked up: frames can arrive before the screen has mounted its panels.
+        self.header = AttachHeader(url, id="header")
+        self.maps = [titled(PoolMap(index, id=f"pool-map-{index}", classes="panel pool-map"), "Block map")
+                     for index in range(max(num_pools, 1))]
+        self.inspector = titled(SlotInspector(id="inspector", classes="panel"), "Slot")
+        self.prefixes = titled(PrefixTrees(id="prefixes", classes="panel"), "Prefix trees")
+        self.counters = titled(ServerCounters(id="counters", classes="panel"), "Server")
+        self.throughput = titled(Throughput(series=SERVER_SERIES, id="throughput", classes="panel"),
+                                 "Throughput · averaged over 10 s as vLLM's log line")
+        self.queues = titled(ServerQueues(id="queues", classes="panel"), "Queues")
+        self.events = titled(EventsPanel(id="events", classes="panel"), "KV-cache events")
+        self._inspected: PoolMap = self.maps[0]
 
     def compose(self) -> ComposeResult:
-        yield AttachHeader(self.url, id="header")
+        yield self.header
         with Box(id="body"):
             with Box(id="top", classes="row"):
                 with Box(id="map-column"):
-                    for index in range(self.num_pools):
-                        yield titled(PoolMap(index, id=f"pool-map-{index}", classes="panel pool-map"), "Block map")
+                    yield from self.maps
                     yield AttachLegend(id="legend")
-                    yield titled(SlotInspector(id="inspector", classes="panel"), "Slot")
-                yield titled(PrefixTrees(id="prefixes", classes="panel"), "Prefix trees")
+                    yield self.inspector
+                yield self.prefixes
             with Box(id="stats", classes="row"):
-                yield titled(ServerCounters(id="counters", classes="panel"), "Server")
-                yield titled(Throughput(series=SERVER_SERIES, id="throughput", classes="panel"),
-                             "Throughput · averaged over 10 s as vLLM's log line")
+                yield self.counters
+                yield self.throughput
             with Box(id="bottom", classes="row"):
-                yield titled(ServerQueues(id="queues", classes="panel"), "Queues")
-                yield titled(EventsPanel(id="events", classes="panel"), "KV-cache events")
+                yield self.queues
+                yield self.events
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
-        self.maps = list(self.query(PoolMap))
-        self.header = self.query_one(AttachHeader)
-        self.inspector = self.query_one(SlotInspector)
-        self.prefixes = self.query_one(PrefixTrees)
-        self.counters = self.query_one(ServerCounters)
-        self.throughput = self.query_one(Throughput)
-        self.queues = self.query_one(ServerQueues)
-        self.events = self.query_one(EventsPanel)
-        self._inspected: PoolMap | None = self.maps[0]
         self.set_interval(1 / FRAME_RATE, self.paint)
 
     def show_frame(self, frame: AttachFrame) -> None:
@@ -106,7 +105,7 @@ class AttachScreen(Screen):
             for index, pool_map in enumerate(self.maps[:len(frame.pools)]):
                 pool_map.border_title = map_title(frame, index)
                 pool_map.show_snapshot(frame.pools[index].snapshot)
-            if self._inspected is not None and self._inspected.pool_index < len(frame.pools):
+            if self._inspected.pool_index < len(frame.pools):
                 self.inspector.show_snapshot(frame.pools[self._inspected.pool_index].snapshot)
         now = time.monotonic()
         if frame is not self._texted and (force or now - self._texted_at >= 1 / TEXT_RATE):

@@ -16,6 +16,16 @@ from kvscope.app.runlog import RunLogReader, SchemaError
 from kvscope.app.screens.replay import ReplayScreen
 
 
+def replay_screen_for(reader: RunLogReader, run_id: int) -> ReplayScreen:
+    """A watched vLLM server's run replays with the attached window's panels; every other run with the app's."""
+    if reader.run(run_id).get("source") == "vllm":
+        # Imported here: the attach package brings httpx and pyzmq, which the app needs for nothing else.
+        from kvscope.app.attach.replay_view import VllmReplayScreen
+
+        return VllmReplayScreen(reader, run_id)
+    return ReplayScreen(reader, run_id)
+
+
 def describe_run(run: dict) -> str:
     config = run.get("config") or {}
 
@@ -121,7 +131,7 @@ class HistoryScreen(Screen):
 
     def action_replay(self) -> None:
         if self.reader is not None and self.run_id is not None:
-            self.app.push_screen(ReplayScreen(self.reader, self.run_id))
+            self.app.push_screen(replay_screen_for(self.reader, self.run_id))
 
     def on_unmount(self) -> None:
         if self.reader is not None:
