@@ -20,7 +20,7 @@ from kvscope.app.attach.widgets.events_panel import describe_events
 from kvscope.app.attach.widgets.prefix_trees import describe_prefixes
 from kvscope.app.attach.widgets.server_queues import describe_queues
 from kvscope.app.attach.window import AttachApp
-from kvscope.engine.loader import cache_dir
+from kvscope.settings import settings
 
 PAGE = (SHARED / "metrics.txt").read_text()
 
@@ -36,7 +36,7 @@ def utc(monkeypatch):
 
 
 def smollm2_preview():
-    return load_preview_text(str(cache_dir() / "models" / "SmolLM2-135M-Instruct"))
+    return load_preview_text(str(settings().cache_dir / "models" / "SmolLM2-135M-Instruct"))
 
 
 def app_showing(source: RecordedSource, **frame_changes) -> AttachApp:

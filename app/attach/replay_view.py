@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from textual.app import ComposeResult
-from textual.widgets import Footer, Input, Static
 
 from kvscope.app.attach.widgets.legend import AttachLegend
 from kvscope.app.attach.widgets.pool_map import PoolMap, SlotHighlighted
@@ -49,7 +48,8 @@ class SamplePanel(LinePanel):
 
 
 class VllmReplayView(Box):
-    """What ReplayScreen draws a step with (``show``), for a run kvscope watched instead of ran."""
+    """What ReplayScreen draws a step with (``show``, ``block_map``: SnapshotView's interface), for a run
+    kvscope watched instead of ran."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -59,7 +59,6 @@ class VllmReplayView(Box):
         self.inspector.border_title = "Slot"
         self.sample = SamplePanel(id="sample", classes="panel")
         self.sample.border_title = "Server at this sample"
-        self._snapshot: CacheSnapshot | None = None
 
     def compose(self) -> ComposeResult:
         with Box(id="map-column"):
@@ -68,8 +67,12 @@ class VllmReplayView(Box):
             yield self.inspector
         yield self.sample
 
+    @property
+    def block_map(self) -> PoolMap:
+        """As SnapshotView names it: the replay hands the keys back to it after a jump."""
+        return self.pool_map
+
     def show(self, snapshot: CacheSnapshot, stats: StepStats) -> None:
-        self._snapshot = snapshot
         self.pool_map.show_snapshot(snapshot)
         self.inspector.show_snapshot(snapshot)
         self.sample.show_sample(snapshot, stats)
@@ -92,21 +95,3 @@ class VllmReplayScreen(ReplayScreen):
     def __init__(self, reader, run_id: int) -> None:
         super().__init__(reader, run_id)
         self.view = VllmReplayView(id="vllm-replay-body")
-
-    def compose(self) -> ComposeResult:
-        yield Static("", id="replay-status")
-        yield self.view
-        yield Input(placeholder="step number, then Enter", type="integer", id="jump")
-        yield Footer()
-
-    def show_index(self, index: int) -> None:
-        if not self.steps:
-            return
-        self.index = min(max(index, 0), len(self.steps) - 1)
-        self.frame = frame = self._frame_at(self.index)
-        self.view.show(frame.snapshot, frame.stats)
-        self._update_status()
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        super().on_input_submitted(event)
-        self.view.pool_map.focus()

@@ -19,8 +19,8 @@ from textual.screen import Screen
 from kvscope.app.attach.frame import AttachFrame
 from kvscope.app.attach.screen import AttachScreen
 from kvscope.app.attach.source import AttachSource
-from kvscope.app.paths import default_db_path
 from kvscope.app.screens.history import HistoryScreen
+from kvscope.settings import settings
 from kvscope.themes import BLOCK_VARIABLE_DEFAULTS, DEFAULT_THEME, KVSCOPE_DARK, KVSCOPE_LIGHT, THEME_CSS_PATHS, THEMES
 
 APP_CSS = Path(__file__).resolve().parents[1] / "kvscope.tcss"
@@ -49,7 +49,7 @@ class AttachApp(App):
         super().__init__()
         self.source = source
         self.first_sample = first_sample
-        self.db_path = Path(db_path) if db_path else default_db_path()
+        self.db_path = Path(db_path) if db_path else settings().db_path
         self.screenshot_dir = Path(screenshot_dir or os.getcwd())
         self.run_thread = run_thread
         source.publish = self._from_source

@@ -12,7 +12,7 @@ from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 MAX_ROWS = 12
 NAME_WIDTH = 13
-COLUMNS_WIDTH = 39      # the columns before the root's text
+COLUMNS_WIDTH = 41      # the columns before the root's text
 NARROW_COLUMNS_WIDTH = 21
 NARROW = 56             # below this width, depth, branches and reuse make way for the root's text
 MIN_PREVIEW_CHARS = 12
