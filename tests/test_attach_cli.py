@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from vllm_fakes import SHARED, FakeServer
+import zmq
+from test_attach_source import zmq_sources
+from vllm_fakes import SHARED, FakePublisher, FakeServer, recorded_payloads
 
 from kvscope.app.attach import bench
-from kvscope.app.cli import main
+from kvscope.app.attach.cli import build_app
+from kvscope.app.attach.server import make_client, probe_server
+from kvscope.app.cli import build_parser, main
+from kvscope.app.runlog import RunLogReader
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -60,3 +65,37 @@ def test_rounds_rename_every_hash_and_keep_the_structure():
     assert first[0][1][0]["block_hashes"] == batches[0][1][0]["block_hashes"]
     assert set(first[0][1][0]["block_hashes"]).isdisjoint(second[0][1][0]["block_hashes"])
     assert second[1][1][0]["parent_block_hash"] == second[0][1][0]["block_hashes"][-1]
+
+
+@pytest.mark.anyio
+async def test_the_window_attaches_and_shows_the_servers_pool(tmp_path):
+    """kvscope attach as the command line builds it: probe, window, data source thread, run log."""
+    context = zmq.Context()
+    publisher = FakePublisher(context)
+    for seq, payload in enumerate(recorded_payloads()):
+        publisher.publish(seq, payload, live=False)
+    server = FakeServer((SHARED / "metrics.txt").read_text(), sources=zmq_sources(publisher))
+    args = build_parser().parse_args(["attach", server.url, "--db", str(tmp_path / "runs.db"),
+                                      "--interval", "0.2"])
+    client = make_client()
+    try:
+        info, sample = probe_server(client, server.url)
+        app = build_app(args, client, info, sample)
+        async with app.run_test(size=(160, 48)) as pilot:
+            for _ in range(100):
+                frame = app.view.latest
+                if frame is not None and frame.streams and frame.streams[0].last_seq == 86:
+                    break
+                await pilot.pause(0.05)
+            await pilot.pause(0.3)
+            assert app.view.maps[0].border_title == "Block map · rank 0 · 94 announced of 96"
+            assert "connected" in str(app.view.header.render())
+    finally:
+        client.close()
+        publisher.close()
+        server.close()
+        context.destroy(linger=0)
+    reader = RunLogReader(tmp_path / "runs.db")
+    (run,) = reader.list_runs()
+    assert run["source"] == "vllm" and run["status"] == "finished"
+    reader.close()

@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     return _open_window(args, client, server, sample)
 
 
-def _open_window(args, client, server, sample) -> int:
+def build_app(args: argparse.Namespace, client, server, sample):
+    """The window over ``server``: its data source (run log, tokenizer) ready to start with the app."""
     from kvscope.app.attach.run_log import AttachRunLog
     from kvscope.app.attach.source import AttachSource
     from kvscope.app.attach.tokens import load_preview_text
@@ -77,9 +78,11 @@ def _open_window(args, client, server, sample) -> int:
     run_log = AttachRunLog.open(args.db, server, interval_s=args.interval, enabled=not args.no_log)
     source = AttachSource(server, client=client, publish=lambda frame: None, interval_s=args.interval,
                           run_log=run_log, preview_text=preview_text, preview_note=note)
-    app = AttachApp(source, sample, db_path=args.db)
-    if run_log.warning:
-        app.call_later(app.notify, run_log.warning, title="Run log", severity="warning", timeout=12)
+    return AttachApp(source, sample, db_path=args.db, log_warning=run_log.warning)
+
+
+def _open_window(args, client, server, sample) -> int:
+    app = build_app(args, client, server, sample)
     try:
         app.run()
     finally:

@@ -76,6 +76,7 @@ class AttachSource:
         self._next_sample = 0.0
         self._next_frame = 0.0
         self._stopping = threading.Event()
+        self.finished = threading.Event()   # run() has closed its sockets and the run log
         self._context: zmq.Context | None = None
 
     # --- the thread ---------------------------------------------------------------------------
@@ -100,6 +101,7 @@ class AttachSource:
             self._context.term()
             if self.run_log is not None:
                 self.run_log.close()
+            self.finished.set()
 
     def _tick(self) -> None:
         if time.monotonic() >= self._next_sample:

@@ -24,6 +24,7 @@ from kvscope.settings import settings
 from kvscope.themes import BLOCK_VARIABLE_DEFAULTS, DEFAULT_THEME, KVSCOPE_DARK, KVSCOPE_LIGHT, THEME_CSS_PATHS, THEMES
 
 APP_CSS = Path(__file__).resolve().parents[1] / "kvscope.tcss"
+CLOSE_TIMEOUT_S = 10.0
 ATTACH_CSS = Path(__file__).with_name("attach.tcss")
 
 
@@ -45,8 +46,11 @@ class AttachApp(App):
     ]
 
     def __init__(self, source: AttachSource, first_sample=None, *, db_path: str | Path | None = None,
-                 screenshot_dir: str | Path | None = None, run_thread: bool = True) -> None:
+                 screenshot_dir: str | Path | None = None, run_thread: bool = True,
+                 log_warning: str | None = None) -> None:
         super().__init__()
+        self.log_warning = log_warning  # why the run log is off, when it is
+        self._source_started = False
         self.source = source
         self.first_sample = first_sample
         self.db_path = Path(db_path) if db_path else settings().db_path
@@ -65,12 +69,18 @@ class AttachApp(App):
         return self.view
 
     def on_ready(self) -> None:
+        if self.log_warning:
+            self.notify(self.log_warning, title="Run log", severity="warning", timeout=12)
         if self.run_thread:
+            self._source_started = True
             self.run_worker(lambda: self.source.run(self.first_sample), thread=True, name="attach",
                             exit_on_error=False)
 
     def on_unmount(self) -> None:
         self.source.stop()
+        if self._source_started:
+            # The session's run is marked finished only once the thread has flushed and closed the log.
+            self.source.finished.wait(CLOSE_TIMEOUT_S)
 
     def _from_source(self, frame: AttachFrame) -> None:
         self.post_message(FrameArrived(frame))
