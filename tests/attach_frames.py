@@ -14,7 +14,7 @@ from vllm_fakes import SHARED, recorded_payloads, timeseries_pages
 
 from kvscope.app.attach.events import BatchDecoder
 from kvscope.app.attach.metrics import parse_metrics
-from kvscope.app.attach.server import EventEndpoint, ServerInfo
+from kvscope.app.attach.server import EVENTS_FLAG, EventEndpoint, ServerInfo
 from kvscope.app.attach.source import AttachSource
 from kvscope.app.attach.subscriber import Delivery, StreamStatus
 
@@ -28,8 +28,8 @@ def recorded_server(events: bool = True, ranks: int = 1) -> ServerInfo:
     return ServerInfo(url=URL, version="0.32.0", model="smollm2", model_root=None, max_model_len=1024,
                       num_gpu_blocks=96, block_size=32, engines=tuple(str(r) for r in range(ranks)),
                       prefix_caching=True, event_sources=sources if events else (),
-                      events_note="" if events else "this server publishes no KV-cache events: start vLLM with "
-                      "--enable-prefix-caching --kv-events-config '{...}'")
+                      events_note="" if events else f"this server publishes no KV-cache events: start vLLM with "
+                      f"{EVENTS_FLAG}")
 
 
 def status(last_seq: int, events: int, **changes) -> StreamStatus:

@@ -42,7 +42,7 @@ def tree_row(tree: PrefixTree, rank: str, chars: int, narrow: bool = False) -> s
 
 def describe_prefixes(frame: AttachFrame, width: int = 100) -> str:
     if not frame.has_events:
-        return ("No prefix trees: this server publishes no KV-cache events.\n" + escape(frame.server.events_note))
+        return "No prefix trees without KV-cache events.\n" + escape(frame.server.events_note)
     several, narrow = len(frame.pools) > 1, width < NARROW
     rows = []
     for pool in frame.pools:

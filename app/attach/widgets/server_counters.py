@@ -56,8 +56,8 @@ def describe_counters(frame: AttachFrame) -> str:
         totals = frame.metrics.totals()
         lines.append(f"prefix hits {percent(rates.hit_rate)} [dim]{int(totals.prefix_cache_hits):,}/"
                      f"{int(totals.prefix_cache_queries):,} tok{window}[/]")
-    lines.append(f"preemptions {rates.num_preemptions:,} [dim]({rates.window_preemptions:,} in the last "
-                 f"{rates.window_s:.0f} s; recomputed, never swapped)[/]")
+    recent = f"{rates.window_preemptions:,} in the last {rates.window_s:.0f} s; " if rates.window_s else ""
+    lines.append(f"preemptions {rates.num_preemptions:,} [dim]({recent}recomputed, never swapped)[/]")
     lines.append(describe_latency("TTFT", rates.ttft))
     lines.append(describe_latency("inter-token", rates.itl))
     return "\n".join(lines)
