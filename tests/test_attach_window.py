@@ -102,3 +102,23 @@ def test_two_data_parallel_ranks_get_a_map_each(snap_compare):
 def test_the_queue_panel_says_what_vllm_does_not_expose():
     text = describe_queues(busy_source().make_frame())
     assert "per-request rows" in text and "no swapped queue" in text and "waiting by reason" in text
+
+
+@pytest.mark.anyio
+async def test_a_pool_that_appears_later_gets_its_own_map():
+    server = recorded_server()
+    server = dataclasses.replace(server, event_sources=tuple(dataclasses.replace(s, rank=None)
+                                                             for s in server.event_sources))
+    source = RecordedSource(server)
+    app = AttachApp(source, run_thread=False, db_path="/nonexistent/runs.db")
+    async with app.run_test(size=(160, 48)) as pilot:
+        assert len(app.view.maps) == 1
+        payloads = recorded_payloads()
+        source.deliver(payloads[:5])
+        source.deliver([msgspec.msgpack.encode([ts, events, 1]) for ts, events, _ in
+                        (msgspec.msgpack.decode(p) for p in payloads[:5])])
+        app.view.show_frame(source.make_frame())
+        app.view.paint(force=True)
+        await pilot.pause()
+        assert [m.border_title for m in app.view.maps] == ["Block map · rank 0 · 54 announced of 96",
+                                                           "Block map · rank 1 · 54 announced of 96"]

@@ -101,6 +101,7 @@ class AttachScreen(Screen):
             return
         if frame is not self._painted:
             self._painted = frame
+            self._add_maps(len(frame.pools))
             self.header.show_frame(frame)
             for index, pool_map in enumerate(self.maps[:len(frame.pools)]):
                 pool_map.border_title = map_title(frame, index)
@@ -115,6 +116,14 @@ class AttachScreen(Screen):
             self.throughput.redraw()
             self.queues.show_frame(frame)
             self.events.show_frame(frame)
+
+    def _add_maps(self, num_pools: int) -> None:
+        """A publisher given by hand names its rank only in its batches: its pool may come after the start."""
+        while len(self.maps) < num_pools:
+            pool_map = titled(PoolMap(len(self.maps), id=f"pool-map-{len(self.maps)}", classes="panel pool-map"),
+                              "Block map")
+            self.maps.append(pool_map)
+            self.query_one("#map-column").mount(pool_map, before=self.query_one(AttachLegend))
 
     def on_slot_highlighted(self, message: SlotHighlighted) -> None:
         message.stop()
