@@ -134,6 +134,8 @@ def describe_http_error(exc: httpx.HTTPError) -> str:
         return "connection refused or host not found"
     if isinstance(exc, httpx.TimeoutException):
         return "no answer in time"
+    if isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)):
+        return f"the connection was lost ({exc or type(exc).__name__})"
     return str(exc) or type(exc).__name__
 
 
