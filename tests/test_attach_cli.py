@@ -55,6 +55,7 @@ def test_bench_attach_applies_every_event_it_sends():
 def test_bench_attach_fills_and_churns_a_pool():
     memory = bench.run_memory(pool_blocks=20_000)
     assert memory.known_after_fill >= 0.98 * 20_000 and memory.events_churned >= memory.events_to_fill
+    assert memory.rss_after_second_churn_mib > 0
     report = bench.report(bench.RateResult(10_000, 1.0, 10, 10, 10.0, 0.1, 3), memory)
     assert "CPU, share of one core" in report and "20,000 blocks" in report
 

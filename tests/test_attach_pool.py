@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from vllm_fakes import SHARED, recorded_payloads
 
 from kvscope.app.attach.events import BatchDecoder
-from kvscope.app.attach.pool import PoolModel
+from kvscope.app.attach.pool import MAX_DIRTY_TREES, PoolModel
 from kvscope.app.attach.pool_view import PoolPicture, in_use_blocks
 from kvscope.engine.outputs import BLOCK_USED
 
@@ -162,3 +162,27 @@ def test_random_streams_keep_the_model_consistent(stream):
         check_invariants(pool)
         assert set(pool.slot_of) == known
     PoolPicture(pool, "rank 0").view(0, 0.3)
+
+
+def test_a_band_wider_than_the_untouched_slots_takes_the_highest_holes():
+    pool = PoolModel(6, 1)
+    pool.store([1, 2, 3, 4, 5], None, [1, 2, 3, 4, 5])
+    pool.remove([2, 3])
+    view = PoolPicture(pool, "rank 0").view(0, kv_usage=1.0)     # 5 of the 5 usable blocks in use
+    assert view.num_unannounced_blocks == 2
+    assert np.flatnonzero(view.snapshot.block_state == BLOCK_USED).tolist() == [0, 2, 3, 4, 5]
+    assert view.snapshot.block_hashes[[1, 2, 5]].tolist() == [0, 0, 0]
+
+
+def test_changes_nobody_looks_at_stay_bounded_and_the_next_picture_is_whole():
+    pool = PoolModel(4, 1)
+    picture = PoolPicture(pool, "rank 0")
+    picture.view(0, None)
+    for block_hash in range(1, MAX_DIRTY_TREES + 200):      # each store a new tree, evicted later
+        pool.store([block_hash], None, [block_hash])
+        if block_hash > 3:
+            pool.remove([block_hash - 3])
+    assert len(pool.dirty_trees) <= MAX_DIRTY_TREES and pool.all_dirty
+    view = picture.view(1, None)
+    assert sorted(v.request_id for v in view.snapshot.requests) == sorted(f"prefix-{t}" for t in pool.trees)
+    assert {b for v in view.snapshot.requests for b in v.block_tables[0]} == set(pool.slot_of.values())

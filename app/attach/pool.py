@@ -32,6 +32,7 @@ from kvscope.app.attach.events import CLEARED, DEVICE_MEDIA, REMOVED, STORED
 MASK64 = (1 << 64) - 1
 PREVIEW_TOKENS = 48     # tokens kept from a tree's root block(s) for the prefix panel
 JOURNAL_SLOTS = 4096    # slots named per take_journal() (the counts are always whole)
+MAX_DIRTY_TREES = 4096
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,11 @@ class PoolModel:
         self._free_rows: list[int] = []
         self.tree_rows_used = 0
         self.trees: dict[int, TreeStats] = {}
+        # Trees changed since the snapshot builder last looked. Past MAX_DIRTY_TREES the set is dropped
+        # and ``all_dirty`` says to rebuild every tree instead, so it stays small even when nobody looks
+        # (a bench, a window that stopped drawing) and a rebuild costs no more than the set would.
         self.dirty_trees: set[int] = set()
+        self.all_dirty = False
         self.version = 0
         self._free_slots: list[int] = []
         self._high_water = 0
@@ -143,6 +148,12 @@ class PoolModel:
     @property
     def counters(self) -> PoolCounters:
         return PoolCounters(**self._counts)
+
+    def _touch(self, tree: int) -> None:
+        if len(self.dirty_trees) >= MAX_DIRTY_TREES:
+            self.dirty_trees.clear()
+            self.all_dirty = True
+        self.dirty_trees.add(tree)
 
     def take_journal(self) -> Journal:
         stored, removed, counts = self._journal
@@ -191,7 +202,7 @@ class PoolModel:
             parent_hash = block_hash
         if reused is not None:
             self.trees[reused].num_reuses += 1
-            self.dirty_trees.add(reused)
+            self._touch(reused)
         self._counts["num_stored"] += len(block_hashes)
         self.version += 1
 
@@ -221,7 +232,7 @@ class PoolModel:
         stats = self.trees[tree]
         stats.num_blocks += 1
         self._row_size[stats.row] += 1
-        self.dirty_trees.add(tree)
+        self._touch(tree)
         self._note(0, slot)
         return forked
 
@@ -274,7 +285,7 @@ class PoolModel:
             self._row_tree[stats.row] = -1
             self._free_rows.append(stats.row)
             del self.trees[tree]
-        self.dirty_trees.add(tree)
+        self._touch(tree)
         self._hash[slot] = 0
         self._tree[slot] = -1
         self._children[slot] = 0
@@ -286,7 +297,8 @@ class PoolModel:
     def clear(self) -> None:
         """Forget every block (AllBlocksCleared, or the server restarted). Counters are kept."""
         used = self._high_water
-        self.dirty_trees.update(self.trees)
+        self.dirty_trees.clear()
+        self.all_dirty = True
         self.slot_of.clear()
         self.trees.clear()
         self.tree_row_ids[:self.tree_rows_used] = -1

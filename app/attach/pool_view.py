@@ -96,21 +96,33 @@ class PoolPicture:
                         tuple(trees), pool.counters)
 
     def _arrays(self, band: int) -> dict[str, np.ndarray]:
-        """The four per-block arrays, fresh copies (the model goes on changing its own)."""
-        pool = self.pool
-        known = pool.tree_at >= 0
-        state = known.astype(np.int8)          # BLOCK_USED is 1
-        if band:
-            state[np.flatnonzero(~known)[-band:]] = BLOCK_USED
-        arrays = {
-            "block_state": state,
-            "ref_counts": state.astype(np.int32),
-            "block_fill": np.multiply(known, pool.block_size, dtype=np.int16),
-            "block_hashes": pool.hash_at.copy(),
-        }
+        """The four per-block arrays, fresh copies (the model goes on changing its own). Only the slots
+        below the high-water mark are copied: the rest of a big pool has never held a block."""
+        pool, size, used = self.pool, self.pool.num_blocks, self.pool.high_water
+        known = pool.tree_at[:used] >= 0
+        state = np.zeros(size, dtype=np.int8)
+        state[:used] = known                    # BLOCK_USED is 1
+        self._mark_band(state, known, band)
+        fill = np.zeros(size, dtype=np.int16)
+        np.multiply(known, pool.block_size, out=fill[:used], casting="unsafe")
+        hashes = np.zeros(size, dtype=np.uint64)
+        hashes[:used] = pool.hash_at[:used]
+        arrays = {"block_state": state, "ref_counts": state.astype(np.int32), "block_fill": fill,
+                  "block_hashes": hashes}
         for array in arrays.values():
             array.flags.writeable = False
         return arrays
+
+    @staticmethod
+    def _mark_band(state: np.ndarray, known: np.ndarray, band: int) -> None:
+        """The unannounced band: the ``band`` highest slots that hold no announced block."""
+        beyond = state.size - known.size        # slots never used: all free, and the highest
+        if band:
+            state[state.size - min(band, beyond):] = BLOCK_USED
+        rest = band - beyond
+        if rest > 0:
+            holes = np.flatnonzero(~known)
+            state[holes[-rest:]] = BLOCK_USED
 
     def _largest_trees(self) -> list[PrefixTree]:
         """Records of the MAX_TREES largest trees (a busy pool has thousands: only these are described)."""
@@ -124,7 +136,8 @@ class PoolPicture:
         live = sizes > 0     # rows of trees that are gone are free, size 0
         ids, sizes = ids[live], sizes[live]
         largest = ids[np.lexsort((ids, -sizes))].tolist()
-        self._update_shapes([t for t in largest if t in self.pool.dirty_trees or t not in self._shapes])
+        changed = self.pool.dirty_trees
+        self._update_shapes([t for t in largest if self.pool.all_dirty or t in changed or t not in self._shapes])
         records = []
         for tree_id in largest:
             stats = trees[tree_id]
@@ -159,18 +172,22 @@ class PoolPicture:
     def _request_views(self) -> tuple[RequestView, ...]:
         """One view per tree; only the trees events touched since the last picture are rebuilt."""
         pool, views = self.pool, self._views
-        dirty = pool.dirty_trees
-        for tree_id in dirty:
-            if tree_id not in pool.trees:
-                views.pop(tree_id, None)
-                self._texts.pop(tree_id, None)
-                self._shapes.pop(tree_id, None)
-        stale = [tree_id for tree_id in dirty if tree_id in pool.trees]   # a new tree is dirty too
+        if pool.all_dirty:
+            gone = [tree_id for tree_id in views if tree_id not in pool.trees]
+            stale = list(pool.trees)
+        else:
+            gone = [tree_id for tree_id in pool.dirty_trees if tree_id not in pool.trees]
+            stale = [tree_id for tree_id in pool.dirty_trees if tree_id in pool.trees]  # a new tree is dirty too
+        for tree_id in gone:
+            views.pop(tree_id, None)
+            self._texts.pop(tree_id, None)
+            self._shapes.pop(tree_id, None)
         if stale:
             tables = self._block_tables(set(stale))
             for tree_id in stale:
                 views[tree_id] = self._request_view(tree_id, tables.get(tree_id, ()))
-        dirty.clear()
+        pool.dirty_trees.clear()
+        pool.all_dirty = False
         return tuple(views.values())
 
     def _block_tables(self, wanted: set[int]) -> dict[int, tuple[int, ...]]:
