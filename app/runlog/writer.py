@@ -28,7 +28,7 @@ from pathlib import Path
 
 import sqlite_utils
 
-from kvscope.app.runlog.records import RequestAdded, RowBuilder, Rows
+from kvscope.app.runlog.records import ObservedStep, RequestAdded, RowBuilder, Rows
 from kvscope.engine.outputs import StepResult
 
 FLUSH_INTERVAL_S = 0.1
@@ -101,7 +101,11 @@ class RunLogger:
     def step(self, result: StepResult) -> None:
         self._put(result)
 
-    def _put(self, record: RequestAdded | StepResult) -> None:
+    def observed_step(self, result: StepResult, num_generated_tokens: int) -> None:
+        """A step of a watched server (``kvscope attach``), whose token count the server reports."""
+        self._put(ObservedStep(result, num_generated_tokens))
+
+    def _put(self, record: RequestAdded | StepResult | ObservedStep) -> None:
         if self._closed or self._failed:
             return
         try:

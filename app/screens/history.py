@@ -25,6 +25,16 @@ from kvscope.app.screens.replay import ReplayScreen
 T = TypeVar("T")
 
 
+def replay_screen_for(reader: RunLogReader, run_id: int) -> ReplayScreen:
+    """A watched vLLM server's run replays with the attached window's panels; every other run with the app's."""
+    if reader.run(run_id).get("source") == "vllm":
+        # Imported here: the attach package brings httpx and pyzmq, which the app needs for nothing else.
+        from kvscope.app.attach.replay_view import VllmReplayScreen
+
+        return VllmReplayScreen(reader, run_id)
+    return ReplayScreen(reader, run_id)
+
+
 def describe_run(run: dict) -> str:
     config = run.get("config") or {}
 
@@ -145,7 +155,7 @@ class HistoryScreen(Screen):
 
     def action_replay(self) -> None:
         if self.reader is not None and self.run_id is not None:
-            screen = self._read(lambda: ReplayScreen(self.reader, self.run_id))
+            screen = self._read(lambda: replay_screen_for(self.reader, self.run_id))
             if screen is not None:
                 self.app.push_screen(screen)
 

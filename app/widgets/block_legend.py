@@ -28,11 +28,11 @@ ITEMS = (
 GAP = "  "
 
 
-def legend_lines(width: int) -> list[str]:
+def legend_lines(width: int, items: tuple[str, ...] = ITEMS) -> list[str]:
     """The items as markup lines of at most ``width`` cells (an item wider than that gets a line alone)."""
     lines: list[list[str]] = []
     used = 0
-    for item in ITEMS:
+    for item in items:
         size = cell_len(Content.from_markup(item).plain)
         if lines and used + len(GAP) + size <= width:
             lines[-1].append(item)

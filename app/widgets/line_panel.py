@@ -49,9 +49,10 @@ class LinePanel(Widget):
         if not changed:
             return
         self._sources = sources
+        for i in changed:   # every changed line first: a re-wrap below returns before the loop ends
+            self._lines[i] = _parse(sources[i])
         width = self.size.width
         for i in changed:
-            self._lines[i] = _parse(sources[i])
             before = self._wrapped[i]
             self._wrapped[i] = None
             if not width or self._rows is None:

@@ -80,11 +80,13 @@ class Throughput(Widget):
 
     COMPONENT_CLASSES = {"throughput--label", "throughput--low", "throughput--high"}
 
-    def __init__(self, *, window: int = WINDOW, id: str | None = None, classes: str | None = None) -> None:
+    def __init__(self, *, window: int = WINDOW, series: tuple[Series, ...] = SERIES, id: str | None = None,
+                 classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
-        self.history = {series.key: deque(maxlen=window) for series in SERIES}
+        self.series = series   # what to plot; the attached window plots a vLLM server's own figures
+        self.history = {s.key: deque(maxlen=window) for s in series}
         self._dirty = False
-        self._rows: list[tuple[str, tuple[int, ...]] | None] = [None] * len(SERIES)
+        self._rows: list[tuple[str, tuple[int, ...]] | None] = [None] * len(series)
         self._strips: dict[int, Strip] = {}
         self._styles: tuple[Style, Style, tuple[Style, ...]] | None = None
 
@@ -94,7 +96,7 @@ class Throughput(Widget):
     # --- data --------------------------------------------------------------------------------
 
     def push(self, stats: StepStats) -> None:
-        for series in SERIES:
+        for series in self.series:
             self.history[series.key].append(series.value(stats))
         self._dirty = True
 
@@ -116,7 +118,7 @@ class Throughput(Widget):
             return
         self._dirty = False
         width = self._spark_width
-        for y, series in enumerate(SERIES):
+        for y, series in enumerate(self.series):
             row = (series.format(self.current(series.key)), bar_levels(list(self.history[series.key]), width))
             if row != self._rows[y]:
                 self._rows[y] = row
@@ -145,7 +147,7 @@ class Throughput(Widget):
         self._strips.clear()
 
     def _forget(self) -> None:
-        self._rows = [None] * len(SERIES)
+        self._rows = [None] * len(self.series)
         self._strips.clear()
 
     def _get_styles(self) -> tuple[Style, Style, tuple[Style, ...]]:
@@ -170,11 +172,11 @@ class Throughput(Widget):
 
     def _render_row(self, y: int) -> Strip:
         width = self.size.width
-        if y >= len(SERIES) or self._rows[y] is None:
+        if y >= len(self.series) or self._rows[y] is None:
             return Strip.blank(width, self.rich_style)
         label_style, value_style, bar_styles = self._get_styles()
         text, levels = self._rows[y]
-        segments = [Segment(SERIES[y].label[:LABEL_WIDTH].ljust(LABEL_WIDTH), label_style),
+        segments = [Segment(self.series[y].label[:LABEL_WIDTH].ljust(LABEL_WIDTH), label_style),
                     Segment(text[:VALUE_WIDTH].rjust(VALUE_WIDTH) + " ", value_style)]
         blank = self._spark_width - len(levels)
         if blank > 0:
