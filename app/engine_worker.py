@@ -40,12 +40,16 @@ from kvscope.app.messages import (
     RequestRejected,
     RunState,
     RunStateChanged,
+    RunUntilDone,
 )
 from kvscope.app.worker_commands import (
     AbortRequest,
+    AddChatTurn,
     AddRequest,
+    LaunchPlan,
     LaunchPreset,
     Rebuild,
+    RunUntil,
     SetPaused,
     SetRateCap,
     StepOnce,
@@ -96,7 +100,10 @@ class EngineWorker:
         self._scheduled: list[tuple[int, int, AddRequest]] = []  # (engine step to add at, order, request)
         self._accepted: set[str] = set()     # added to the engine, final output not yet seen
         self._ids = itertools.count()
+        self._order = itertools.count()   # ties among requests due at the same step: launch order
         self._steps_done = 0
+        self._last_step = 0
+        self._until: tuple[Callable, int] | None = None   # a RunUntil's condition and its last step
         self._stopping = threading.Event()
         self._died: BaseException | None = None
 
@@ -182,6 +189,8 @@ class EngineWorker:
     def run_once(self, timeout: float | None = 0.0) -> None:
         """Apply the queued commands (waiting up to ``timeout`` for the first, None: for ever), then
         take one step if one is due."""
+        if self._until is not None and not self._has_work():
+            self._end_until(met=False)
         self._take_commands(timeout)
         if not self._stopping.is_set() and self._step_due():
             self._step()
@@ -234,6 +243,8 @@ class EngineWorker:
         match command:
             case AddRequest():
                 self._add(command)
+            case AddChatTurn(request_id, messages, params):
+                self._add_chat_turn(request_id, messages, params)
             case AbortRequest(request_id):
                 self._abort(request_id)
             case SetPaused(paused):
@@ -247,6 +258,11 @@ class EngineWorker:
                 self._post_state()
             case LaunchPreset(key, count):
                 self._launch_preset(key, count)
+            case LaunchPlan(plan):
+                self._launch_plan(plan)
+            case RunUntil(condition, max_steps):
+                self._until = (condition, self._steps_done + max_steps)
+                self._set_paused(False)
             case Rebuild(config):
                 self._rebuild(config)
             case Stop():
@@ -285,15 +301,30 @@ class EngineWorker:
         # else left to do (a paused engine reports it when the user steps or resumes).
         self._abort_unreported |= self.engine.abort_request(request_id)
 
+    def _add_chat_turn(self, request_id: str, messages: tuple[dict, ...], params: SamplingParams) -> None:
+        if self.engine is not None:
+            context = presets.PresetContext.from_engine(self.engine, self.info)
+            params = dataclasses.replace(params, max_tokens=presets.fit_reply(context, list(messages),
+                                                                              params.max_tokens))
+        self._add(AddRequest(request_id, list(messages), params))
+
     def _launch_preset(self, key: str, count: int) -> None:
         if self.engine is None:
             return
         planned = presets.build(key, count, presets.PresetContext.from_engine(self.engine, self.info))
-        for item in planned:
-            number = next(self._ids)
-            request = AddRequest(f"{key}-{number}", item.prompt, item.params)
+        self._launch([(f"{key}-{next(self._ids)}", item) for item in planned])
+
+    def _launch_plan(self, plan: Callable) -> None:
+        if self.engine is None:
+            return
+        planned = plan(presets.PresetContext.from_engine(self.engine, self.info))
+        self._launch([(item.name or f"load-{next(self._ids)}", item) for item in planned])
+
+    def _launch(self, named: list[tuple[str, presets.PlannedRequest]]) -> None:
+        for request_id, item in named:
+            request = AddRequest(request_id, item.prompt, item.params)
             if item.delay_steps:
-                heapq.heappush(self._scheduled, (self._steps_done + item.delay_steps, number, request))
+                heapq.heappush(self._scheduled, (self._steps_done + item.delay_steps, next(self._order), request))
             else:
                 self._add(request)
 
@@ -316,8 +347,11 @@ class EngineWorker:
             self._post_state()
             return
         self._steps_done += 1
+        self._last_step = result.stats.step
         self._forget_finished(result)
         self._post_step(result)
+        if self._until is not None:
+            self._check_until(result)
 
     def _forget_finished(self, result) -> None:
         for output in result.outputs:
@@ -329,6 +363,24 @@ class EngineWorker:
             if self._stopping.is_set():
                 return
         self.target.post_message(EngineStepped(result))
+
+    def _check_until(self, result) -> None:
+        condition, last = self._until
+        try:
+            met = bool(condition(result))
+        except Exception as exc:  # a bad condition ends the run where it is; the engine is fine
+            self.target.post_message(EngineFailed(f"run-until condition failed: {type(exc).__name__}: {exc}"))
+            met = False
+            last = self._steps_done
+        if met or self._steps_done >= last:
+            self._end_until(met)
+
+    def _end_until(self, met: bool) -> None:
+        """A RunUntil is over: pause where it stopped and say at which step."""
+        self._until = None
+        self._pending_steps = 0
+        self._set_paused(True)
+        self.target.post_message(RunUntilDone(self._last_step, met))
 
     # --- building and retiring engines ---------------------------------------------------------
 
@@ -350,7 +402,7 @@ class EngineWorker:
 
     def _install(self, engine, info: EngineInfo, config: EngineConfig) -> None:
         self.engine, self.info, self.config = engine, info, config
-        self._steps_done = 0
+        self._steps_done = self._last_step = 0
         self._abort_unreported = False
         warning = None
         try:

@@ -121,6 +121,14 @@ class RunLogFailed(Message):
 
 
 @dataclass
+class RunUntilDone(Message):
+    """A RunUntil ended at ``step``: ``met`` says whether its condition held (else it ran out of steps or work)."""
+
+    step: int
+    met: bool
+
+
+@dataclass
 class RunStateChanged(Message):
     """The engine thread applied a pause, resume, single step or rate cap."""
 

@@ -1,8 +1,11 @@
 """Load-generator presets: the situations a teacher wants to show, built from app/prompts/*.txt.
 
 Each preset sizes its requests from the running engine (pool, max_model_len,
-token budget), so the same preset overloads a small pool and a large one, and
-chunks prefill whatever the budget is.
+token budget, allocator), so the same preset overloads a small pool and a large
+one, chunks prefill whatever the budget is, and never plans a request the pool
+could not hold on its own. An engine that can run no request at all (the
+contiguous allocator on a pool smaller than one max_model_len reservation) gets
+one clear refusal and a max_model_len that would work, not one per request.
 """
 
 from __future__ import annotations
@@ -39,10 +42,30 @@ class PresetContext:
     max_num_batched_tokens: int
     count_tokens: Callable[[str], int]
     count_chat: Callable[[list[dict]], int] | None = None   # chat prompt length, template included
+    allocator: str = "paged"
 
     @property
     def pool_tokens(self) -> int:
         return self.block_size * self.num_blocks
+
+    def max_request_tokens(self, n: int = 1) -> int:
+        """The longest prompt plus output one request of ``n`` samples may have; 0 when none can run."""
+        if self.allocator == "contiguous":
+            reservation = -(-self.max_model_len // self.block_size)
+            return self.max_model_len if n * reservation <= self.num_blocks else 0
+        # A paged sample at its peak holds prompt + output - 1 tokens (the last one is never written).
+        return min(self.max_model_len, self.num_blocks // n * self.block_size + 1)
+
+    def check_runnable(self) -> None:
+        """ValueError, with a max_model_len that would fit, when the engine can run no request at all."""
+        if self.max_request_tokens() > 0:
+            return
+        reservation = -(-self.max_model_len // self.block_size)
+        raise ValueError(
+            f"the contiguous allocator reserves max_model_len = {self.max_model_len:,} tokens ({reservation:,} "
+            f"blocks) per request, but the pool holds {self.num_blocks:,} blocks, so no request can run; "
+            f"try --max-model-len {suggest_max_model_len(self.num_blocks, self.block_size):,} or the paged "
+            "allocator")
 
     def chat_tokens(self, messages: list[dict]) -> int:
         if self.count_chat is not None:
@@ -58,7 +81,20 @@ class PresetContext:
         count_chat = (lambda messages: len(template(messages, add_generation_prompt=True))) \
             if callable(template) else None
         return cls(info.block_size, info.num_blocks, info.max_model_len,
-                   engine.config.max_num_batched_tokens, count, count_chat)
+                   engine.config.max_num_batched_tokens, count, count_chat, engine.config.allocator)
+
+
+def suggest_max_model_len(num_blocks: int, block_size: int) -> int:
+    """A max_model_len under which a contiguous pool holds four requests at once (one when it is tiny)."""
+    rows = 4 if num_blocks >= 4 * 8 else 1
+    return max(block_size, num_blocks // rows * block_size)
+
+
+def fit_reply(ctx: PresetContext, messages: list[dict], max_tokens: int, n: int = 1) -> int:
+    """``max_tokens``, shrunk so the chat prompt plus the reply fit max_model_len and the pool (at least 1:
+    a prompt that leaves no room is then refused by the engine with its own words)."""
+    room = ctx.max_request_tokens(n) - ctx.chat_tokens(messages)
+    return max(1, min(max_tokens, room))
 
 
 @dataclass(frozen=True)
@@ -66,6 +102,7 @@ class PlannedRequest:
     prompt: Any                 # chat messages, or plain text
     params: SamplingParams
     delay_steps: int = 0        # add it this many engine steps after the preset starts
+    name: str | None = None     # the request id to use (lessons name theirs); else the preset numbers it
 
 
 @dataclass(frozen=True)
@@ -106,29 +143,35 @@ def _document(min_tokens: int, ctx: PresetContext) -> str:
 
 def plan_chat_burst(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     questions = prompt_lines("chat_questions.txt")
-    return [PlannedRequest(_user(questions[i % len(questions)]),
-                           SamplingParams(max_tokens=96, temperature=0.7, top_p=0.9, seed=i))
-            for i in range(count)]
+    planned = []
+    for i in range(count):
+        messages = _user(questions[i % len(questions)])
+        params = SamplingParams(max_tokens=fit_reply(ctx, messages, 96), temperature=0.7, top_p=0.9, seed=i)
+        planned.append(PlannedRequest(messages, params))
+    return planned
 
 
 def plan_shared_prefix(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     """One request computes the long system prompt; the rest arrive once its blocks are cached."""
-    system = _fit(prompt_file("system_prompt.txt"), ctx.max_model_len // 2, ctx)
+    system = _fit(prompt_file("system_prompt.txt"), ctx.max_request_tokens() // 2, ctx)
     questions = prompt_lines("support_questions.txt")
     prefill_steps = -(-ctx.count_tokens(system) // ctx.max_num_batched_tokens)
-    return [PlannedRequest(_user(questions[i % len(questions)], system),
-                           SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=i),
-                           delay_steps=0 if i == 0 else prefill_steps + 1)
-            for i in range(count)]
+    planned = []
+    for i in range(count):
+        messages = _user(questions[i % len(questions)], system)
+        params = SamplingParams(max_tokens=fit_reply(ctx, messages, 64), temperature=0.7, top_p=0.9, seed=i)
+        planned.append(PlannedRequest(messages, params, delay_steps=0 if i == 0 else prefill_steps + 1))
+    return planned
 
 
 def plan_long_prompts(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     """Prompts longer than one step's token budget, so each prefill is split into chunks."""
     max_tokens = 64
-    room = ctx.max_model_len - max_tokens - CHAT_TEMPLATE_MARGIN
+    room = ctx.max_request_tokens() - max_tokens - CHAT_TEMPLATE_MARGIN
     target = min(room, max(3 * ctx.max_num_batched_tokens, ctx.max_model_len // 2))
     if target < 32:
-        raise ValueError(f"max_model_len {ctx.max_model_len} leaves no room for a long prompt")
+        raise ValueError(f"max_model_len {ctx.max_model_len:,} and a pool of {ctx.num_blocks:,} blocks leave no "
+                         "room for a long prompt")
     document = _fit(_document(target, ctx), target, ctx)
     instructions = prompt_lines("long_prompt_tasks.txt")
     return [PlannedRequest(_user(f"{document}\n\n{instructions[i % len(instructions)]}"),
@@ -139,9 +182,13 @@ def plan_long_prompts(count: int, ctx: PresetContext) -> list[PlannedRequest]:
 def plan_parallel_sampling(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     """n=4: the four samples share the prompt's blocks and copy the last one on their first write."""
     prompts = prompt_lines("sampling_prompts.txt")
-    return [PlannedRequest(_user(prompts[i % len(prompts)]),
-                           SamplingParams(n=4, max_tokens=64, temperature=1.0, top_p=0.95, seed=i))
-            for i in range(count)]
+    planned = []
+    for i in range(count):
+        messages = _user(prompts[i % len(prompts)])
+        params = SamplingParams(n=4, max_tokens=fit_reply(ctx, messages, 64, n=4), temperature=1.0, top_p=0.95,
+                                seed=i)
+        planned.append(PlannedRequest(messages, params))
+    return planned
 
 
 def plan_overload(count: int, ctx: PresetContext) -> list[PlannedRequest]:
@@ -152,7 +199,7 @@ def plan_overload(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     for i in range(count):
         messages = _user(questions[i % len(questions)])
         prompt_tokens = ctx.chat_tokens(messages)
-        max_tokens = max(16, min(per_request, ctx.max_model_len) - prompt_tokens)
+        max_tokens = fit_reply(ctx, messages, max(16, min(per_request, ctx.max_model_len) - prompt_tokens))
         params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
         planned.append(PlannedRequest(messages, params))
     return planned
@@ -180,4 +227,5 @@ def build(key: str, count: int, ctx: PresetContext) -> list[PlannedRequest]:
         raise ValueError(f"unknown preset {key!r}; choose one of {', '.join(PRESETS)}")
     if count < 1:
         raise ValueError(f"count must be at least 1, got {count}")
+    ctx.check_runnable()
     return PRESETS[key].plan(count, ctx)

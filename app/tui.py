@@ -6,6 +6,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from textual.app import App, SystemCommand
@@ -13,6 +14,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
+from kvscope.app import presets
 from kvscope.app.engine_factory import build_engine, first_engine_then_build
 from kvscope.app.engine_worker import EngineWorker
 from kvscope.app.messages import (
@@ -21,6 +23,7 @@ from kvscope.app.messages import (
     EngineBuildFailed,
     EngineDied,
     EngineFailed,
+    EngineInfo,
     EngineReady,
     EngineStarting,
     EngineStepped,
@@ -34,9 +37,11 @@ from kvscope.app.runlog import record_run
 from kvscope.app.screens.explain import ExplainScreen
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.screens.main import MainScreen
+from kvscope.app.screens.quit import ConfirmQuit, ShuttingDown
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
+from kvscope.app.worker_commands import AddChatTurn
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.settings import settings
 from kvscope.themes import (
@@ -65,6 +70,8 @@ class AppAction:
 
 
 ACTIONS = (
+    AppAction("q,f10", "quit", "Quit", "Quit kvscope (asks first while requests are in flight); F10 as in htop"),
+    AppAction("question_mark", "show_keys", "Keys", "Show every key of the panel in focus and of the app"),
     AppAction("f1", "explain", "Explain", "What each panel means, in plain words"),
     AppAction("f2", "toggle_pause", "Pause", "Pause or resume the engine"),
     AppAction("f3", "single_step", "Step", "Pause and run exactly one engine step"),
@@ -76,21 +83,40 @@ ACTIONS = (
     AppAction("f8", "toggle_prefix_caching", "Prefix cache",
               "Turn prefix caching on or off (restarts the engine)"),
     AppAction("f9", "history", "History", "Browse logged runs and replay one step by step"),
-    AppAction("f10", "screenshot_svg", "Screenshot", "Save an SVG screenshot of the window"),
-    AppAction("escape", "abort_reply", "Abort reply", "Abort the chat reply being written"),
+    AppAction("m", "focus_panel('block-map')", "Map", "Move the focus to the block map"),
+    AppAction("r", "focus_panel('queues')", "Requests", "Move the focus to the queues of requests"),
+    AppAction("c", "focus_panel('chat-input')", "Chat", "Move the focus to the chat input"),
+    AppAction("ctrl+n", "new_conversation", "New chat",
+              "Start a new conversation: the model no longer sees the earlier turns"),
     AppAction("ctrl+t", "toggle_theme", "Theme", "Switch between the kvscope dark and light themes"),
+    AppAction("ctrl+s", "screenshot_svg", "Screenshot", "Save an SVG screenshot of the window"),
     AppAction(None, "toggle_allocator", "Switch allocator",
               "Switch between the paged and the contiguous allocator (restarts the engine)"),
     AppAction(None, "abort_all", "Abort all requests", "Abort every running, waiting and swapped request"),
     AppAction(None, "restart_engine", "Restart engine", "Build a fresh engine with the current settings"),
 )
+# Textual's own palette entries that kvscope replaces with its own (so each is listed once).
+REPLACED_SYSTEM_COMMANDS = {"Theme", "Quit", "Keys", "Screenshot"}
+SHUTDOWN_POLL_S = 0.02
+REFUSALS_GATHER_S = 0.25
+
+
+def runnable_warning(info: EngineInfo) -> str | None:
+    """Why an engine can run no request at all (contiguous rows larger than the pool), with the fix."""
+    try:
+        presets.PresetContext(info.block_size, info.num_blocks, info.max_model_len,
+                              info.config.max_num_batched_tokens, len, allocator=info.config.allocator
+                              ).check_runnable()
+    except ValueError as exc:
+        return str(exc)[0].upper() + str(exc)[1:] + "."
+    return None
 
 
 class KVScopeApp(App):
     TITLE = "kvscope"
     CSS_PATH = [APP_CSS, *THEME_CSS_PATHS]
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
-    BINDINGS = [Binding(a.keys, a.action, a.title) for a in ACTIONS if a.keys]
+    BINDINGS = [Binding(a.keys, a.action, a.title, tooltip=a.help) for a in ACTIONS if a.keys]
 
     def __init__(self, config: EngineConfig, *, db_path: str | Path | None = None, log_enabled: bool = True,
                  engine_factory: Callable = build_engine, system_sampler: SystemSampler | None = None,
@@ -105,6 +131,11 @@ class KVScopeApp(App):
         self.worker = EngineWorker(self, config, engine_factory=engine_factory, log_factory=self._record_run,
                                    paused=paused, steps_per_s_cap=steps_per_s_cap)
         self.engine_died: str | None = None     # why the engine thread ended, once it has
+        # The cap the user asked for, kept here: presses that arrive before the engine thread applied
+        # the previous one must each move it a notch.
+        self.rate_cap = steps_per_s_cap
+        self.engine_thread = None   # Textual's Worker running the engine thread
+        self._refused: list[tuple[str, str]] = []
         for theme in THEMES:
             self.register_theme(theme)
         self.theme = DEFAULT_THEME
@@ -117,7 +148,8 @@ class KVScopeApp(App):
 
     def on_ready(self) -> None:
         # Started once the live view is composed, so the first messages find their panels.
-        self.run_worker(self.worker.run, thread=True, name="engine", group="engine", exit_on_error=False)
+        self.engine_thread = self.run_worker(self.worker.run, thread=True, name="engine", group="engine",
+                                             exit_on_error=False)
 
     def on_unmount(self) -> None:
         self.worker.stop()
@@ -135,6 +167,9 @@ class KVScopeApp(App):
         self.main.engine_ready(message.info)
         if message.log_warning:
             self.notify(message.log_warning, title="Run log", severity="warning", timeout=12)
+        warning = runnable_warning(message.info)
+        if warning:
+            self.notify(warning, title="No request can run", severity="warning", timeout=15)
 
     def on_engine_stepped(self, message: EngineStepped) -> None:
         self.worker.ack()
@@ -171,8 +206,20 @@ class KVScopeApp(App):
 
     def on_request_rejected(self, message: RequestRejected) -> None:
         self.main.chat.on_rejected(message.request_id, message.error)
-        self.notify(message.error, title=f"Request {message.request_id} refused", severity="error",
-                    timeout=10)
+        # Refusals come in bursts (a preset's requests, one after the other): gathered for a moment and
+        # told in one toast, never one toast each.
+        if not self._refused:
+            self.set_timer(REFUSALS_GATHER_S, self._tell_refusals)
+        self._refused.append((message.request_id, message.error))
+
+    def _tell_refusals(self) -> None:
+        refused, self._refused = self._refused, []
+        if len(refused) == 1:
+            request_id, error = refused[0]
+            self.notify(error, title=f"Request {request_id} refused", severity="error", timeout=10)
+        elif refused:
+            self.notify(f"first: {refused[0][1]}", title=f"{len(refused)} requests refused", severity="error",
+                        timeout=10)
 
     def on_command_rejected(self, message: CommandRejected) -> None:
         self.notify(message.error, title=f"{message.command} refused", severity="error", timeout=10)
@@ -187,7 +234,7 @@ class KVScopeApp(App):
 
     def on_chat_submitted(self, message: ChatSubmitted) -> None:
         params = SamplingParams(max_tokens=message.max_tokens, temperature=CHAT_TEMPERATURE, top_p=CHAT_TOP_P)
-        self.worker.submit(message.request_id, list(message.messages), params)
+        self.worker.send(AddChatTurn(message.request_id, message.messages, params))
         self.main.view.block_map.set_chat_request(message.request_id)
 
     def on_preset_launched(self, message: PresetLaunched) -> None:
@@ -197,10 +244,58 @@ class KVScopeApp(App):
     # --- actions -----------------------------------------------------------------------------------------
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
+        for command in super().get_system_commands(screen):
+            if command.title not in REPLACED_SYSTEM_COMMANDS:
+                yield command
         for action in ACTIONS:
-            key = f" ({action.keys})" if action.keys else ""
-            yield SystemCommand(action.title + key, action.help, getattr(self, f"action_{action.action}"))
+            key = f" ({action.keys.split(',')[0]})" if action.keys else ""
+            yield SystemCommand(action.title + key, action.help, partial(self.run_action, action.action))
+
+    # --- quitting ------------------------------------------------------------------------------------
+
+    def _in_flight(self) -> str | None:
+        """What quitting would abort, in words; None when nothing is in flight."""
+        snapshot = self.main.latest.snapshot if self.main.latest else None
+        count = len(snapshot.requests) if snapshot else 0
+        if self.main.chat.current_request is not None and count == 0:
+            count = 1
+        return f"{count} request{'s' if count != 1 else ''}" if count else None
+
+    async def action_quit(self) -> None:
+        if isinstance(self.screen, (ConfirmQuit, ShuttingDown)):
+            return
+        in_flight = self._in_flight()
+        if in_flight is None:
+            self.shut_down()
+            return
+
+        def answered(quit_now: bool | None) -> None:
+            if quit_now:
+                self.shut_down()
+
+        self.push_screen(ConfirmQuit(in_flight), answered)
+
+    def shut_down(self) -> None:
+        """Say so, stop the engine thread, and exit once it has ended (its step done, its run log closed)."""
+        self.push_screen(ShuttingDown())
+        self.worker.stop()
+
+        def exit_when_stopped() -> None:
+            if self.engine_thread is None or self.engine_thread.is_finished:
+                self.exit()
+
+        self.set_interval(SHUTDOWN_POLL_S, exit_when_stopped)
+
+    def action_show_keys(self) -> None:
+        if self.screen.query("HelpPanel"):
+            self.action_hide_help_panel()
+        else:
+            self.action_show_help_panel()
+
+    def action_focus_panel(self, widget_id: str) -> None:
+        found = self.screen.query(f"#{widget_id}")
+        if found:
+            found.first().focus()
 
     def action_explain(self) -> None:
         if not isinstance(self.screen, ExplainScreen):
@@ -220,11 +315,10 @@ class KVScopeApp(App):
         self.worker.step_once()
 
     def _set_cap(self, direction: int) -> None:
-        index = RATE_CAPS.index(self.worker.state.steps_per_s_cap) if \
-            self.worker.state.steps_per_s_cap in RATE_CAPS else 0
-        cap = RATE_CAPS[min(max(index + direction, 0), len(RATE_CAPS) - 1)]
-        self.worker.set_rate_cap(cap)
-        self.notify("no step cap" if cap is None else f"at most {cap:g} steps/s", timeout=2)
+        index = RATE_CAPS.index(self.rate_cap) if self.rate_cap in RATE_CAPS else 0
+        self.rate_cap = RATE_CAPS[min(max(index + direction, 0), len(RATE_CAPS) - 1)]
+        self.worker.set_rate_cap(self.rate_cap)
+        self.notify("no step cap" if self.rate_cap is None else f"at most {self.rate_cap:g} steps/s", timeout=2)
 
     def action_slower(self) -> None:
         self._set_cap(+1)
@@ -263,7 +357,16 @@ class KVScopeApp(App):
         self._rebuild()
 
     def action_abort_reply(self) -> None:
+        """Esc in the chat: abort the reply streaming, or, with none, leave the input for the map."""
         request_id = self.main.chat.abort()
+        if request_id is None:
+            self.main.view.block_map.focus()
+            return
+        self.worker.abort(request_id)
+        self.main.view.block_map.set_chat_request(None)
+
+    def action_new_conversation(self) -> None:
+        request_id = self.main.chat.new_conversation()
         if request_id is not None:
             self.worker.abort(request_id)
             self.main.view.block_map.set_chat_request(None)

@@ -9,10 +9,12 @@ TypeError, so a mistake fails where it is made instead of being dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.outputs import StepResult
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,15 @@ class AddRequest:
 
     request_id: str
     prompt: Any
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AddChatTurn:
+    """Queue a chat turn; its max_tokens shrinks so prompt plus reply fit max_model_len and the pool."""
+
+    request_id: str
+    messages: tuple[dict, ...]
     params: SamplingParams
 
 
@@ -57,6 +68,23 @@ class LaunchPreset:
 
 
 @dataclass(frozen=True)
+class LaunchPlan:
+    """Send the requests ``plan`` returns (app/presets.py's PlannedRequest, each named), planned on the engine
+    thread from the running engine's PresetContext; some may be staggered over steps."""
+
+    plan: Callable[[Any], list]
+
+
+@dataclass(frozen=True)
+class RunUntil:
+    """Resume, and pause again after the first step for which ``condition(result)`` holds, after ``max_steps``
+    steps, or when nothing is left to run; then post RunUntilDone. Evaluated on the engine thread."""
+
+    condition: Callable[[StepResult], bool]
+    max_steps: int
+
+
+@dataclass(frozen=True)
 class Rebuild:
     """Replace the engine with one built from ``config`` (the weights are kept when only the cache changes)."""
 
@@ -69,4 +97,5 @@ class Stop:
 
 
 # A union, so isinstance(x, WorkerCommand) checks every command at once.
-WorkerCommand = AddRequest | AbortRequest | SetPaused | StepOnce | SetRateCap | LaunchPreset | Rebuild | Stop
+WorkerCommand = (AddRequest | AddChatTurn | AbortRequest | SetPaused | StepOnce | SetRateCap | LaunchPreset
+                 | LaunchPlan | RunUntil | Rebuild | Stop)

@@ -246,12 +246,13 @@ async def test_history_counts_every_generated_token_and_an_unfinished_run_is_int
 
 def test_the_empty_pool_shown_at_start_is_the_engines_own():
     from kvscope.app.engine_factory import engine_info
-    from kvscope.app.screens.main import idle_step
+    from kvscope.app.widgets.snapshot_view import empty_step
 
     engine = fake_engine(EngineConfig(num_blocks=48, block_size=8, preemption_mode="swap"), num_host_blocks=6)
-    shown = idle_step(engine_info(engine))
+    info = engine_info(engine)
+    snapshot, stats = empty_step(info.num_blocks, info.block_size, info.config.allocator, info.num_host_blocks)
     real = engine.step()    # an idle engine's step changes nothing in the pool
     for name in ("block_state", "ref_counts", "block_fill", "block_hashes"):
-        assert np.array_equal(getattr(shown.snapshot, name), getattr(real.snapshot, name)), name
-    assert (shown.snapshot.num_host_blocks, shown.snapshot.num_free_host_blocks) == (6, 6)
-    assert (shown.stats.num_free_blocks, shown.stats.num_total_blocks) == (48, 48)
+        assert np.array_equal(getattr(snapshot, name), getattr(real.snapshot, name)), name
+    assert (snapshot.num_host_blocks, snapshot.num_free_host_blocks) == (6, 6)
+    assert (stats.num_free_blocks, stats.num_total_blocks) == (48, 48)

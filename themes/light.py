@@ -27,6 +27,7 @@ KVSCOPE_LIGHT = Theme(
         "block-swapped": "#a0522d",
         "block-chat": "#f0d9ff",
         "block-cursor": "#1f2430",
+        "block-marked": "#f2a900",
         **{owner_variable(i): colour for i, colour in enumerate(_OWNERS)},
         "footer-key-foreground": "#2f5f8a",
     },

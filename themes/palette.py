@@ -15,6 +15,7 @@ BLOCK_STATE_VARIABLES = (
     "block-swapped",      # a request's blocks that sit in the host pool
     "block-chat",         # background of the running chat reply's blocks
     "block-cursor",       # background of the cell under the cursor
+    "block-marked",       # background of blocks a lesson points at
 )
 
 
@@ -29,6 +30,7 @@ BLOCK_VARIABLE_DEFAULTS: dict[str, str] = {
     "block-swapped": "#d08770",
     "block-chat": "#553a63",
     "block-cursor": "#e5e9f0",
+    "block-marked": "#ebcb8b",
     **{owner_variable(i): colour for i, colour in enumerate((
         "#4fc3f7", "#ffb74d", "#81c784", "#f06292", "#ba68c8", "#fff176",
         "#4db6ac", "#e57373", "#9575cd", "#aed581", "#64b5f6", "#ff8a65",

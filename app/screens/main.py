@@ -23,43 +23,26 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 from textual.app import ComposeResult
 from textual.screen import Screen
-from textual.widgets import Footer
 
 from kvscope.app.messages import EngineInfo, RunState
 from kvscope.app.widgets.box import titled
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
 from kvscope.app.widgets.header import EngineHeader
+from kvscope.app.widgets.key_bar import KeyBar
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.snapshot_view import SnapshotView
+from kvscope.app.widgets.status_line import VllmStatusLine
 from kvscope.app.widgets.system import REFRESH_S as SYSTEM_REFRESH_S
 from kvscope.app.widgets.system import SystemPanel, SystemSampler
 from kvscope.app.widgets.throughput import Throughput
-from kvscope.engine.outputs import BLOCK_FREE, CacheSnapshot, StepResult, StepStats
+from kvscope.engine.outputs import StepResult
 
 FRAME_RATE = 20
 UI_CPU_BUDGET = 0.04  # share of one core the UI thread may use for painting and handling steps
 MIN_FRAME_RATE = 1    # however busy the UI thread is, the view is at most this stale
 TEXT_RATE = 4         # the panels of numbers: as often as a person can read them
-
-
-def idle_step(info: EngineInfo) -> StepResult:
-    """What a new engine holds before its first step: every block free, no request, no rate."""
-    n, config = info.num_blocks, info.config
-    snapshot = CacheSnapshot(
-        step=0, block_size=info.block_size, num_blocks=n, allocator=config.allocator,
-        block_state=np.full(n, BLOCK_FREE, dtype=np.int8), ref_counts=np.zeros(n, dtype=np.int32),
-        block_fill=np.zeros(n, dtype=np.int16), block_hashes=np.zeros(n, dtype=np.uint64),
-        num_host_blocks=info.num_host_blocks, num_free_host_blocks=info.num_host_blocks)
-    stats = StepStats(
-        step=0, time=time.time(), duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_running=0,
-        num_waiting=0, num_swapped=0, num_free_blocks=n, num_cached_free_blocks=0, num_total_blocks=n,
-        kv_usage=0.0, kv_token_utilisation=0.0, prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
-        num_swapped_out_blocks=0, num_swapped_in_blocks=0, prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0,
-        num_host_blocks=info.num_host_blocks, num_free_host_blocks=info.num_host_blocks)
-    return StepResult(outputs=[], stats=stats, snapshot=snapshot)
 
 
 class MainScreen(Screen):
@@ -71,6 +54,7 @@ class MainScreen(Screen):
         super().__init__(id="main")
         self.engine_info: EngineInfo | None = None
         self.latest: StepResult | None = None
+        self.previous: StepResult | None = None   # the step before latest, for the event line
         self._painted: StepResult | None = None
         self._texted: StepResult | None = None   # the step the panels of numbers show
         self._painted_at = 0.0
@@ -79,15 +63,21 @@ class MainScreen(Screen):
         self.chat = titled(ChatPane(max_tokens=chat_max_tokens, id="chat", classes="panel"), "Chat")
         self.throughput = titled(Throughput(id="throughput", classes="panel"), "Throughput")
         self.system = titled(SystemPanel(system_sampler, id="system", classes="panel"), "System")
+        # The status line runs under the panels in a wide window, and inside the scrolling column in a
+        # narrow one, where three wrapped lines at the bottom would cost an eighth of the screen.
+        self.status_lines = (VllmStatusLine(id="vllm-status", classes="wide-only"),
+                             titled(VllmStatusLine(id="vllm-status-narrow", classes="panel narrow-only"),
+                                    "vLLM-style status"))
         self.view = SnapshotView(
-            id="body", beside_map=[self.chat], beside_figures=[self.throughput],
+            id="body", beside_map=[self.chat], beside_figures=[self.throughput, self.status_lines[1]],
             under_block_table=[self.system],
             beside_queues=[titled(LoadGenerator(id="load", classes="panel"), "Load generator")])
 
     def compose(self) -> ComposeResult:
         yield EngineHeader(id="header")
         yield self.view
-        yield Footer(compact=True)
+        yield self.status_lines[0]
+        yield KeyBar(id="keys")
 
     def on_mount(self) -> None:
         self.set_interval(1 / FRAME_RATE, self.paint)
@@ -99,17 +89,16 @@ class MainScreen(Screen):
         self.chat.set_engine_waiting(True)
 
     def engine_ready(self, info: EngineInfo) -> None:
-        """A new engine. One that replaces another shows its empty pool in every panel at once,
-        nothing of the engine before it."""
-        replaced = self.engine_info is not None
+        """A new engine: its empty pool in every panel at once, nothing of any engine before it."""
         self.engine_info = info
         self.view.max_model_len = info.max_model_len
-        self.latest, self._painted, self._texted = (idle_step(info) if replaced else None), None, None
+        self.latest = self.previous = self._painted = self._texted = None
         self.query_one(EngineHeader).show_engine(info)
         self.throughput.clear()
+        for line in self.status_lines:
+            line.reset(info.device)
+        self.view.show_empty(info.num_blocks, info.block_size, info.config.allocator, info.num_host_blocks)
         self.chat.set_engine_waiting(False)
-        if replaced:
-            self.paint(force=True)
 
     def engine_not_ready(self, still_running: EngineInfo | None, error: str) -> None:
         """A build failed: back to the engine that goes on serving, or say there is none."""
@@ -134,7 +123,9 @@ class MainScreen(Screen):
         if chat.current_request is None and block_map.chat_request is not None:
             block_map.set_chat_request(None)
         self.throughput.push(result.stats)
-        self.latest = result
+        for line in self.status_lines:
+            line.push(result.stats)
+        self.previous, self.latest = self.latest, result
 
     def _within_budget(self) -> bool:
         """Whether the UI thread (the caller) kept under its CPU budget since the last frame."""
@@ -166,5 +157,8 @@ class MainScreen(Screen):
             self.view.show_blocks(result.snapshot)
         if text_due:
             self._texted, self._texted_at = result, now
-            self.view.show_figures(result.snapshot, result.stats)
+            previous = self.previous.snapshot if self.previous is not None else None
+            self.view.show_figures(result.snapshot, result.stats, result.events, previous)
+            for line in self.status_lines:
+                line.show_status(result.snapshot, result.stats)
             self.throughput.redraw()

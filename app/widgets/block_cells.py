@@ -3,10 +3,10 @@
 Kept apart from the widget so the map can diff whole rows of integers with numpy
 and rebuild only the rows whose cells changed. A code packs
 ``style * GLYPH_SLOTS + glyph``; the style says which palette colour, whether the
-block is shared, and which highlight applies: the cursor, the chat reply's tint,
-or, while a request is selected, whether the cell is that request's (drawn as
-usual) or anything else (dimmed, so the selected request's scattered blocks
-stand out).
+block is shared, and which highlight applies: the cursor, blocks a lesson
+marks, the chat reply's tint, or, while a request is selected, whether the cell
+is that request's (drawn as usual) or anything else (dimmed, so the selected
+request's scattered blocks stand out).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _RESERVED = _HIGHLIGHTED_FULL + 1
 STYLE_FREE, STYLE_CACHED, STYLE_OWNER = 0, 1, 2
 STYLE_SHARED = STYLE_OWNER + NUM_OWNER_COLOURS
 NUM_BASE_STYLES = STYLE_SHARED + NUM_OWNER_COLOURS
-OVERLAY_NONE, OVERLAY_SELECTED, OVERLAY_CHAT, OVERLAY_CURSOR, OVERLAY_DIMMED = range(5)
+OVERLAY_NONE, OVERLAY_SELECTED, OVERLAY_CHAT, OVERLAY_CURSOR, OVERLAY_DIMMED, OVERLAY_MARKED = range(6)
 
 
 def decode(code: int) -> tuple[int, int, int]:
@@ -158,8 +158,19 @@ def _glyphs(kinds: np.ndarray, snapshot: CacheSnapshot, layout: MapLayout) -> np
     return glyph
 
 
+def block_mask(num_blocks: int, blocks) -> np.ndarray | None:
+    """A mask of the given physical blocks (ids out of range are ignored), or None for none."""
+    ids = [b for b in blocks if 0 <= b < num_blocks]
+    if not ids:
+        return None
+    mask = np.zeros(num_blocks, dtype=bool)
+    mask[ids] = True
+    return mask
+
+
 def cell_codes(snapshot: CacheSnapshot, layout: MapLayout, *, selected: np.ndarray | None = None,
-               chat: np.ndarray | None = None, cursor: int | None = None) -> np.ndarray:
+               chat: np.ndarray | None = None, cursor: int | None = None,
+               marked: np.ndarray | None = None) -> np.ndarray:
     """int32 code per cell (see module doc)."""
     kinds = _fold(block_kinds(snapshot), layout, KIND_FREE)
     owners = _fold(owner_index(snapshot), layout, -1)
@@ -177,6 +188,8 @@ def cell_codes(snapshot: CacheSnapshot, layout: MapLayout, *, selected: np.ndarr
         mine = _fold(selected, layout, False).any(axis=1)
         overlay[cell_kind != KIND_FREE] = OVERLAY_DIMMED
         overlay[mine] = OVERLAY_SELECTED
+    if marked is not None:
+        overlay[_fold(marked, layout, False).any(axis=1)] = OVERLAY_MARKED
     if cursor is not None and 0 <= cursor < layout.num_cells:
         overlay[cursor] = OVERLAY_CURSOR
     glyph = _glyphs(kinds, snapshot, layout)

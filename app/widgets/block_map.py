@@ -44,6 +44,7 @@ class BlockMap(Widget, can_focus=True):
         self.map_layout: cells.MapLayout | None = None
         self.selected_request: str | None = None
         self.chat_request: str | None = None
+        self.marked_blocks: tuple[int, ...] = ()
         self.cursor_cell: int | None = None
         self._codes = np.zeros(0, dtype=np.int32)
         self._strips: dict[int, Strip] = {}
@@ -67,6 +68,11 @@ class BlockMap(Widget, can_focus=True):
         self.chat_request = request_id
         self._recompute()
 
+    def mark_blocks(self, blocks) -> None:
+        """Draw these physical blocks in the marked colour (a lesson pointing at them); () clears."""
+        self.marked_blocks = tuple(blocks)
+        self._recompute()
+
     # --- cells -----------------------------------------------------------------------
 
     @property
@@ -84,6 +90,7 @@ class BlockMap(Widget, can_focus=True):
             selected=cells.request_mask(snapshot, self.selected_request),
             chat=cells.request_mask(snapshot, self.chat_request),
             cursor=self.cursor_cell if self.has_focus or self.mouse_hover else None,
+            marked=cells.block_mask(snapshot.num_blocks, self.marked_blocks),
         )
         if layout != self.map_layout or codes.size != self._codes.size:
             self.map_layout, self._codes = layout, codes
@@ -149,6 +156,9 @@ class BlockMap(Widget, can_focus=True):
             # One look whatever lies under it, so the cursor is found at a glance (a shared block's
             # digit on its owner's colour would otherwise look just like its neighbours).
             return Style(color=widget_background.rich_color, bgcolor=self._colour("block-cursor").rich_color,
+                         bold=True)
+        if overlay == cells.OVERLAY_MARKED:
+            return Style(color=widget_background.rich_color, bgcolor=self._colour("block-marked").rich_color,
                          bold=True)
         background, bold = widget_background, False
         if base == cells.STYLE_FREE:

@@ -45,7 +45,7 @@ def describe_request(view: RequestView, snapshot: CacheSnapshot) -> str:
     return "\n".join(lines)
 
 
-class BlockTable(LinePanel):
+class BlockTable(LinePanel, can_focus=True):
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(HINT, id=id, classes=classes)
         self.request_id: str | None = None

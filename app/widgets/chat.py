@@ -3,7 +3,9 @@
 The pane keeps the conversation and the id of the reply in flight; the app sends
 each turn to the engine and feeds the outputs back. Every turn resends the whole
 conversation, so the second turn's prompt starts with the first turn's tokens
-and the prefix cache hands back their blocks.
+and the prefix cache hands back their blocks. "New conversation" forgets it:
+the next turn is sent alone. Esc in the pane aborts the reply streaming (and
+only there: the key means other things elsewhere).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import itertools
 
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.widgets import Input, Static
@@ -21,9 +24,14 @@ from kvscope.engine.outputs import RequestOutput
 PLACEHOLDER = "Ask the model…"
 DEFAULT_MAX_TOKENS = 256
 WAITING = "waiting for the engine…"
+SPEAKERS = {"user": "you", "assistant": "assistant"}
+HINT = ("Type a question below and press Enter. Its blocks light up in the map while the reply streams; "
+        "Esc stops the reply, Ctrl+N starts a new conversation.")
 
 
 class ChatPane(Vertical):
+    BINDINGS = [Binding("escape", "app.abort_reply", "Abort reply")]
+
     def __init__(self, *, max_tokens: int = DEFAULT_MAX_TOKENS, id: str | None = None,
                  classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
@@ -39,8 +47,7 @@ class ChatPane(Vertical):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="chat-log"):
-            yield Static("Type a question below and press Enter. Its blocks light up in the map while "
-                         "the reply streams; Esc stops the reply.", classes="chat-hint")
+            yield Static(HINT, classes="chat-hint")
         chat_input = Input(placeholder=PLACEHOLDER, id="chat-input")
         # The input has the focus most of the time: a blinking cursor would repaint twice a second,
         # a repaint pass the engine pays for under load.
@@ -52,7 +59,9 @@ class ChatPane(Vertical):
         return self.query_one("#chat-log", VerticalScroll)
 
     def _bubble(self, text: str, kind: str) -> Static:
+        role = kind.split()[0]
         bubble = Static(Content(text), classes=f"bubble {kind}")
+        bubble.border_title = SPEAKERS.get(role, role)
         self.chat_log.mount(bubble)
         self.chat_log.scroll_end(animate=False)
         return bubble
@@ -61,6 +70,7 @@ class ChatPane(Vertical):
         event.stop()
         text = event.value.strip()
         if not text:
+            event.input.value = ""   # whitespace alone is nothing to send, and nothing to keep
             return
         if self.current_request is not None:
             self.notify("A reply is still streaming; press Esc to abort it.", severity="warning")
@@ -123,6 +133,15 @@ class ChatPane(Vertical):
             if self._reply:
                 self.messages.append({"role": "assistant", "content": self._reply})
             self.current_request = None
+        return request_id
+
+    def new_conversation(self) -> str | None:
+        """Forget every turn (the next one is sent alone) and clear the log; returns a reply in flight to abort."""
+        request_id = self.abort()
+        self.messages.clear()
+        self.chat_log.remove_children()
+        self.chat_log.mount(Static("New conversation: the model sees none of the earlier turns.",
+                                   classes="chat-hint"))
         return request_id
 
     def on_rejected(self, request_id: str, error: str) -> None:

@@ -9,10 +9,15 @@ from kvscope.app.messages import EngineInfo, RunState
 from kvscope.app.widgets.formatting import mebibytes
 
 
+def prefix_caching_on(info: EngineInfo) -> bool:
+    """The contiguous baseline shares no blocks, so it cannot use the prefix cache whatever the flag says."""
+    return info.config.enable_prefix_caching and info.config.allocator != "contiguous"
+
+
 def describe_engine_compact(info: EngineInfo) -> str:
     """For narrow windows: the same facts in a third of the width."""
     config = info.config
-    caching = "prefix✓" if config.enable_prefix_caching else "prefix✗"
+    caching = "prefix✓" if prefix_caching_on(info) else "prefix✗"
     size = f" {mebibytes(info.kv_cache_bytes)}" if info.kv_cache_bytes else ""
     return (f"[b]$model[/b] · {info.device} {info.dtype} · {info.num_blocks:,}×{info.block_size} tok{size} · "
             f"{info.max_concurrency:.1f}x@{info.max_model_len:,} · [b]{config.allocator}[/b] "
@@ -25,7 +30,8 @@ def describe_engine(info: EngineInfo) -> str:
     pool = f"pool {info.num_blocks:,} blocks = {info.num_tokens:,} tokens"
     if info.kv_cache_bytes:
         pool += f" ({mebibytes(info.kv_cache_bytes)})"
-    caching = "prefix cache on" if config.enable_prefix_caching else "prefix cache off"
+    caching = "prefix cache on" if prefix_caching_on(info) else \
+        "prefix cache off" if config.allocator == "paged" else "no prefix cache (contiguous)"
     return (f"[b]$model[/b] · {info.device} · {info.dtype} · block {info.block_size} · {pool}\n"
             f"max concurrency {info.max_concurrency:.1f}x at {info.max_model_len:,} tokens · "
             f"[b]{config.allocator}[/b] allocator · preempt: {config.preemption_mode} · {caching}")

@@ -7,7 +7,9 @@ Textual's full per-line pass, on any change. Here a line given as markup is
 parsed only when its markup changed, is wrapped once for the current width, and
 only the rows it covers are repainted. A layout pass, which repaints the whole
 screen, is asked for only when the panel's height is "auto" and its row count
-changed.
+changed. Text taller than the panel scrolls (mouse wheel, or keys when the panel
+has the focus) rather than being cut: the panel is a ScrollView whose virtual
+height is its row count.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from __future__ import annotations
 from textual.content import Content
 from textual.events import Resize
 from textual.geometry import Region, Size
+from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.visual import RenderOptions
-from textual.widget import Widget
 
 Line = str | Content   # a markup string, or ready-made Content
 
 
-class LinePanel(Widget):
+class LinePanel(ScrollView, can_focus=False):
     def __init__(self, text: str | Content = "", *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self._sources: list[Line] = []           # what each line was made from, to compare the next text with
@@ -51,7 +53,8 @@ class LinePanel(Widget):
         self._sources = sources
         for i in changed:   # every changed line first: a re-wrap below returns before the loop ends
             self._lines[i] = _parse(sources[i])
-        width = self.size.width
+        width = self._width
+        top = round(self.scroll_offset.y)
         for i in changed:
             before = self._wrapped[i]
             self._wrapped[i] = None
@@ -61,8 +64,8 @@ class LinePanel(Widget):
             if before is None or len(before) != len(after):
                 self._rewrap()   # the lines below move: repaint them all
                 return
-            first = self._first_row(i)
-            self.refresh(Region(0, first, width, len(after)))
+            first = self._first_row(i) - top
+            self.refresh(Region(0, first, self.size.width, len(after)))
 
     def render(self) -> Content:
         """Everything the panel shows, as one Content (for tests and for reading the panel)."""
@@ -70,12 +73,19 @@ class LinePanel(Widget):
 
     # --- drawing -------------------------------------------------------------------------------
 
+    @property
+    def _width(self) -> int:
+        """The wrapping width: the content's, less the scrollbar's gutter."""
+        return self.scrollable_content_region.width
+
     def _rewrap(self) -> None:
         rows_before = len(self._rows) if self._rows is not None else -1
         self._wrapped = [None] * len(self._lines)
         self._rows = None
+        rows = len(self._row_map())
+        self.virtual_size = Size(self._width, rows)
         auto_height = self.styles.height is None or self.styles.height.is_auto
-        self.refresh(layout=auto_height and rows_before != len(self._row_map()))
+        self.refresh(layout=auto_height and rows_before != rows)
 
     def notify_style_update(self) -> None:
         super().notify_style_update()
@@ -92,7 +102,7 @@ class LinePanel(Widget):
 
     def _row_map(self) -> list[tuple[int, int]]:
         if self._rows is None:
-            width = self.size.width
+            width = self._width
             rows = []
             for i in range(len(self._lines)):
                 if width and self._wrapped[i] is None:
@@ -105,14 +115,15 @@ class LinePanel(Widget):
         return sum(len(self._wrapped[i]) for i in range(index))
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        if width == self.size.width:
+        if width == self._width:
             return len(self._row_map())
         return sum(len(self._wrap(i, width)) for i in range(len(self._lines))) if width else len(self._lines)
 
     def render_line(self, y: int) -> Strip:
         rows = self._row_map()
-        if y >= len(rows) or not self.size.width:
-            return Strip.blank(self.size.width, self.rich_style)
+        y += round(self.scroll_offset.y)
+        if y >= len(rows) or not self._width:
+            return Strip.blank(self._width, self.rich_style)
         index, sub = rows[y]
         return self._wrapped[index][sub]
 

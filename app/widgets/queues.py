@@ -1,9 +1,16 @@
-"""Running, waiting and swapped requests: one keyed row per request, updated in place, line API.
+"""Running, waiting, swapped and recently finished requests: one keyed row each, line API.
 
 A DataTable re-renders every visible cell whenever any cell changes, which with
 hundreds of decoding requests costs more than the engine step it shows. Here a
 row is one cached Strip, rebuilt only when that request's numbers change, and
 only the lines of changed rows are repainted.
+
+Nothing is cut: the id and number columns are as wide as their widest value, and
+when the panel is too narrow for all of them the least needed columns go (the
+prompt preview is the only text shortened). A request that leaves the snapshot
+stays for FINISHED_KEEP_STEPS steps as a "recently finished" row, with its
+finish reason when the step's events gave it. The cursor moves over live rows
+only: Enter never selects a request that is gone.
 """
 
 from __future__ import annotations
@@ -18,21 +25,27 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from kvscope.app.messages import RequestSelected
-from kvscope.engine.outputs import CacheSnapshot, RequestView
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, RequestView
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 QUEUE_ORDER = {"running": 0, "swapped": 1, "waiting": 2}
 # queue -> (label, theme variable of its colour, dim)
 QUEUE_LABELS = {"running": ("▶ run", "success", False), "swapped": ("⇄ swap", "warning", False),
                 "waiting": ("… wait", "foreground", True)}
-# (header, width, right-aligned); the prompt column takes whatever width is left
-COLUMNS = (("request", 11, False), ("queue", 7, False), ("prompt", 0, False), ("prefill", 9, True),
-           ("output", 10, True), ("blocks", 7, True), ("cached", 7, True), ("preempt", 8, True))
+FINISHED_LABELS = {"stop": "✓ stop", "length": "✓ length", "abort": "✗ abort", "error": "✗ error"}
+FINISHED = "finished"
+FINISHED_KEEP_STEPS = 30
+FINISHED_MAX_ROWS = 8
+# (header, minimum width, right-aligned); the prompt column takes whatever width is left
+COLUMNS = (("request", 8, False), ("queue", 9, False), ("prompt", 0, False), ("prefill", 8, True),
+           ("output", 7, True), ("blocks", 7, True), ("cached", 7, True), ("preempt", 8, True))
 PROMPT_COLUMN = 2
 MIN_PROMPT_WIDTH = 8
 # The columns a narrow table leaves out, first to last.
 DROP_ORDER = tuple(next(i for i, (header, _, _) in enumerate(COLUMNS) if header == name)
                    for name in ("prompt", "cached", "preempt", "prefill"))
+# How a finished request's reason is read from a step's events.
+_EVENT_REASONS = {"abort": "abort", "error": "error"}
 
 
 def row_cells(view: RequestView) -> tuple[str, ...]:
@@ -52,6 +65,29 @@ def row_cells(view: RequestView) -> tuple[str, ...]:
     )
 
 
+def finished_reasons(events: tuple[EngineEvent, ...]) -> dict[str, str]:
+    """request id -> finish reason, for the requests a step's events say ended."""
+    reasons = {}
+    for event in events:
+        if event.kind == "finish" and event.request_id:
+            reasons[event.request_id] = event.detail or "stop"
+        elif event.kind in _EVENT_REASONS and event.request_id:
+            reasons[event.request_id] = _EVENT_REASONS[event.kind]
+    return reasons
+
+
+def column_widths(rows: list[tuple[str, ...]]) -> list[int]:
+    """Each column's width: its header's or its widest value's, plus one space (prompt: 0, it flexes)."""
+    widths = []
+    for i, (header, minimum, _) in enumerate(COLUMNS):
+        if i == PROMPT_COLUMN:
+            widths.append(0)
+            continue
+        widest = max((len(row[i]) for row in rows), default=0)
+        widths.append(max(minimum, len(header) + 1, widest + 1))
+    return widths
+
+
 def _fit(text: str, width: int, right: bool) -> str:
     if len(text) > width - 1:
         text = text[: max(width - 2, 0)] + "…"
@@ -69,16 +105,20 @@ class QueuesTable(ScrollView, can_focus=True):
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
-        self.rows: dict[str, tuple[str, ...]] = {}
-        self.order: list[str] = []
+        self.rows: dict[str, tuple[str, ...]] = {}        # live requests
+        self.finished: dict[str, tuple[tuple[str, ...], int]] = {}   # gone: (row, step it went at)
+        self.order: list[str] = []      # live rows in queue order, then finished rows, newest first
         self.cursor_request: str | None = None
+        self._step = 0
+        self._reasons: dict[str, str] = {}
         self._arrival: dict[str, int] = {}
         self._position: dict[str, int] = {}
         self._strips: dict[str, Strip] = {}
         self._styles: dict[tuple[str, bool, bool], Style] = {}
         self._plain: Style | None = None
-        self._widths: dict[int, int] = {}   # the columns shown (all but the first two plain) -> width
-        self._widths_for = -1   # the width the columns were fitted to
+        self._column_widths = column_widths([])
+        self._widths: dict[int, int] = {}   # the columns shown -> width
+        self._widths_for = -1   # the panel width the columns were fitted to
 
     def on_mount(self) -> None:
         self.app.theme_changed_signal.subscribe(self, lambda _theme: self._restyle())
@@ -86,7 +126,16 @@ class QueuesTable(ScrollView, can_focus=True):
 
     # --- data ------------------------------------------------------------------------
 
-    def show_snapshot(self, snapshot: CacheSnapshot) -> None:
+    def clear(self) -> None:
+        """Forget every row (a new engine): its requests are not this engine's."""
+        self.rows, self.finished, self._reasons, self._arrival = {}, {}, {}, {}
+        self.cursor_request = None
+        self._strips.clear()
+        self._reorder()
+        self._update_title()
+
+    def show_snapshot(self, snapshot: CacheSnapshot, events: tuple[EngineEvent, ...] = ()) -> None:
+        self._reasons.update(finished_reasons(events))
         live: dict[str, tuple[str, ...]] = {}
         changed: list[str] = []
         reorder = False
@@ -99,20 +148,49 @@ class QueuesTable(ScrollView, can_focus=True):
                 self._strips.pop(view.request_id, None)
                 reorder |= old is None or old[1] != cells[1]
             self._arrival[view.request_id] = view.arrival_index
-        reorder |= len(live) != len(self.rows)
-        for gone in self.rows.keys() - live.keys():
-            self._strips.pop(gone, None)
-            self._arrival.pop(gone, None)
+            self.finished.pop(view.request_id, None)    # an id used again
+        gone = self.rows.keys() - live.keys()
+        for request_id in gone:
+            self._finish(request_id, snapshot.step)
+        self._step = snapshot.step
+        reorder |= bool(gone) or self._expire(snapshot.step)
         self.rows = live
+        widths = column_widths([*live.values(), *(row for row, _ in self.finished.values())])
+        if widths != self._column_widths:
+            self._column_widths, self._widths_for = widths, -1
+            self._strips.clear()
+            reorder = True
         if reorder:
             self._reorder()
         else:
             self._refresh_rows([self._position[request_id] for request_id in changed])
+        self._keep_cursor_on_a_live_row()
         self._update_title()
+
+    def _finish(self, request_id: str, step: int) -> None:
+        reason = self._reasons.pop(request_id, None)
+        label = FINISHED_LABELS.get(reason, "✓ done") if reason else "✓ done"
+        row = self.rows[request_id]
+        self.finished[request_id] = ((row[0], label, *row[2:]), step)
+        self._strips.pop(request_id, None)
+
+    def _expire(self, step: int) -> bool:
+        """Drop finished rows older than FINISHED_KEEP_STEPS, and beyond FINISHED_MAX_ROWS."""
+        keep = sorted(self.finished.items(), key=lambda item: -item[1][1])
+        keep = [(rid, entry) for rid, entry in keep[:FINISHED_MAX_ROWS] if step - entry[1] < FINISHED_KEEP_STEPS]
+        if len(keep) == len(self.finished):
+            return False
+        for request_id in self.finished.keys() - dict(keep).keys():
+            self._strips.pop(request_id, None)
+            self._arrival.pop(request_id, None)
+        self.finished = dict(keep)
+        return True
 
     def _reorder(self) -> None:
         rank = QUEUE_ORDER.get
-        self.order = sorted(self.rows, key=lambda rid: (rank(self.rows[rid][1], 3), self._arrival[rid]))
+        live = sorted(self.rows, key=lambda rid: (rank(self.rows[rid][1], 3), self._arrival[rid]))
+        done = sorted(self.finished, key=lambda rid: (-self.finished[rid][1], self._arrival.get(rid, 0)))
+        self.order = live + done
         self._position = {rid: i for i, rid in enumerate(self.order)}
         self.virtual_size = Size(self.size.width, len(self.order) + 1)
         self.refresh()
@@ -131,6 +209,8 @@ class QueuesTable(ScrollView, can_focus=True):
         for cells in self.rows.values():
             counts[cells[1]] = counts.get(cells[1], 0) + 1
         title = "Queues · " + " · ".join(f"{name} {n}" for name, n in counts.items())
+        if self.finished:
+            title += f" · finished {len(self.finished)}"
         if title != self.border_title:
             self.border_title = title
 
@@ -171,22 +251,24 @@ class QueuesTable(ScrollView, can_focus=True):
 
     def _fit_columns(self, width: int) -> None:
         """Every column when they fit; narrower, the prompt first, then the least needed ones go."""
+        widths = self._column_widths
         shown = list(range(len(COLUMNS)))
-        fixed = sum(w for _, w, _ in COLUMNS)
+        fixed = sum(widths)
         for column in DROP_ORDER:
             needed = fixed + (MIN_PROMPT_WIDTH if PROMPT_COLUMN in shown else 0)
             if needed <= width:
                 break
             shown.remove(column)
-            fixed -= COLUMNS[column][1]
+            fixed -= widths[column]
         self._widths_for = width
-        self._widths = {i: max(width - fixed, MIN_PROMPT_WIDTH) if i == PROMPT_COLUMN else COLUMNS[i][1]
+        self._widths = {i: max(width - fixed, MIN_PROMPT_WIDTH) if i == PROMPT_COLUMN else widths[i]
                         for i in shown}
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width
         if self._widths_for != width:
             self._fit_columns(width)
+            self._strips.clear()
         if y == 0:
             return self._header(width)
         position = round(self.scroll_offset.y) + y - 1
@@ -206,26 +288,42 @@ class QueuesTable(ScrollView, can_focus=True):
         return Strip([Segment(text, style)]).crop_extend(0, self.size.width, self._plain_style)
 
     def _row_strip(self, request_id: str, width: int) -> Strip:
-        cells = self.rows[request_id]
+        done = request_id not in self.rows
+        cells = self.finished[request_id][0] if done else self.rows[request_id]
         widths = self._widths
-        plain = self._plain_style
-        owner = owner_variable(self._arrival[request_id] % NUM_OWNER_COLOURS)
-        label, variable, dim = QUEUE_LABELS.get(cells[1], (cells[1], "foreground", False))
+        plain = self._style("foreground", dim=True) if done else self._plain_style
+        owner = owner_variable(self._arrival.get(request_id, 0) % NUM_OWNER_COLOURS)
+        label, variable, dim = (cells[1], "foreground", True) if done else \
+            QUEUE_LABELS.get(cells[1], (cells[1], "foreground", False))
         # The columns after the queue share one style: one segment for all of them.
         rest = "".join(_fit(cells[i], w, COLUMNS[i][2]) for i, w in widths.items() if i >= 2)
-        segments = [Segment(_fit(cells[0], widths[0], False), self._style(owner, bold=True)),
+        segments = [Segment(_fit(cells[0], widths[0], False), self._style(owner, bold=True, dim=done)),
                     Segment(_fit(label, widths[1], False), self._style(variable, dim=dim)),
                     Segment(rest, plain)]
-        return Strip(segments).crop_extend(0, width, plain)
+        return Strip(segments).crop_extend(0, width, self._plain_style)
 
     # --- cursor and selection ---------------------------------------------------------------
 
-    def action_cursor(self, delta: int) -> None:
-        if not self.order:
+    @property
+    def num_live(self) -> int:
+        return len(self.rows)
+
+    def _keep_cursor_on_a_live_row(self) -> None:
+        """When the cursor's request has gone, the cursor moves to the live row now in its place; when it
+        is not even drawn (the table has no focus), it is dropped, and the next focus starts at the top."""
+        if self.cursor_request is None or self.cursor_request in self.rows:
             return
-        current = self._position.get(self.cursor_request, -1) if self.cursor_request else -1
-        position = min(max(current + delta, 0), len(self.order) - 1)
-        self._move_cursor(position)
+        if not self.has_focus:
+            self.cursor_request = None
+            return
+        position = self._position.get(self.cursor_request, 0)
+        self.cursor_request = self.order[min(position, self.num_live - 1)] if self.num_live else None
+
+    def action_cursor(self, delta: int) -> None:
+        if not self.num_live:
+            return
+        current = self._position.get(self.cursor_request, -1) if self.cursor_request in self.rows else -1
+        self._move_cursor(min(max(current + delta, 0), self.num_live - 1))
 
     def _move_cursor(self, position: int) -> None:
         previous = self._position.get(self.cursor_request) if self.cursor_request else None
@@ -235,20 +333,24 @@ class QueuesTable(ScrollView, can_focus=True):
         self.scroll_to_region(Region(0, position, 1, 2), animate=False, immediate=True)
 
     def action_select(self) -> None:
-        if self.cursor_request is not None:
-            self.post_message(RequestSelected(self.cursor_request))
+        """Select the request under the cursor; with no live row under it, the first row's."""
+        if self.cursor_request not in self.rows:
+            if not self.num_live:
+                return
+            self._move_cursor(0)
+        self.post_message(RequestSelected(self.cursor_request))
 
     def on_click(self, event: Click) -> None:
         offset = event.get_content_offset(self)
         if offset is None or offset.y == 0:
             return
         position = round(self.scroll_offset.y) + offset.y - 1
-        if 0 <= position < len(self.order):
+        if 0 <= position < self.num_live:
             self._move_cursor(position)
             self.action_select()
 
     def on_focus(self) -> None:
-        if self.cursor_request is None and self.order:
+        if self.cursor_request not in self.rows and self.num_live:
             self._move_cursor(0)
         elif self.cursor_request in self._position:
             self._refresh_rows([self._position[self.cursor_request]])

@@ -3,7 +3,8 @@
 The live window, the replay screen (and anything else that shows a snapshot:
 a lesson, an attached vLLM server) use this one widget, so a block map, its
 legend and inspector, the counters, the paged-vs-contiguous comparison, the
-block table and the queues look and behave the same everywhere. Selecting a
+block table, the queues and the event line under the map (what the step did,
+in words) look and behave the same everywhere. Selecting a
 request (in the queues or the map) highlights its blocks in the map and the
 block table; moving the map's cursor shows that block in the inspector. The
 view handles both messages itself and stops them there.
@@ -16,13 +17,17 @@ under the block table and the load generator beside the queues).
 
 Drawing is the caller's: ``show`` draws everything; the live window, which
 paints under a CPU budget, calls ``show_blocks`` (what moves) and
-``show_figures`` (what is read) at different rates.
+``show_figures`` (what is read) at different rates. Both take the step's events
+and, when the caller has it, the step before's snapshot, which the event line
+and the queues' "recently finished" rows read. ``show_empty`` draws a pool no
+step has touched yet (a new engine), ``mark_blocks`` points at blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 from textual.app import ComposeResult
 from textual.widget import Widget
 
@@ -33,9 +38,28 @@ from kvscope.app.widgets.block_map import BlockMap
 from kvscope.app.widgets.block_table import BlockTable
 from kvscope.app.widgets.box import Box, titled
 from kvscope.app.widgets.counters import Counters
+from kvscope.app.widgets.event_line import EventLine
 from kvscope.app.widgets.paged_vs_contiguous import PagedVsContiguous
 from kvscope.app.widgets.queues import QueuesTable
-from kvscope.engine.outputs import CacheSnapshot, StepStats
+from kvscope.engine.outputs import BLOCK_FREE, CacheSnapshot, EngineEvent, StepStats
+
+
+def empty_step(num_blocks: int, block_size: int, allocator: str,
+               num_host_blocks: int = 0) -> tuple[CacheSnapshot, StepStats]:
+    """The snapshot and stats of a pool before its first step: every block free, nothing queued."""
+    snapshot = CacheSnapshot(
+        step=0, block_size=block_size, num_blocks=num_blocks, allocator=allocator,
+        block_state=np.full(num_blocks, BLOCK_FREE, dtype=np.int8), ref_counts=np.zeros(num_blocks, np.int32),
+        block_fill=np.zeros(num_blocks, np.int16), block_hashes=np.zeros(num_blocks, np.uint64),
+        num_host_blocks=num_host_blocks, num_free_host_blocks=num_host_blocks)
+    stats = StepStats(
+        step=0, time=0.0, duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_running=0,
+        num_waiting=0, num_swapped=0, num_free_blocks=num_blocks, num_cached_free_blocks=0,
+        num_total_blocks=num_blocks, kv_usage=0.0, kv_token_utilisation=0.0, prefix_cache_queries=0,
+        prefix_cache_hits=0, num_preemptions=0, num_swapped_out_blocks=0, num_swapped_in_blocks=0,
+        prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0, num_host_blocks=num_host_blocks,
+        num_free_host_blocks=num_host_blocks)
+    return snapshot, stats
 
 
 class SnapshotView(Box):
@@ -52,6 +76,7 @@ class SnapshotView(Box):
         self._under_block_table = tuple(under_block_table)
         # Made here, not looked up: a query walks the DOM, and the live window draws for every step.
         self.block_map = titled(BlockMap(id="block-map", classes="panel"), "Block map")
+        self.event_line = EventLine(id="event-line")
         self.inspector = titled(BlockInspector(id="inspector", classes="panel"), "Block")
         self.counters = titled(Counters(id="counters", classes="panel"), "Counters")
         self.paged = titled(PagedVsContiguous(id="paged", classes="panel"), "Paged vs contiguous")
@@ -62,6 +87,7 @@ class SnapshotView(Box):
         with Box(id="top", classes="row"):
             with Box(id="map-column"):
                 yield self.block_map
+                yield self.event_line
                 yield BlockLegend(id="legend")
                 yield self.inspector
             yield from self._beside_map
@@ -78,22 +104,39 @@ class SnapshotView(Box):
 
     # --- drawing -------------------------------------------------------------------------------
 
-    def show(self, snapshot: CacheSnapshot, stats: StepStats) -> None:
+    def show(self, snapshot: CacheSnapshot, stats: StepStats, events: tuple[EngineEvent, ...] = (),
+             previous: CacheSnapshot | None = None) -> None:
         """Draw one step in every panel."""
         self.show_blocks(snapshot)
-        self.show_figures(snapshot, stats)
+        self.show_figures(snapshot, stats, events, previous)
+
+    def show_empty(self, num_blocks: int, block_size: int, allocator: str, num_host_blocks: int = 0) -> None:
+        """A fresh pool: every block free, before any step; the queues forget the last engine's requests."""
+        snapshot, stats = empty_step(num_blocks, block_size, allocator, num_host_blocks)
+        self.show_blocks(snapshot)
+        self.counters.show_stats(stats)
+        self.paged.show_snapshot(snapshot, self._contiguous_row(snapshot))
+        self.block_table.show_snapshot(snapshot)
+        self.queues.clear()
+        self.event_line.show_ready(num_blocks, block_size)
 
     def show_blocks(self, snapshot: CacheSnapshot) -> None:
         """The map and the block under its cursor: what moves from step to step."""
         self.block_map.show_snapshot(snapshot)
         self.inspector.show_snapshot(snapshot)
 
-    def show_figures(self, snapshot: CacheSnapshot, stats: StepStats) -> None:
-        """The panels of numbers and rows: counters, paged vs contiguous, block table, queues."""
+    def show_figures(self, snapshot: CacheSnapshot, stats: StepStats, events: tuple[EngineEvent, ...] = (),
+                     previous: CacheSnapshot | None = None) -> None:
+        """The panels of numbers and rows: counters, paged vs contiguous, block table, queues, event line."""
         self.counters.show_stats(stats)
         self.paged.show_snapshot(snapshot, self._contiguous_row(snapshot))
         self.block_table.show_snapshot(snapshot)
-        self.queues.show_snapshot(snapshot)
+        self.queues.show_snapshot(snapshot, events)
+        self.event_line.show_step(stats, events, snapshot, previous)
+
+    def mark_blocks(self, blocks: Iterable[int]) -> None:
+        """Point at physical blocks in the map (a lesson's "these ones"); an empty iterable clears."""
+        self.block_map.mark_blocks(blocks)
 
     def _contiguous_row(self, snapshot: CacheSnapshot) -> int:
         """What a contiguous allocator reserves per sequence. Without a known max_model_len (runs

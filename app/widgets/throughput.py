@@ -1,7 +1,11 @@
 """Prompt and generation tokens/s, step latency and KV usage over a rolling window of steps.
 
 One line-API widget draws all four series, one line each: label, current value,
-sparkline. Built from stock labels and sparklines the panel was sixteen widgets,
+sparkline. A rate is the mean of the latest steps, and zero once a step leaves the
+engine with nothing to run: an idle engine produces nothing, whatever its last
+steps did. KV use is the latest step's, as the counters show it.
+
+Built from stock labels and sparklines the panel was sixteen widgets,
 and every frame paid a full Textual pass for each of them (the sparklines also
 blend a colour per bar per frame); here a frame rebuilds only the lines whose
 text or bars changed, from styles made once per theme.
@@ -35,6 +39,8 @@ class Series:
     key: str
     label: str
     unit: str
+    rate: bool = False      # a rate falls to zero when idle
+    latest: bool = False    # a level: show the newest value, not a mean
 
     def format(self, value: float) -> str:
         if self.unit == "ms" and value >= 1000:
@@ -50,10 +56,10 @@ class Series:
 
 
 SERIES = (
-    Series("prompt_tokens_per_s", "prompt", "tok/s"),
-    Series("generation_tokens_per_s", "generate", "tok/s"),
+    Series("prompt_tokens_per_s", "prompt", "tok/s", rate=True),
+    Series("generation_tokens_per_s", "generate", "tok/s", rate=True),
     Series("latency", "step", "ms"),
-    Series("kv", "KV use", "%"),
+    Series("kv", "KV use", "%", latest=True),
 )
 
 
@@ -85,6 +91,7 @@ class Throughput(Widget):
         super().__init__(id=id, classes=classes)
         self.series = series   # what to plot; the attached window plots a vLLM server's own figures
         self.history = {s.key: deque(maxlen=window) for s in series}
+        self.idle = False
         self._dirty = False
         self._rows: list[tuple[str, tuple[int, ...]] | None] = [None] * len(series)
         self._strips: dict[int, Strip] = {}
@@ -98,6 +105,7 @@ class Throughput(Widget):
     def push(self, stats: StepStats) -> None:
         for series in self.series:
             self.history[series.key].append(series.value(stats))
+        self.idle = not (stats.num_running or stats.num_waiting or stats.num_swapped)
         self._dirty = True
 
     def clear(self) -> None:
@@ -107,10 +115,15 @@ class Throughput(Widget):
         self.redraw()
 
     def current(self, key: str) -> float:
-        """The value a series shows: the mean of its latest steps."""
+        """The value a series shows: the mean of its latest steps, the newest level, or zero when idle."""
+        series = next(s for s in self.series if s.key == key)
         values = self.history[key]
+        if series.rate and self.idle or not values:
+            return 0.0
+        if series.latest:
+            return values[-1]
         recent = [values[i] for i in range(max(len(values) - RECENT, 0), len(values))]
-        return sum(recent) / len(recent) if recent else 0.0
+        return sum(recent) / len(recent)
 
     def redraw(self) -> None:
         """Repaint the lines whose value or bars changed since the last redraw."""

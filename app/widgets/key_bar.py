@@ -1,0 +1,77 @@
+"""The footer: the keys that fit on one line, most important first, never cut.
+
+Textual's Footer lays every binding out in a row and lets the row run off the
+edge (at 80 columns the last key reads "f6Lo"). This bar takes the screen's
+active bindings in order of importance (the App's, in the order it declares
+them, then the screen's, then the focused widget's), keeps whole entries while
+they fit, and drops the rest; "? Keys" lists everything. ``own_only`` keeps a
+screen's own keys and leaves the App's out (the replay shows only its controls).
+"""
+
+from __future__ import annotations
+
+import re
+
+from textual.app import App
+from textual.binding import Binding
+from textual.content import Content
+from textual.widget import Widget
+
+SEPARATOR = "  "
+
+
+def key_label(app: App, binding: Binding) -> str:
+    """How the bar writes a key: F1 rather than f1, ^T for ctrl+t, ? for question_mark."""
+    display = app.get_key_display(binding)
+    return display.upper() if re.fullmatch(r"f\d+", display) else display
+
+
+def fit_entries(entries: list[tuple[str, str]], width: int) -> list[tuple[str, str]]:
+    """The leading (key, label) entries whose text fits in ``width`` cells, separators included."""
+    kept, used = [], 0
+    for key, label in entries:
+        size = len(key) + 1 + len(label) + (len(SEPARATOR) if kept else 0)
+        if used + size > width:
+            break
+        kept.append((key, label))
+        used += size
+    return kept
+
+
+class KeyBar(Widget):
+    def __init__(self, *, own_only: bool = False, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.own_only = own_only
+
+    def on_mount(self) -> None:
+        self.screen.bindings_updated_signal.subscribe(self, lambda _screen: self.refresh())
+
+    def on_unmount(self) -> None:
+        self.screen.bindings_updated_signal.unsubscribe(self)
+
+    def entries(self) -> list[tuple[str, str]]:
+        """(key, label) of every binding shown: the App's, then the screen's, then the focused widget's."""
+        by_node: dict[int, list[tuple[str, str]]] = {}
+        rank: dict[int, tuple[int, int]] = {}
+        seen: set[str] = set()
+        for position, (node, binding, enabled, _tooltip) in enumerate(self.screen.active_bindings.values()):
+            if not binding.show or not enabled or binding.action in seen:
+                continue
+            seen.add(binding.action)
+            # The chain runs from the focused widget up to the App: the App first, then the screen, then
+            # the widgets from the top down.
+            group = 0 if isinstance(node, App) else 1 if node is self.screen else 2
+            rank.setdefault(id(node), (group, -position))
+            by_node.setdefault(id(node), []).append((key_label(self.app, binding), binding.description))
+        ordered = sorted(by_node, key=rank.__getitem__)
+        return [entry for node in ordered for entry in by_node[node]
+                if not (self.own_only and rank[node][0] == 0)]
+
+    def render(self) -> Content:
+        parts: list[Content | str] = []
+        for key, label in fit_entries(self.entries(), self.size.width):
+            if parts:
+                parts.append(SEPARATOR)
+            parts.append(Content.from_markup("[b $accent]$key[/]", key=key))
+            parts.append(" " + label)
+        return Content.assemble(*parts)
