@@ -119,7 +119,7 @@ def _user(text: str, system: str | None = None) -> list[dict]:
     return messages + [{"role": "user", "content": text}]
 
 
-def _fit(text: str, budget: int, ctx: PresetContext) -> str:
+def fit_text(text: str, budget: int, ctx: PresetContext) -> str:
     """Cut ``text`` at paragraph, then word boundaries until it holds at most ``budget`` tokens."""
     if ctx.count_tokens(text) <= budget:
         return text
@@ -153,7 +153,7 @@ def plan_chat_burst(count: int, ctx: PresetContext) -> list[PlannedRequest]:
 
 def plan_shared_prefix(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     """One request computes the long system prompt; the rest arrive once its blocks are cached."""
-    system = _fit(prompt_file("system_prompt.txt"), ctx.max_request_tokens() // 2, ctx)
+    system = fit_text(prompt_file("system_prompt.txt"), ctx.max_request_tokens() // 2, ctx)
     questions = prompt_lines("support_questions.txt")
     prefill_steps = -(-ctx.count_tokens(system) // ctx.max_num_batched_tokens)
     planned = []
@@ -172,7 +172,7 @@ def plan_long_prompts(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     if target < 32:
         raise ValueError(f"max_model_len {ctx.max_model_len:,} and a pool of {ctx.num_blocks:,} blocks leave no "
                          "room for a long prompt")
-    document = _fit(_document(target, ctx), target, ctx)
+    document = fit_text(_document(target, ctx), target, ctx)
     instructions = prompt_lines("long_prompt_tasks.txt")
     return [PlannedRequest(_user(f"{document}\n\n{instructions[i % len(instructions)]}"),
                            SamplingParams(max_tokens=max_tokens, temperature=0.7, top_p=0.9, seed=i))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -17,6 +18,8 @@ from textual.worker import Worker, WorkerState
 from kvscope.app import presets
 from kvscope.app.engine_factory import build_engine, first_engine_then_build
 from kvscope.app.engine_worker import EngineWorker
+from kvscope.app.lessons import LESSONS
+from kvscope.app.lessons.load import teach_config
 from kvscope.app.messages import (
     ChatSubmitted,
     CommandRejected,
@@ -31,11 +34,14 @@ from kvscope.app.messages import (
     RequestRejected,
     RunLogFailed,
     RunStateChanged,
+    RunUntilDone,
 )
 from kvscope.app.presets import PRESETS
 from kvscope.app.runlog import record_run
 from kvscope.app.screens.explain import ExplainScreen
 from kvscope.app.screens.history import HistoryScreen
+from kvscope.app.screens.lesson import LessonScreen
+from kvscope.app.screens.lesson_menu import LessonMenu
 from kvscope.app.screens.main import MainScreen
 from kvscope.app.screens.quit import ConfirmQuit, ShuttingDown
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
@@ -83,6 +89,7 @@ ACTIONS = (
     AppAction("f8", "toggle_prefix_caching", "Prefix cache",
               "Turn prefix caching on or off (restarts the engine)"),
     AppAction("f9", "history", "History", "Browse logged runs and replay one step by step"),
+    AppAction("l", "lessons", "Lessons", "Pick a lesson: a scripted scenario that pauses at each moment worth seeing"),
     AppAction("m", "focus_panel('block-map')", "Map", "Move the focus to the block map"),
     AppAction("r", "focus_panel('queues')", "Requests", "Move the focus to the queues of requests"),
     AppAction("c", "focus_panel('chat-input')", "Chat", "Move the focus to the chat input"),
@@ -121,7 +128,8 @@ class KVScopeApp(App):
     def __init__(self, config: EngineConfig, *, db_path: str | Path | None = None, log_enabled: bool = True,
                  engine_factory: Callable = build_engine, system_sampler: SystemSampler | None = None,
                  paused: bool = False, steps_per_s_cap: float | None = None,
-                 screenshot_dir: str | Path | None = None, chat_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 screenshot_dir: str | Path | None = None, chat_max_tokens: int = DEFAULT_MAX_TOKENS,
+                 first_lesson: str | None = None) -> None:
         super().__init__()
         self.config = config
         self.log_enabled = log_enabled
@@ -135,6 +143,10 @@ class KVScopeApp(App):
         # the previous one must each move it a notch.
         self.rate_cap = steps_per_s_cap
         self.engine_thread = None   # Textual's Worker running the engine thread
+        self.run_logger = None      # the run log of the engine now running (set on the engine thread)
+        self.lesson_screen: LessonScreen | None = None
+        self._lesson_log_dir: tempfile.TemporaryDirectory | None = None
+        self._first_lesson = first_lesson
         self._refused: list[tuple[str, str]] = []
         for theme in THEMES:
             self.register_theme(theme)
@@ -150,13 +162,20 @@ class KVScopeApp(App):
         # Started once the live view is composed, so the first messages find their panels.
         self.engine_thread = self.run_worker(self.worker.run, thread=True, name="engine", group="engine",
                                              exit_on_error=False)
+        if self._first_lesson == "":
+            self.action_lessons()
+        elif self._first_lesson:
+            self.start_lesson(self._first_lesson)
 
     def on_unmount(self) -> None:
         self.worker.stop()
+        if self._lesson_log_dir is not None:
+            self._lesson_log_dir.cleanup()
 
     def _record_run(self, engine):
-        return record_run(engine, source="app", db_path=self.db_path, enabled=self.log_enabled,
-                          on_failure=lambda warning: self.post_message(RunLogFailed(warning)))
+        self.run_logger = record_run(engine, source="app", db_path=self.db_path, enabled=self.log_enabled,
+                                     on_failure=lambda warning: self.post_message(RunLogFailed(warning)))
+        return self.run_logger
 
     # --- from the engine thread -------------------------------------------------------------------
 
@@ -165,6 +184,8 @@ class KVScopeApp(App):
 
     def on_engine_ready(self, message: EngineReady) -> None:
         self.main.engine_ready(message.info)
+        if self.lesson_screen is not None:
+            self.lesson_screen.engine_ready(message.info)
         if message.log_warning:
             self.notify(message.log_warning, title="Run log", severity="warning", timeout=12)
         warning = runnable_warning(message.info)
@@ -175,6 +196,12 @@ class KVScopeApp(App):
         self.worker.ack()
         if self.main.is_attached:  # steps still arrive while the app shuts down
             self.main.ingest(message.result)
+        if self.lesson_screen is not None:
+            self.lesson_screen.ingest(message.result)
+
+    def on_run_until_done(self, message: RunUntilDone) -> None:
+        if self.lesson_screen is not None:
+            self.lesson_screen.until_done(message.step, message.met)
 
     def on_engine_failed(self, message: EngineFailed) -> None:
         # The engine thread has paused; requests in flight (the chat reply too) go on after a resume.
@@ -250,6 +277,38 @@ class KVScopeApp(App):
         for action in ACTIONS:
             key = f" ({action.keys.split(',')[0]})" if action.keys else ""
             yield SystemCommand(action.title + key, action.help, partial(self.run_action, action.action))
+        for lesson in LESSONS.values():
+            yield SystemCommand(f"Lesson: {lesson.name}", lesson.summary, partial(self.start_lesson, lesson.name))
+
+    # --- lessons -------------------------------------------------------------------------------------
+
+    def action_lessons(self) -> None:
+        if not isinstance(self.screen, (LessonMenu, LessonScreen)):
+            self.push_screen(LessonMenu(), lambda name: name and self.start_lesson(name))
+
+    def start_lesson(self, name: str) -> None:
+        """Run a lesson on a fresh engine with the teaching pool; Esc in it comes back here."""
+        if self.lesson_screen is not None:
+            self.leave_lesson(rebuild=False)
+        lesson = LESSONS[name]
+        self._ensure_run_log()
+        self.lesson_screen = LessonScreen(lesson, teach_config(self.config, **lesson.config))
+        self.push_screen(self.lesson_screen)
+
+    def leave_lesson(self, rebuild: bool = True) -> None:
+        screen, self.lesson_screen = self.lesson_screen, None
+        if screen is not None and screen.is_attached:
+            self.pop_screen() if self.screen is screen else screen.dismiss()
+        if rebuild:
+            self.worker.rebuild(self.config)
+
+    def _ensure_run_log(self) -> None:
+        """Lessons go back by replaying the run log: with the log off, they keep one for this session only."""
+        if self.log_enabled:
+            return
+        self._lesson_log_dir = tempfile.TemporaryDirectory(prefix="kvscope-lesson-")
+        self.db_path = Path(self._lesson_log_dir.name) / "lessons.db"
+        self.log_enabled = True
 
     # --- quitting ------------------------------------------------------------------------------------
 
@@ -385,9 +444,11 @@ class KVScopeApp(App):
         self.notify(f"saved {path}", title="Screenshot", timeout=6)
 
 
-def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool, engine=None) -> int:
-    """Open the window; ``engine``, when given, is the first engine (built, and so checked, before)."""
+def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool, engine=None,
+            lesson: str | None = None) -> int:
+    """Open the window; ``engine``, when given, is the first engine (built, and so checked, before);
+    ``lesson`` opens a lesson at once ("" opens the list of lessons)."""
     factory = build_engine if engine is None else first_engine_then_build(engine)
-    app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled, engine_factory=factory)
+    app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled, engine_factory=factory, first_lesson=lesson)
     app.run()
     return app.return_code or 0

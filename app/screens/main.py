@@ -139,6 +139,8 @@ class MainScreen(Screen):
 
     def paint(self, force: bool = False) -> None:
         """Draw the newest step, and whatever else is due, in one repaint pass."""
+        if not force and not self.is_current:
+            return    # a lesson or the history is on top: nobody sees this screen
         now = time.monotonic()
         result = self.latest
         fresh = result is not None and result is not self._painted

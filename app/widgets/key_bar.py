@@ -20,10 +20,15 @@ from textual.widget import Widget
 SEPARATOR = "  "
 
 
+NAMES = {"space": "Space", "escape": "Esc", "esc": "Esc", "tab": "Tab"}
+
+
 def key_label(app: App, binding: Binding) -> str:
-    """How the bar writes a key: F1 rather than f1, ^T for ctrl+t, ? for question_mark."""
+    """How the bar writes a key: F1 rather than f1, ^T for ctrl+t, ? for question_mark, Space, Esc."""
     display = app.get_key_display(binding)
-    return display.upper() if re.fullmatch(r"f\d+", display) else display
+    if re.fullmatch(r"f\d+", display):
+        return display.upper()
+    return NAMES.get(display.lower(), display)
 
 
 def fit_entries(entries: list[tuple[str, str]], width: int) -> list[tuple[str, str]]:

@@ -136,6 +136,10 @@ class QueuesTable(ScrollView, can_focus=True):
 
     def show_snapshot(self, snapshot: CacheSnapshot, events: tuple[EngineEvent, ...] = ()) -> None:
         self._reasons.update(finished_reasons(events))
+        if snapshot.step < self._step and self.finished:
+            # An earlier step (a replay going back, another run): what finished after it is not history yet.
+            self.finished.clear()
+            self._strips.clear()
         live: dict[str, tuple[str, ...]] = {}
         changed: list[str] = []
         reorder = False
@@ -150,10 +154,11 @@ class QueuesTable(ScrollView, can_focus=True):
             self._arrival[view.request_id] = view.arrival_index
             self.finished.pop(view.request_id, None)    # an id used again
         gone = self.rows.keys() - live.keys()
-        for request_id in gone:
-            self._finish(request_id, snapshot.step)
+        if snapshot.step >= self._step:
+            for request_id in gone:
+                self._finish(request_id, snapshot.step)
+        reorder |= bool(gone) or snapshot.step < self._step or self._expire(snapshot.step)
         self._step = snapshot.step
-        reorder |= bool(gone) or self._expire(snapshot.step)
         self.rows = live
         widths = column_widths([*live.values(), *(row for row, _ in self.finished.values())])
         if widths != self._column_widths:

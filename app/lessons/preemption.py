@@ -1,0 +1,118 @@
+"""Lesson: preemption. More demand than blocks: the latest arrival is pushed out, recomputed, then swapped.
+
+Four requests start in a 10-block pool; each will need 3 blocks, 12 in all.
+When they all cross into their third block at the same step, the scheduler
+preempts the request that arrived last. In recompute mode its blocks are simply
+freed and it waits to compute its tokens again; in swap mode (the second run,
+same requests) its blocks are copied to the host pool and back, and nothing is
+recomputed. Prefix caching is off here, so a recomputed request computes every
+one of its tokens again (with it on, its own full blocks could come back from
+the cache).
+"""
+
+from __future__ import annotations
+
+from kvscope.app.lessons.load import read
+from kvscope.app.lessons.script import (
+    Beat,
+    Highlight,
+    Lesson,
+    Moment,
+    all_done,
+    arrows,
+    every,
+    has_event,
+    is_running,
+    plural,
+)
+
+POOL_BLOCKS = 10
+NAMES = ("r1", "r2", "r3", "r4")
+PROMPT_TOKENS = 20
+MAX_TOKENS = 20
+VICTIM = "r4"
+
+
+def load(ctx) -> list:
+    return [read(name, ctx, PROMPT_TOKENS, MAX_TOKENS, offset=50 * i) for i, name in enumerate(NAMES)]
+
+
+def _event(moment: Moment, kind: str):
+    return next(e for e in moment.result.events if e.kind == kind)
+
+
+def back_from_recompute(result) -> bool:
+    """The victim runs again with its tokens computed anew."""
+    return any(v.request_id == VICTIM and v.queue == "running" and v.num_computed_tokens > 0
+               for v in result.snapshot.requests) and not any(e.kind == "preempt" for e in result.events)
+
+
+def say_preempt(moment: Moment) -> str:
+    event = _event(moment, "preempt")
+    view = moment.view(event.request_id)
+    tokens = view.num_prompt_tokens + view.num_output_tokens
+    return (f"The pool is out of blocks: every request needed a new one in the same step. The scheduler "
+            f"[b]preempted {event.request_id}[/b], the latest arrival: its {plural(len(event.blocks), 'block')} "
+            f"({', '.join(map(str, event.blocks))}) went back to the pool and the others took them. In "
+            f"[b]recompute[/b] mode {event.request_id} returns to the front of the waiting queue; its {tokens} "
+            "tokens (prompt and output so far) will be computed again.")
+
+
+def say_back(moment: Moment) -> str:
+    view = moment.view(VICTIM)
+    prefill = next((r.stats.num_prefill_tokens for r in reversed(moment.run_steps())), 0)
+    return (f"Blocks came free and {VICTIM} is running again: it recomputed {prefill} tokens in one prefill step, "
+            f"and its table is now {arrows(view.block_tables[0])}. That prefill is the price of recompute.")
+
+
+def say_swapped(moment: Moment) -> str:
+    event = _event(moment, "swap_out")
+    view = moment.view(event.request_id)
+    host = view.host_block_tables[0] if view.host_block_tables else ()
+    return (f"[b]Swap[/b] mode, same requests, same moment: this time {event.request_id}'s "
+            f"{plural(len(event.blocks), 'block')} were copied to the host pool (the line under the map, host "
+            f"blocks {arrows(host)}) instead of being thrown away. {event.request_id} waits in the "
+            "[b]swapped[/b] queue.")
+
+
+def say_swapped_in(moment: Moment) -> str:
+    event = _event(moment, "swap_in")
+    return (f"Blocks are free again: {event.request_id}'s blocks came back from the host pool into device blocks "
+            f"[b]{arrows(event.blocks)}[/b], and it goes on from where it stopped: nothing recomputed.")
+
+
+def say_figures(moment: Moment) -> str:
+    recompute, swap = moment.run_steps(moment.run - 1), moment.run_steps()
+
+    def prefilled(run) -> int:
+        return sum(r.stats.num_prefill_tokens for r in run)
+
+    rows = [("", "recompute", "swap"),
+            ("preemptions", str(recompute[-1].stats.num_preemptions), str(swap[-1].stats.num_preemptions)),
+            ("prompt tokens computed", str(prefilled(recompute)), str(prefilled(swap))),
+            ("blocks swapped out / in", "0 / 0",
+             f"{swap[-1].stats.num_swapped_out_blocks} / {swap[-1].stats.num_swapped_in_blocks}"),
+            ("steps", str(len(recompute)), str(len(swap)))]
+    table = "\n".join(f"{a:<25}{b:>10}{c:>7}" for a, b, c in rows)
+    return (f"[b]The figures of this run[/b]\n{table}\n\nRecompute costs compute (the extra prefill); swap costs "
+            "host memory and copy bandwidth. vLLM V1 recomputes: on a GPU, prefill is fast.")
+
+
+LESSON = Lesson(
+    name="preemption",
+    title="Preemption: recompute, then swap",
+    summary="More requests than fit: the latest arrival is preempted, recomputed, then swapped out and back.",
+    config={"num_blocks": POOL_BLOCKS, "preemption_mode": "recompute", "enable_prefix_caching": False},
+    beats=(
+        Beat("preempt", "Out of blocks: the latest arrival goes", say_preempt, until=has_event("preempt"),
+             load=load, point=lambda m: Highlight(_event(m, "preempt").request_id, _event(m, "preempt").blocks)),
+        Beat("back", "Back, and computed again", say_back, until=every(is_running(VICTIM), back_from_recompute),
+             point=lambda m: Highlight(VICTIM)),
+        Beat("swapped", "Swap mode: out to the host pool", say_swapped, until=has_event("swap_out"),
+             config={"num_blocks": POOL_BLOCKS, "preemption_mode": "swap"}, load=load,
+             point=lambda m: Highlight(_event(m, "swap_out").request_id)),
+        Beat("swapped-in", "And back in", say_swapped_in, until=has_event("swap_in"),
+             point=lambda m: Highlight(_event(m, "swap_in").request_id, _event(m, "swap_in").blocks)),
+        Beat("figures", "Recompute against swap", say_figures, until=all_done),
+    ),
+)

@@ -1,0 +1,155 @@
+"""LessonRunner: walks a lesson's beats on the app's engine thread, forward live and backward from the run log.
+
+Forward (Space), the next beat's commands go to the engine thread (rebuild,
+requests, run until its moment), and the beat is shown once the thread says it
+stopped there. Backward (Backspace) never rewinds the engine: the earlier
+beat's step is read back from the run log (each engine the lesson builds is
+one logged run) and shown with the caption it had, and Space walks forward
+through the replayed beats until it reaches the live one again.
+
+The runner holds no widget: it sends worker commands through ``send`` and
+tells a ``display`` what to show (see LessonDisplay), so it can be driven and
+tested without a screen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, StepRecord
+from kvscope.app.worker_commands import LaunchPlan, Rebuild, RunUntil, WorkerCommand
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.outputs import StepResult
+
+
+@dataclass(frozen=True)
+class BeatRecord:
+    """A beat as it was shown live: where it stopped (run log run and step), what it said and pointed at."""
+
+    index: int
+    title: str
+    caption: str
+    highlight: Highlight
+    run_id: int | None
+    step: int
+    met: bool
+
+
+class LessonDisplay(Protocol):
+    def show_running(self, index: int, beat: Beat) -> None: ...
+    def show_live(self, record: BeatRecord, result: StepResult) -> None: ...
+    def show_past(self, record: BeatRecord) -> None: ...
+
+
+class LessonRunner:
+    def __init__(self, lesson: Lesson, config: EngineConfig, send, display: LessonDisplay, run_id=lambda: None):
+        """``config`` is the engine config the lesson starts from (the teaching pool with the lesson's changes);
+        ``send`` queues a worker command; ``run_id()`` is the run log id of the engine now running."""
+        self.lesson = lesson
+        self.config = config
+        self._send = send
+        self._display = display
+        self._run_id = run_id
+        self.records: list[BeatRecord] = []
+        self.showing = -1           # the beat on screen
+        self.running: int | None = None   # the beat the engine is running towards
+        self.steps: list[StepRecord] = []
+        self.earlier: dict[str, StepResult] = {}
+        self.run = 0                # engines built for the lesson so far
+        self.latest: StepResult | None = None
+
+    # --- driven by the screen ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._command(Rebuild(self.config))
+        self._begin(0)
+
+    def forward(self) -> bool:
+        """Space: the next beat (replayed if it was shown before). False at the end or while running."""
+        if self.running is not None:
+            return False
+        if self.showing < len(self.records) - 1:
+            self.showing += 1
+            self._show(self.showing)
+            return True
+        if len(self.records) < len(self.lesson.beats):
+            self._begin(len(self.records))
+            return True
+        return False
+
+    def back(self) -> bool:
+        """Backspace: the beat before, replayed from the run log. False at the first beat or while running."""
+        if self.running is not None or self.showing <= 0:
+            return False
+        self.showing -= 1
+        self._show(self.showing)
+        return True
+
+    @property
+    def finished(self) -> bool:
+        return len(self.records) == len(self.lesson.beats) and self.running is None
+
+    # --- fed by the app -------------------------------------------------------------------------
+
+    def engine_ready(self) -> None:
+        self.run += 1
+        self.latest = None
+
+    def stepped(self, result: StepResult) -> None:
+        self.latest = result
+        finished = tuple((o.request_id, sum(len(s.token_ids) for s in o.samples) or len(o.token_ids))
+                         for o in result.outputs if o.finished)
+        batch = sum(1 for v in result.snapshot.requests if v.queue == "running")
+        self.steps.append(StepRecord(self.run, result.stats, result.events, finished, batch))
+
+    def until_done(self, step: int, met: bool) -> None:
+        if self.running is not None:
+            self._reach(met)
+
+    # --- beats ----------------------------------------------------------------------------------
+
+    def _command(self, command: WorkerCommand) -> None:
+        self._send(command)
+
+    def _begin(self, index: int) -> None:
+        beat = self.lesson.beats[index]
+        self.running = index
+        self._display.show_running(index, beat)
+        if beat.config is not None:
+            self._command(Rebuild(dataclasses.replace(self.config, **beat.config)))
+        if beat.load is not None:
+            self._command(LaunchPlan(beat.load))
+        if beat.until is not None:
+            self._command(RunUntil(beat.until, beat.max_steps))
+        else:
+            self._reach(met=True)
+
+    def _reach(self, met: bool) -> None:
+        index = self.running
+        beat = self.lesson.beats[index]
+        result = self.latest
+        if result is None:      # the beat ran no step (nothing to run): nothing to talk about
+            result = self._empty_result()
+        moment = Moment(result, tuple(self.steps), dict(self.earlier), self.run, met)
+        record = BeatRecord(index, beat.title, beat.say(moment), beat.point(moment), self._run_id(),
+                            result.stats.step, met)
+        self.earlier[beat.key] = result
+        self.records.append(record)
+        self.running = None
+        self.showing = index
+        self._display.show_live(record, result)
+
+    def _show(self, index: int) -> None:
+        record = self.records[index]
+        if index == len(self.records) - 1 and self.latest is not None:
+            self._display.show_live(record, self.latest)
+        else:
+            self._display.show_past(record)
+
+    def _empty_result(self) -> StepResult:
+        from kvscope.app.widgets.snapshot_view import empty_step
+
+        snapshot, stats = empty_step(self.config.num_blocks or 1, self.config.block_size, self.config.allocator)
+        return StepResult([], stats, snapshot)
