@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Watch a real paged-attention LLM engine work. With no subcommand, opens the app.",
     )
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
+    parser.add_argument("--teach", action="store_true",
+                        help="a pool for teaching: 64 blocks of 16 tokens (one map cell each, every shared "
+                             "block's digit visible), max_model_len 256; flags given explicitly still win")
     add_engine_flags(parser)
     add_log_flags(parser)
     parser.set_defaults(func=_open_app)
@@ -83,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_chat)
 
     for module in ("kvscope.app.bench.cli", "kvscope.app.runs_cli", "kvscope.app.screenshots",
-                   "kvscope.app.attach.cli"):
+                   "kvscope.app.attach.cli", "kvscope.app.lessons.cli"):
         __import__(module, fromlist=["register"]).register(sub)
     return parser
 
@@ -91,13 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _open_app(args: argparse.Namespace) -> int:
     from kvscope.app.tui import run_app
 
-    engine = _first_engine(config_from_args(args))
+    engine = first_engine(teaching_pool(args) if args.teach else config_from_args(args))
     if engine is None:
         return 2
     return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine)
 
 
-def _first_engine(config: EngineConfig) -> LLMEngine | None:
+def first_engine(config: EngineConfig) -> LLMEngine | None:
     """Build the app's engine before its window opens, as `kvscope chat` does: a bad --model or a
     pool that cannot be made fails here, in one line and exit status 2 (main catches USER_ERRORS),
     instead of in a full-screen window that can only show it."""
@@ -110,6 +113,17 @@ def _first_engine(config: EngineConfig) -> LLMEngine | None:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         print(f"kvscope: error: cannot build the engine: {reason}", file=sys.stderr)
         return None
+
+
+def teaching_pool(args: argparse.Namespace) -> EngineConfig:
+    """The config of ``--teach``: the teaching pool wherever the user left a pool flag at its default."""
+    from kvscope.app.lessons.load import TEACH_POOL
+
+    defaults = build_parser()
+    config = config_from_args(args)
+    changes = {name: value for name, value in TEACH_POOL.items()
+               if getattr(args, name) == defaults.get_default(name)}
+    return dataclasses.replace(config, **changes)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:

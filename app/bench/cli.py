@@ -3,7 +3,8 @@
 ``kvscope bench`` alone runs the workload comparison (issue 7); ``logging``
 measures the run log's cost (issue 6); ``scheduler`` and ``ui`` run the
 scheduler's and the app's own micro-benchmarks; ``kernels`` times one layer's
-paged attention (decode and prefill) per call.
+paged attention (decode and prefill) per call; ``lessons`` times each lesson
+with the real model.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvscope.app.bench.systems import SYSTEMS
 from kvscope.app.bench.workloads import WORKLOAD_NAMES
 from kvscope.app.cli import add_engine_flags
 
-WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach")
+WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -56,7 +57,7 @@ def register(subparsers) -> None:
                        help="workloads (default): the system comparison; scheduler: scheduler-only "
                             "micro-benchmark; logging: run log on vs off; ui: app rendering cost; "
                             "kernels: per-layer paged attention time; attach: the vLLM attach client's CPU at an event "
-                            "rate and memory for a big pool")
+                            "rate and memory for a big pool; lessons: each lesson's duration")
     bench.add_argument("--workload", default="mixed", choices=(*WORKLOAD_NAMES, "all"),
                        help="for workloads and logging (default: mixed)")
     bench.add_argument("--systems", default=None,
@@ -93,7 +94,23 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return {"workloads": run_workloads, "scheduler": run_scheduler, "logging": run_logging,
-            "ui": run_ui, "kernels": run_kernels, "attach": run_attach}[args.what](args)
+            "ui": run_ui, "kernels": run_kernels, "attach": run_attach,
+            "lessons": run_lessons}[args.what](args)
+
+
+def run_lessons(args: argparse.Namespace) -> int:
+    from kvscope.app.bench.lessons_bench import format_table, time_lessons
+    from kvscope.engine.config import EngineConfig
+
+    dtype = _parse_dtypes(args.dtype, "auto")[0] if args.dtype else "auto"
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    config = EngineConfig(model=args.model, device=args.device, dtype=dtype)
+    load_seconds, timings = time_lessons(config, db_path=args.db, log_enabled=not args.no_log)
+    print(format_table(load_seconds, timings))
+    return 0
 
 
 def _parse_dtypes(text: str | None, default: str = "float32") -> list[str]:

@@ -6,7 +6,9 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Footer, Markdown
+from textual.widgets import Markdown
+
+from kvscope.app.widgets.key_bar import KeyBar
 
 EXPLAIN = """\
 # What you are looking at
@@ -65,12 +67,22 @@ sharing one **long system prompt**, **long prompts** (their prefill is split int
 **parallel sampling** (`n = 4`, copy-on-write), or enough work to **overload** the pool and
 force preemption.
 
+## Event line and status line
+Under the map, one line says what the last step did: how many decodes and prefill chunks
+ran, blocks copied on write, cached blocks evicted, requests preempted, swapped, admitted
+or finished. The line at the bottom is the one vLLM logs every ten seconds, under vLLM's
+own names: average prompt and generation throughput, running and waiting requests, KV
+cache usage and prefix-cache hit rate.
+
 ## Teaching controls
 **F2** pauses and resumes, **F3** runs exactly one step, **F4/F5** lower and raise a
 steps-per-second cap so a class can follow. **F7** switches preemption between *recompute*
 and *swap*, **F8** turns the prefix cache on or off (each restarts the engine). **F9** opens
-the run history and replay, **F10** saves an SVG screenshot, **Esc** aborts the chat reply.
-**Ctrl+P** lists every action.
+the run history and replay. **L** lists the **lessons**: scripted scenarios that pause at the
+moments worth seeing (Space: next, Backspace: back). **M**, **R** and **C** move the focus to
+the map, the requests and the chat; **Esc** in the chat aborts the reply. **Ctrl+N** starts a
+new conversation, **Ctrl+S** saves an SVG screenshot, **Ctrl+T** switches the theme, **?**
+lists every key, **Ctrl+P** every action. **q** or **F10** quits.
 """
 
 
@@ -80,4 +92,4 @@ class ExplainScreen(ModalScreen):
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="explain"):
             yield Markdown(EXPLAIN)
-        yield Footer()
+        yield KeyBar(own_only=True, id="keys")

@@ -17,10 +17,11 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Label, Sparkline, Static
+from textual.widgets import DataTable, Label, Sparkline, Static
 
 from kvscope.app.runlog import RunLogReader, SchemaError
 from kvscope.app.screens.replay import ReplayScreen
+from kvscope.app.widgets.key_bar import KeyBar
 
 T = TypeVar("T")
 
@@ -85,7 +86,7 @@ class HistoryScreen(Screen):
                 yield Sparkline([], id="run-throughput")
                 yield Label("KV usage over the run", classes="chart-label")
                 yield Sparkline([], id="run-kv")
-        yield Footer()
+        yield KeyBar(own_only=True, id="keys")
 
     def on_mount(self) -> None:
         table = self.query_one("#runs", DataTable)

@@ -40,7 +40,7 @@ class LessonScreen(Screen):
     ]
 
     def __init__(self, lesson: Lesson, config: EngineConfig) -> None:
-        super().__init__(id="lesson")
+        super().__init__()
         self.lesson = lesson
         self.config = config
         self.panel = titled(LessonPanel(id="lesson-panel", classes="panel"), "Lesson")
@@ -103,8 +103,8 @@ class LessonScreen(Screen):
 
     def show_past(self, record: BeatRecord) -> None:
         frame = self._logged_frame(record)
-        if frame is None:
-            self.set_timer(LOG_RETRY_S, lambda: self.show_past(record))
+        if frame is None:     # not flushed yet: look again, unless the user has moved on meanwhile
+            self.set_timer(LOG_RETRY_S, lambda: self.runner.showing == record.index and self.show_past(record))
             return
         self.view.show(frame.snapshot, frame.stats, frame.events)
         self._point(record)

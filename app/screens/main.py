@@ -60,6 +60,7 @@ class MainScreen(Screen):
         self._painted_at = 0.0
         self._texted_at = 0.0
         self._last_frame = (time.monotonic(), time.thread_time())
+        self.header = EngineHeader(id="header")
         self.chat = titled(ChatPane(max_tokens=chat_max_tokens, id="chat", classes="panel"), "Chat")
         self.throughput = titled(Throughput(id="throughput", classes="panel"), "Throughput")
         self.system = titled(SystemPanel(system_sampler, id="system", classes="panel"), "System")
@@ -74,7 +75,7 @@ class MainScreen(Screen):
             beside_queues=[titled(LoadGenerator(id="load", classes="panel"), "Load generator")])
 
     def compose(self) -> ComposeResult:
-        yield EngineHeader(id="header")
+        yield self.header
         yield self.view
         yield self.status_lines[0]
         yield KeyBar(id="keys")
@@ -85,7 +86,7 @@ class MainScreen(Screen):
     # --- fed by the app ---------------------------------------------------------------------
 
     def show_starting(self, model: str) -> None:
-        self.query_one(EngineHeader).show_starting(model)
+        self.header.show_starting(model)
         self.chat.set_engine_waiting(True)
 
     def engine_ready(self, info: EngineInfo) -> None:
@@ -93,7 +94,7 @@ class MainScreen(Screen):
         self.engine_info = info
         self.view.max_model_len = info.max_model_len
         self.latest = self.previous = self._painted = self._texted = None
-        self.query_one(EngineHeader).show_engine(info)
+        self.header.show_engine(info)
         self.throughput.clear()
         for line in self.status_lines:
             line.reset(info.device)
@@ -102,7 +103,7 @@ class MainScreen(Screen):
 
     def engine_not_ready(self, still_running: EngineInfo | None, error: str) -> None:
         """A build failed: back to the engine that goes on serving, or say there is none."""
-        header = self.query_one(EngineHeader)
+        header = self.header
         if still_running is not None:
             header.show_engine(still_running)
         else:
@@ -110,10 +111,10 @@ class MainScreen(Screen):
         self.chat.set_engine_waiting(still_running is None and self.engine_info is None)
 
     def engine_died(self, error: str) -> None:
-        self.query_one(EngineHeader).show_stopped(error)
+        self.header.show_stopped(error)
 
     def show_state(self, state: RunState) -> None:
-        self.query_one(EngineHeader).show_state(state)
+        self.header.show_state(state)
 
     def ingest(self, result: StepResult) -> None:
         chat = self.chat

@@ -17,9 +17,10 @@ from textual.binding import Binding
 from textual.content import Content
 from textual.screen import Screen
 from textual.timer import Timer
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Input, Static
 
 from kvscope.app.runlog import ReplayFrame, RunLogReader
+from kvscope.app.widgets.key_bar import KeyBar
 from kvscope.app.widgets.snapshot_view import SnapshotView
 
 SPEEDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0)  # steps per second
@@ -68,7 +69,7 @@ class ReplayScreen(Screen):
         yield Static("", id="replay-status")
         yield self.view
         yield Input(placeholder="step number, then Enter", type="integer", id="jump")
-        yield Footer()
+        yield KeyBar(own_only=True, id="keys")
 
     def on_mount(self) -> None:
         if self.steps:

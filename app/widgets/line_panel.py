@@ -54,18 +54,19 @@ class LinePanel(ScrollView, can_focus=False):
         for i in changed:   # every changed line first: a re-wrap below returns before the loop ends
             self._lines[i] = _parse(sources[i])
         width = self._width
+        if not width or self._rows is None:
+            self._wrapped = [None if i in changed else rows for i, rows in enumerate(self._wrapped)]
+            return
         top = round(self.scroll_offset.y)
+        regions = []
         for i in changed:
             before = self._wrapped[i]
-            self._wrapped[i] = None
-            if not width or self._rows is None:
-                continue
             after = self._wrapped[i] = self._wrap(i, width)
             if before is None or len(before) != len(after):
                 self._rewrap()   # the lines below move: repaint them all
                 return
-            first = self._first_row(i) - top
-            self.refresh(Region(0, first, self.size.width, len(after)))
+            regions.append(Region(0, self._first_row(i) - top, self.size.width, len(after)))
+        self.refresh(*regions)
 
     def render(self) -> Content:
         """Everything the panel shows, as one Content (for tests and for reading the panel)."""

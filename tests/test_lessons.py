@@ -1,0 +1,125 @@
+"""Lessons on the FakeRunner: every beat is reached at its moment, the captions carry the run's numbers,
+Backspace replays an earlier beat from the run log, and `kvscope lesson` / `--teach` open what they say."""
+
+from __future__ import annotations
+
+import pytest
+from test_app_harness import FakeEngines, make_app, started, until
+
+from kvscope.app import cli
+from kvscope.app.lessons import LESSONS
+from kvscope.app.lessons.continuous_batching import static_steps
+from kvscope.app.lessons.load import TEACH_POOL, teach_config
+from kvscope.app.lessons.play import play
+from kvscope.app.widgets.block_cells import GLYPH_SLOTS, NUM_BASE_STYLES, OVERLAY_MARKED
+from kvscope.engine.config import EngineConfig
+
+pytestmark = pytest.mark.anyio
+
+
+def lesson_app():
+    return make_app(FakeEngines(fixed_clock=True))
+
+
+@pytest.mark.parametrize("name", list(LESSONS))
+async def test_every_beat_of_the_lesson_happens_on_the_engine(name):
+    app = lesson_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        played = await play(pilot, name, beat_timeout=60)
+        assert [record.title for record in played.beats] == [beat.title for beat in LESSONS[name].beats]
+        assert all(record.met for record in played.beats), [r.title for r in played.beats if not r.met]
+        assert all(record.caption.strip() for record in played.beats)
+        assert played.steps > 0 and not app.lesson_screen.runner.latest.snapshot.requests   # ran to the end
+        panel = str(app.lesson_screen.panel.render())
+        assert "figures" in panel.lower() or LESSONS[name].beats[-1].title in panel
+
+
+async def test_backspace_replays_the_earlier_beat_from_the_run_log_and_space_comes_back():
+    app = lesson_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        played = await play(pilot, "copy-on-write", beat_timeout=60)
+        screen, runner = app.lesson_screen, app.lesson_screen.runner
+        first = played.beats[0]
+        await pilot.press("backspace", "backspace")
+        await until(pilot, lambda: "replayed from the run log" in str(screen.panel.render()))
+        assert runner.showing == 0
+        assert screen.view.counters.stats.step == first.step      # the logged step, not the live one
+        assert screen.view.block_map.selected_request == first.highlight.request_id
+        assert f"step {first.step}" in str(screen.panel.render())
+        await pilot.press("backspace")                             # nothing before the first beat
+        assert runner.showing == 0
+        await pilot.press("space", "space")
+        await until(pilot, lambda: runner.showing == 2)
+        assert "replayed" not in str(screen.panel.render())        # the live beat again
+        assert screen.view.counters.stats == runner.latest.stats
+
+
+async def test_a_beat_points_at_its_blocks_in_the_map():
+    app = lesson_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        marked = []
+
+        async def look(index, record):
+            if index == 1:
+                await pilot.pause()
+                overlays = app.lesson_screen.view.block_map._codes // GLYPH_SLOTS // NUM_BASE_STYLES
+                marked.extend(int(cell) for cell in (overlays == OVERLAY_MARKED).nonzero()[0])
+                marked.append(record.highlight.blocks)
+
+        await play(pilot, "copy-on-write", on_beat=look, beat_timeout=60)
+        *cells, blocks = marked
+        assert blocks and sorted(cells) == sorted(set(blocks))    # one cell per block on the teaching pool
+
+
+async def test_leaving_a_lesson_returns_to_the_app_with_its_own_engine_again():
+    engines = FakeEngines(fixed_clock=True)
+    app = make_app(engines)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        await play(pilot, "continuous-batching", beat_timeout=60)
+        await pilot.press("escape")
+        await until(pilot, lambda: app.screen is app.main and app.lesson_screen is None)
+        await until(pilot, lambda: app.main.engine_info.config.num_blocks == 128)
+        assert engines.built[-1].config == app.config
+
+
+async def test_the_palette_lists_each_lesson():
+    app = lesson_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        titles = [command.title for command in app.get_system_commands(app.screen)]
+        assert [t for t in titles if t.startswith("Lesson: ")] == [f"Lesson: {name}" for name in LESSONS]
+
+
+def test_static_batches_wait_for_their_longest_request():
+    assert static_steps([14, 4, 9, 17, 10, 6]) == 17 + 10
+    assert static_steps([3]) == 3
+
+
+def test_lesson_list_prints_one_name_per_line(capsys):
+    assert cli.main(["lesson", "--list"]) == 0
+    assert capsys.readouterr().out.splitlines() == list(LESSONS)
+    assert len(LESSONS) >= 7
+
+
+def test_lesson_opens_the_app_on_the_teaching_pool(monkeypatch):
+    opened = {}
+    monkeypatch.setattr("kvscope.app.tui.run_app", lambda config, **kwargs: opened.update(config=config, **kwargs))
+    cli.main(["lesson", "preemption", "--no-log"])
+    assert opened["lesson"] == "preemption" and opened["log_enabled"] is False
+    assert opened["config"].num_blocks == TEACH_POOL["num_blocks"]
+    cli.main(["lesson"])
+    assert opened["lesson"] == ""          # the list of lessons
+
+
+def test_teach_picks_the_pool_unless_a_flag_says_otherwise(monkeypatch):
+    opened = {}
+    monkeypatch.setattr("kvscope.app.tui.run_app", lambda config, **kwargs: opened.update(config=config))
+    cli.main(["--teach"])
+    assert (opened["config"].num_blocks, opened["config"].max_model_len) == (64, 256)
+    cli.main(["--teach", "--num-blocks", "96"])
+    assert (opened["config"].num_blocks, opened["config"].max_model_len) == (96, 256)
+    assert teach_config(EngineConfig(), num_blocks=10).num_blocks == 10
