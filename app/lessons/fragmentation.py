@@ -23,7 +23,7 @@ from kvscope.app.lessons.script import (
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
 
 NUM_REQUESTS = 6
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 LOOK_AT_STEP = 3
 
 

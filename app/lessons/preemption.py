@@ -1,7 +1,7 @@
 """Lesson: preemption. More demand than blocks: the latest arrival is pushed out, recomputed, then swapped.
 
-Four requests start in a 10-block pool; each will need 3 blocks, 12 in all.
-When they all cross into their third block at the same step, the scheduler
+Four requests start in a 7-block pool; each will need 2 blocks, 8 in all.
+When they all cross into their second block at the same step, the scheduler
 preempts the request that arrived last. In recompute mode its blocks are simply
 freed and it waits to compute its tokens again; in swap mode (the second run,
 same requests) its blocks are copied to the host pool and back, and nothing is
@@ -23,13 +23,12 @@ from kvscope.app.lessons.script import (
     every,
     has_event,
     is_running,
-    plural,
 )
 
-POOL_BLOCKS = 10
+POOL_BLOCKS = 7
 NAMES = ("r1", "r2", "r3", "r4")
-PROMPT_TOKENS = 20
-MAX_TOKENS = 20
+PROMPT_TOKENS = 12
+MAX_TOKENS = 10
 VICTIM = "r4"
 
 
@@ -52,8 +51,8 @@ def say_preempt(moment: Moment) -> str:
     view = moment.view(event.request_id)
     tokens = view.num_prompt_tokens + view.num_output_tokens
     return (f"The pool is out of blocks: every request needed a new one in the same step. The scheduler "
-            f"[b]preempted {event.request_id}[/b], the latest arrival: its {plural(len(event.blocks), 'block')} "
-            f"({', '.join(map(str, event.blocks))}) went back to the pool and the others took them. In "
+            f"[b]preempted {event.request_id}[/b], the latest arrival: its blocks ({', '.join(map(str, event.blocks))}"
+            ") went back to the pool for the others to take. In "
             f"[b]recompute[/b] mode {event.request_id} returns to the front of the waiting queue; its {tokens} "
             "tokens (prompt and output so far) will be computed again.")
 
@@ -69,8 +68,8 @@ def say_swapped(moment: Moment) -> str:
     event = _event(moment, "swap_out")
     view = moment.view(event.request_id)
     host = view.host_block_tables[0] if view.host_block_tables else ()
-    return (f"[b]Swap[/b] mode, same requests, same moment: this time {event.request_id}'s "
-            f"{plural(len(event.blocks), 'block')} were copied to the host pool (the line under the map, host "
+    return (f"[b]Swap[/b] mode, same requests, same moment: this time {event.request_id}'s blocks "
+            f"({', '.join(map(str, event.blocks))}) were copied to the host pool (the line under the map, host "
             f"blocks {arrows(host)}) instead of being thrown away. {event.request_id} waits in the "
             "[b]swapped[/b] queue.")
 

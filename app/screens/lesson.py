@@ -27,7 +27,7 @@ from kvscope.app.widgets.status_line import VllmStatusLine
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.outputs import StepResult
 
-FRAME_S = 1 / 15          # live frames while the engine runs to the next beat
+FRAME_S = 1 / 8           # live frames while the engine runs to the next beat (a CPU step takes longer)
 LOG_RETRY_S = 0.1         # the run log's writer flushes at least this often
 
 
