@@ -180,12 +180,14 @@ def plan_long_prompts(count: int, ctx: PresetContext) -> list[PlannedRequest]:
 
 
 def plan_parallel_sampling(count: int, ctx: PresetContext) -> list[PlannedRequest]:
-    """n=4: the four samples share the prompt's blocks and copy the last one on their first write."""
+    """n=4: the four samples share the prompt's blocks and copy the last one on their first write. On a pool
+    too small for four unshared copies of a prompt (what the engine checks), fewer samples."""
     prompts = prompt_lines("sampling_prompts.txt")
     planned = []
     for i in range(count):
         messages = _user(prompts[i % len(prompts)])
-        params = SamplingParams(n=4, max_tokens=fit_reply(ctx, messages, 64, n=4), temperature=1.0, top_p=0.95,
+        n = next((n for n in (4, 3, 2) if ctx.max_request_tokens(n) - ctx.chat_tokens(messages) >= 8), 1)
+        params = SamplingParams(n=n, max_tokens=fit_reply(ctx, messages, 64, n=n), temperature=1.0, top_p=0.95,
                                 seed=i)
         planned.append(PlannedRequest(messages, params))
     return planned

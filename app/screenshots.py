@@ -116,6 +116,18 @@ async def _scene_contiguous(pilot) -> None:
     await step_through(pilot, 16)
 
 
+def _scene_lesson(name: str, beat: int):
+    """A lesson on the teaching pool, stopped at one of its beats."""
+    async def scene(pilot) -> None:
+        from kvscope.app.lessons.play import play
+
+        await _ready(pilot)
+        await play(pilot, name, stop_at=beat, beat_timeout=SCENE_TIMEOUT_S)
+        pilot.app.lesson_screen.panel.focus()   # the map's cursor would cover a block
+
+    return scene
+
+
 def _select_shared(app) -> None:
     """Select the request with the most blocks and put the map's cursor on a shared block."""
     snapshot = app.main.latest.snapshot
@@ -142,6 +154,8 @@ SCENES = {
                                    "swap_space": "64MiB"}),
     "paged-vs-contiguous": (_scene_contiguous, {"allocator": "contiguous", "num_blocks": 1024,
                                                 "max_model_len": 2048}),
+    "lesson-fragmentation": (_scene_lesson("fragmentation", 0), {}),
+    "lesson-prefix-sharing": (_scene_lesson("prefix-sharing", 1), {}),
 }
 
 

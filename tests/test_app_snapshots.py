@@ -2,14 +2,18 @@
 
 Deterministic by construction: a FakeRunner engine that starts paused and is
 single-stepped, a fixed clock for every step's timing, and fixed system figures.
+Lessons run on the same engines and stop at their key beats (a lesson's runs are
+logged to a temporary file, whose path never shows).
 Update with `pytest tests/test_app_snapshots.py --snapshot-update` and look at the SVGs.
 """
 
 from __future__ import annotations
 
+import pytest
 from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
 
 from kvscope.app.engine_factory import engine_info
+from kvscope.app.lessons.play import play
 from kvscope.app.presets import PresetContext, build
 from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.app.screens.replay import ReplayScreen
@@ -37,12 +41,9 @@ async def _busy_pool(pilot) -> None:
     await pilot.pause()
 
 
-def test_main_screen(snap_compare):
-    assert snap_compare(_app(), terminal_size=(160, 48), run_before=_busy_pool)
-
-
-def test_main_screen_80x24(snap_compare):
-    assert snap_compare(_app(), terminal_size=(80, 24), run_before=_busy_pool)
+@pytest.mark.parametrize("size", [(80, 24), (120, 40), (160, 50)], ids=lambda size: f"{size[0]}x{size[1]}")
+def test_main_screen(snap_compare, size):
+    assert snap_compare(_app(), terminal_size=size, run_before=_busy_pool)
 
 
 async def _two_turn_chat(pilot) -> None:
@@ -105,3 +106,30 @@ def test_replay_screen(snap_compare, tmp_path):
         await pilot.pause()
 
     assert snap_compare(_app(), terminal_size=(160, 48), run_before=replay_step_ten)
+
+
+# Each lesson's key beats: where the claim is on screen (issue 15).
+LESSON_BEATS = [("fragmentation", 0), ("fragmentation", 4), ("block-tables", 2), ("prefix-sharing", 1),
+                ("prefix-sharing", 3), ("copy-on-write", 1), ("preemption", 0), ("preemption", 2),
+                ("chunked-prefill", 1), ("continuous-batching", 2)]
+
+
+@pytest.mark.parametrize("name, beat", LESSON_BEATS, ids=[f"{name}-{beat + 1}" for name, beat in LESSON_BEATS])
+def test_lesson_beat(snap_compare, name, beat):
+    async def to_the_beat(pilot) -> None:
+        await started(pilot)
+        await play(pilot, name, stop_at=beat, beat_timeout=60)
+        await pilot.pause()
+
+    assert snap_compare(_app(), terminal_size=(120, 40), run_before=to_the_beat)
+
+
+def test_lesson_beat_replayed_from_the_run_log(snap_compare):
+    async def back_one(pilot) -> None:
+        await started(pilot)
+        await play(pilot, "copy-on-write", stop_at=1, beat_timeout=60)
+        await pilot.press("backspace")
+        screen = pilot.app.lesson_screen
+        await until(pilot, lambda: "replayed" in str(screen.panel.render()))
+
+    assert snap_compare(_app(), terminal_size=(120, 40), run_before=back_one)

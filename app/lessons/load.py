@@ -44,12 +44,16 @@ def ask(name: str, text: str, max_tokens: int, *, delay: int = 0, n: int = 1,
 
 
 def passage(ctx: PresetContext, num_tokens: int, offset: int = 0) -> str:
-    """About ``num_tokens`` tokens (never more) of the long document, starting ``offset`` words in."""
-    words = prompt_file("long_document.txt").split(" ")
-    text = " ".join(words[offset:] + words[:offset])
-    while ctx.count_tokens(text) < num_tokens:
-        text += " " + text
-    return fit_text(text, num_tokens, ctx)
+    """Running text of the long document, ``offset`` words in, as close to ``num_tokens`` tokens as whole words
+    allow without going over (one line: a heading or a paragraph break would not cut it short)."""
+    words = prompt_file("long_document.txt").split()
+    words = words[offset % len(words):] + words[:offset % len(words)]
+    taken: list[str] = []
+    for word in words * (1 + num_tokens // max(len(words), 1)):
+        if ctx.count_tokens(" ".join([*taken, word])) > num_tokens:
+            break
+        taken.append(word)
+    return " ".join(taken)
 
 
 def read(name: str, ctx: PresetContext, num_tokens: int, max_tokens: int, *, delay: int = 0,

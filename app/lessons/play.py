@@ -27,7 +27,8 @@ class Played:
 
 
 async def play(pilot, name: str, on_beat: Callable[[int, BeatRecord], Awaitable[None]] | None = None,
-               beat_timeout: float = BEAT_TIMEOUT_S) -> Played:
+               beat_timeout: float = BEAT_TIMEOUT_S, stop_at: int | None = None) -> Played:
+    """Play lesson ``name`` to its end, or until beat ``stop_at`` (0-based) is on screen."""
     from kvscope.app.screenshots import wait_until
 
     app = pilot.app
@@ -37,14 +38,15 @@ async def play(pilot, name: str, on_beat: Callable[[int, BeatRecord], Awaitable[
     await wait_until(pilot, lambda: app.lesson_screen is not None and app.lesson_screen.runner is not None)
     screen = app.lesson_screen
     runner = screen.runner
-    for index in range(len(lesson.beats)):
+    last = len(lesson.beats) - 1 if stop_at is None else stop_at
+    for index in range(last + 1):
         reached = await wait_until(pilot, lambda i=index: len(runner.records) > i and runner.running is None,
                                    beat_timeout)
         if not reached:
             raise RuntimeError(f"lesson {name}: beat {index + 1} not reached within {beat_timeout:.0f} s")
         if on_beat is not None:
             await on_beat(index, runner.records[index])
-        if index < len(lesson.beats) - 1:
+        if index < last:
             screen.action_forward()
     seconds = time.monotonic() - start
     engine_seconds = sum(record.stats.duration for record in runner.steps)

@@ -20,9 +20,7 @@ from kvscope.app.lessons.script import (
     Moment,
     all_done,
     arrows,
-    every,
     has_event,
-    is_running,
 )
 
 POOL_BLOCKS = 7
@@ -41,9 +39,8 @@ def _event(moment: Moment, kind: str):
 
 
 def back_from_recompute(result) -> bool:
-    """The victim runs again with its tokens computed anew."""
-    return any(v.request_id == VICTIM and v.queue == "running" and v.num_computed_tokens > 0
-               for v in result.snapshot.requests) and not any(e.kind == "preempt" for e in result.events)
+    """The victim ran again: its tokens were computed anew and it produced a token (it may even be done)."""
+    return any(o.request_id == VICTIM and o.new_token_ids for o in result.outputs)
 
 
 def say_preempt(moment: Moment) -> str:
@@ -59,9 +56,10 @@ def say_preempt(moment: Moment) -> str:
 
 def say_back(moment: Moment) -> str:
     view = moment.view(VICTIM)
-    prefill = next((r.stats.num_prefill_tokens for r in reversed(moment.run_steps())), 0)
-    return (f"Blocks came free and {VICTIM} is running again: it recomputed {prefill} tokens in one prefill step, "
-            f"and its table is now {arrows(view.block_tables[0])}. That prefill is the price of recompute.")
+    prefill = moment.stats.num_prefill_tokens
+    where = f"its table is now {arrows(view.block_tables[0])}" if view is not None else "it is even done"
+    return (f"Blocks came free and {VICTIM} ran again: it recomputed {prefill} tokens in one prefill step, "
+            f"and {where}. That prefill is the price of recompute.")
 
 
 def say_swapped(moment: Moment) -> str:
@@ -105,7 +103,7 @@ LESSON = Lesson(
     beats=(
         Beat("preempt", "Out of blocks: the latest arrival goes", say_preempt, until=has_event("preempt"),
              load=load, point=lambda m: Highlight(_event(m, "preempt").request_id, _event(m, "preempt").blocks)),
-        Beat("back", "Back, and computed again", say_back, until=every(is_running(VICTIM), back_from_recompute),
+        Beat("back", "Back, and computed again", say_back, until=back_from_recompute,
              point=lambda m: Highlight(VICTIM)),
         Beat("swapped", "Swap mode: out to the host pool", say_swapped, until=has_event("swap_out"),
              config={"num_blocks": POOL_BLOCKS, "preemption_mode": "swap"}, load=load,

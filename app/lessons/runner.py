@@ -121,10 +121,12 @@ class LessonRunner:
             self._command(Rebuild(dataclasses.replace(self.config, **beat.config)))
         if beat.load is not None:
             self._command(LaunchPlan(beat.load))
-        if beat.until is not None:
+        already = beat.config is None and beat.load is None and self.latest is not None and \
+            beat.until is not None and beat.until(self.latest)
+        if beat.until is not None and not already:
             self._command(RunUntil(beat.until, beat.max_steps))
         else:
-            self._reach(met=True)
+            self._reach(met=True)     # nothing to run for (a closing beat), or its moment is the step on screen
 
     def _reach(self, met: bool) -> None:
         index = self.running
@@ -133,8 +135,8 @@ class LessonRunner:
         if result is None:      # the beat ran no step (nothing to run): nothing to talk about
             result = self._empty_result()
         moment = Moment(result, tuple(self.steps), dict(self.earlier), self.run, met)
-        record = BeatRecord(index, beat.title, beat.say(moment), beat.point(moment), self._run_id(),
-                            result.stats.step, met)
+        caption, highlight = _words(beat, moment)
+        record = BeatRecord(index, beat.title, caption, highlight, self._run_id(), result.stats.step, met)
         self.earlier[beat.key] = result
         self.records.append(record)
         self.running = None
@@ -153,3 +155,13 @@ class LessonRunner:
 
         snapshot, stats = empty_step(self.config.num_blocks or 1, self.config.block_size, self.config.allocator)
         return StepResult([], stats, snapshot)
+
+
+def _words(beat: Beat, moment: Moment) -> tuple[str, Highlight]:
+    """The beat's caption and highlight. A caption reads the numbers of the moment it was written for; if the
+    run did not get there (another model's tokenizer, a pool too small), the screen says so instead of failing."""
+    try:
+        return beat.say(moment), beat.point(moment)
+    except Exception as exc:  # the lesson goes on: the class still sees the engine as it is
+        return (f"[b]This run did not reach the moment this beat is about[/b] ({type(exc).__name__}: {exc}). The "
+                "screen shows the engine as it is; Space goes on.", Highlight())

@@ -108,8 +108,10 @@ class ReplayScreen(Screen):
             self._say(f"[b]Replay[/b] · run {self.run_id} · cannot show step {self.steps[index]:,}: "
                       f"$error", error=f"{type(exc).__name__}: {exc}")
             return
-        self.index, self.frame = index, frame
-        self.view.show(frame.snapshot, frame.stats)
+        previous, self.index, self.frame = self.frame, index, frame
+        # The event line narrates the logged step; the step before (when it is the one shown last) lets
+        # it count prefill chunks and admissions, as the live window does.
+        self.view.show(frame.snapshot, frame.stats, frame.events, previous.snapshot if previous else None)
         self._update_status()
 
     def _say(self, markup: str, **variables: str) -> None:

@@ -55,22 +55,27 @@ class KeyBar(Widget):
         self.screen.bindings_updated_signal.unsubscribe(self)
 
     def entries(self) -> list[tuple[str, str]]:
-        """(key, label) of every binding shown: the App's, then the screen's, then the focused widget's."""
-        by_node: dict[int, list[tuple[str, str]]] = {}
-        rank: dict[int, tuple[int, int]] = {}
+        """(key, label) of every binding shown: the App's, then the screen's, then the focused widget's.
+
+        Read from the binding chain itself rather than ``active_bindings``, where a widget's hidden binding
+        of a key (the map's Esc) would hide the screen's shown one (the replay's Esc: Back)."""
+        groups: list[tuple[tuple[int, int], list[tuple[str, str]]]] = []
         seen: set[str] = set()
-        for position, (node, binding, enabled, _tooltip) in enumerate(self.screen.active_bindings.values()):
-            if not binding.show or not enabled or binding.action in seen:
-                continue
-            seen.add(binding.action)
-            # The chain runs from the focused widget up to the App: the App first, then the screen, then
-            # the widgets from the top down.
+        for depth, (node, bindings) in enumerate(self.screen._modal_binding_chain):
             group = 0 if isinstance(node, App) else 1 if node is self.screen else 2
-            rank.setdefault(id(node), (group, -position))
-            by_node.setdefault(id(node), []).append((key_label(self.app, binding), binding.description))
-        ordered = sorted(by_node, key=rank.__getitem__)
-        return [entry for node in ordered for entry in by_node[node]
-                if not (self.own_only and rank[node][0] == 0)]
+            if self.own_only and group == 0:
+                continue
+            entries = []
+            for _key, binding in bindings:
+                if not binding.show or binding.action in seen:
+                    continue
+                if self.app._check_action_state(binding.action, node) is not True:
+                    continue
+                seen.add(binding.action)
+                entries.append((key_label(self.app, binding), binding.description))
+            # The chain runs from the focused widget up to the App: the top comes first.
+            groups.append(((group, -depth), entries))
+        return [entry for _, entries in sorted(groups, key=lambda item: item[0]) for entry in entries]
 
     def render(self) -> Content:
         parts: list[Content | str] = []

@@ -1,0 +1,192 @@
+"""Issue 15 §4: the keys people already know, a footer that fits, a visible focus, nothing cut."""
+
+from __future__ import annotations
+
+import pytest
+from rich.cells import cell_len
+from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
+from textual.widgets import HelpPanel
+
+from kvscope.app.runlog import RunLogReader, record_run
+from kvscope.app.screens.replay import ReplayScreen
+from kvscope.app.widgets.block_map import BlockMap
+from kvscope.app.widgets.block_table import BlockTable
+from kvscope.app.widgets.chat import ChatPane
+from kvscope.app.widgets.header import EngineHeader
+from kvscope.app.widgets.key_bar import KeyBar
+from kvscope.app.widgets.queues import QueuesTable
+from kvscope.app.worker_commands import AddChatTurn
+from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.fake_runner import fake_engine
+
+pytestmark = pytest.mark.anyio
+
+
+def _bar_text(bar: KeyBar) -> str:
+    return bar.render().plain
+
+
+@pytest.mark.parametrize("width", [80, 120, 160])
+async def test_the_footer_fits_and_shows_whole_keys_only(width):
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(width, 40)) as pilot:
+        await started(pilot)
+        for focus in ("#chat-input", "#block-map", "#queues"):
+            app.main.query_one(focus).focus()
+            await pilot.pause()
+            bar = app.main.query_one(KeyBar)
+            text = _bar_text(bar)
+            assert cell_len(text) <= bar.size.width
+            shown = [f"{key} {label}" for key, label in bar.entries()]
+            kept = [entry for entry in shown if entry in text]
+            assert text.split("  ") == kept              # every entry whole, none cut at the edge
+            assert text.startswith("q Quit  ? Keys") or focus == "#chat-input"
+
+
+async def test_the_replay_footer_shows_only_the_replays_keys(tmp_path):
+    engine = fake_engine(EngineConfig(num_blocks=64, max_model_len=256))
+    with record_run(engine, db_path=tmp_path / "runs.db") as log:
+        engine.add_request("hello there", SamplingParams(max_tokens=4))
+        while engine.has_unfinished_requests():
+            engine.step()
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(pilot)
+        await app.push_screen(ReplayScreen(RunLogReader(tmp_path / "runs.db"), log.run_id))
+        await pilot.pause()
+        text = _bar_text(app.screen.query_one(KeyBar))
+        assert "Prev" in text and "Next" in text and "Back" in text
+        for app_key in ("F2 Pause", "F3 Step", "F1 Explain", "F9 History", "q Quit"):
+            assert app_key not in text
+
+
+async def test_question_mark_shows_and_hides_the_keys():
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(pilot)
+        app.main.view.block_map.focus()
+        await pilot.press("question_mark")
+        assert app.screen.query(HelpPanel)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert not app.screen.query(HelpPanel)
+
+
+async def test_escape_aborts_the_reply_only_from_the_chat():
+    app = make_app(FakeEngines(), chat_max_tokens=200)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(pilot)
+        chat = app.main.query_one(ChatPane)
+        await type_chat(pilot, "Tell me a long story")
+        await single_steps(pilot, 2)
+        app.main.view.block_map.focus()
+        await pilot.press("escape")
+        assert chat.current_request == "chat-1"          # Esc on the map is the map's, not the reply's
+        app.main.query_one("#chat-input").focus()
+        await pilot.press("escape")
+        assert chat.current_request is None
+        await pilot.press("escape")                      # no reply left: Esc leaves the input for the map
+        assert app.focused is app.main.view.block_map
+
+
+async def test_keys_jump_to_the_map_the_queues_and_the_chat_and_the_focus_shows():
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(pilot)
+        chat_input = app.main.query_one("#chat-input")
+        await pilot.press("m")                            # typed: the chat input has the focus
+        assert chat_input.value == "m" and app.focused is chat_input
+        chat_input.value = ""
+        app.main.view.block_map.focus()
+        await pilot.press("r")
+        assert isinstance(app.focused, QueuesTable)
+        assert app.focused.styles.border_top[0] == "heavy"    # the focus ring
+        await pilot.press("m")
+        assert isinstance(app.focused, BlockMap) and app.focused.styles.border_top[0] == "heavy"
+        assert app.main.view.queues.styles.border_top[0] != "heavy"
+        await pilot.press("c")
+        assert app.focused is chat_input
+
+
+async def test_whitespace_only_input_is_cleared_and_sends_nothing():
+    engines = FakeEngines()
+    app = make_app(engines)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(pilot)
+        await type_chat(pilot, "   ")
+        chat = app.main.query_one(ChatPane)
+        assert app.main.query_one("#chat-input").value == ""
+        assert chat.current_request is None and chat.messages == []
+
+
+async def test_the_header_does_not_claim_a_prefix_cache_the_contiguous_allocator_cannot_use():
+    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=128, max_model_len=512, allocator="contiguous"))
+    async with app.run_test(size=(160, 40)) as pilot:
+        await started(pilot)
+        header = str(app.main.query_one(EngineHeader).render())
+        assert "prefix cache on" not in header and "no prefix cache (contiguous)" in header
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        assert "prefix✗" in str(app.main.query_one(EngineHeader).render())
+
+
+async def test_new_conversation_forgets_the_history_sent_to_the_model_and_turns_are_labelled():
+    app = make_app(FakeEngines(), chat_max_tokens=6, paused=False)
+    sent = []
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(pilot)
+        chat = app.main.query_one(ChatPane)
+        send = app.worker.send
+
+        def spy(command):
+            if isinstance(command, AddChatTurn):
+                sent.append(command.messages)
+            send(command)
+
+        app.worker.send = spy
+        await type_chat(pilot, "First question")
+        await until(pilot, lambda: chat.current_request is None)
+        await type_chat(pilot, "Second question")
+        await until(pilot, lambda: chat.current_request is None)
+        assert len(sent[-1]) == 3                          # user, assistant, user
+        titles = [bubble.border_title for bubble in app.main.query(".bubble")]
+        assert titles == ["you", "assistant", "you", "assistant"]
+        await pilot.press("ctrl+n")
+        assert chat.messages == [] and not app.main.query(".bubble")
+        await type_chat(pilot, "Third question")
+        await until(pilot, lambda: chat.current_request is None)
+        assert [m["content"] for m in sent[-1]] == ["Third question"]
+
+
+async def test_long_request_ids_and_numbers_are_never_cut():
+    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=2048))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        for _ in range(11):
+            app.worker.launch_preset("long", 1)      # ids long-0 … long-10: one two digits wide
+        await single_steps(pilot, 1)
+        table = app.main.query_one(QueuesTable)
+        lines = [table.render_line(y).text for y in range(1, table.size.height)]
+        for view in app.main.latest.snapshot.requests:
+            row = next(line for line in lines if line.split()[0] == view.request_id)
+            assert f"{min(view.num_computed_tokens, view.num_prompt_tokens)}/{view.num_prompt_tokens}" in row
+        assert not any("…" in line.split()[0] for line in lines if line.strip())
+
+
+async def test_the_block_table_scrolls_when_a_table_is_longer_than_the_panel():
+    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=4096))
+    async with app.run_test(size=(120, 36)) as pilot:
+        await started(pilot)
+        app.worker.launch_preset("sample", 1)          # four samples: four table lines, and long ones
+        await burst_steps(pilot, 1, 3)
+        view = app.main.latest.snapshot.requests[0]
+        app.main.view.select_request(view.request_id)
+        app.main.paint(force=True)
+        await pilot.pause()
+        table = app.main.query_one(BlockTable)
+        assert table.virtual_size.height > table.size.height
+        table.scroll_end(animate=False, immediate=True)
+        await pilot.pause()
+        last = table._row_map()[-1]
+        assert table.render_line(table.size.height - 1).text.strip() == \
+            "".join(s.text for s in table._wrapped[last[0]][last[1]]).strip()
