@@ -18,6 +18,7 @@ from kvscope.app.lessons.script import (
     after_steps,
     all_done,
     arrows,
+    figures,
     is_running,
     plural,
 )
@@ -79,13 +80,11 @@ def say_figures(moment: Moment) -> str:
     links = sum(max(len(table) - 1, 0) for table in entries)
     steps = moment.run_steps()
     peak = max(record.stats.num_total_blocks - record.stats.num_free_blocks for record in steps)
-    return (f"[b]The figures of this run[/b]\n"
-            f"requests                    {len(FIRST) + 1}\n"
-            f"steps                       {len(steps)}\n"
-            f"blocks in use at the peak   {peak} of {steps[-1].stats.num_total_blocks}\n"
-            f"tables when {LATE[0]} arrived     {jumps} of {links} neighbouring entries not adjacent\n\n"
-            "Paging turns \"find room for this request\" into \"find any free block\": with blocks of "
-            f"{late.block_size} tokens, no free space is ever too fragmented to use.")
+    return figures([("requests", str(len(FIRST) + 1)), ("steps", str(len(steps))),
+                    ("peak blocks in use", f"{peak} of {steps[-1].stats.num_total_blocks}"),
+                    (f"jumps when {LATE[0]} came", f"{jumps} of {links} table links")],
+                   "Paging turns \"find room for this request\" into \"find any free block\": with blocks of "
+                   f"{late.block_size} tokens, no free space is ever too fragmented to use.")
 
 
 LESSON = Lesson(

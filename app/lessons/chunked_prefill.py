@@ -17,6 +17,7 @@ from kvscope.app.lessons.script import (
     Moment,
     after_steps,
     all_done,
+    figures,
     plural,
     prefilled,
 )
@@ -73,13 +74,10 @@ def say_figures(moment: Moment) -> str:
     steps = moment.run_steps()
     sizes = [r.stats.num_prefill_tokens + r.stats.num_decode_tokens for r in steps]
     chunks = [r.stats.num_prefill_tokens for r in _chunk_steps(moment) if r.stats.num_prefill_tokens]
-    return (f"[b]The figures of this run[/b]\n"
-            f"token budget per step        {BUDGET}\n"
-            f"largest step                 {max(sizes)} tokens\n"
-            f"{LONG}'s prompt in chunks of   {' + '.join(map(str, chunks))}\n"
-            f"steps                        {len(steps)}\n\n"
-            "Chunked prefill bounds every step's work, so the time between two tokens of a decoding request "
-            "stays short even while long prompts arrive.")
+    return figures([("budget per step", f"{BUDGET} tokens"), ("largest step", f"{max(sizes)} tokens"),
+                    (f"{LONG}'s chunks", " + ".join(map(str, chunks))), ("steps", str(len(steps)))],
+                   "Chunked prefill bounds every step's work, so the time between two tokens of a decoding "
+                   "request stays short even while long prompts arrive.")
 
 
 LESSON = Lesson(

@@ -17,6 +17,7 @@ from kvscope.app.lessons.script import (
     Moment,
     after_steps,
     all_done,
+    figures,
     has_finished,
     is_running,
     plural,
@@ -64,12 +65,11 @@ def say_figures(moment: Moment) -> str:
     lengths = [tokens for _, tokens, _ in REQUESTS]
     static = static_steps(lengths)
     busy = sum(r.batch for r in steps)
-    return (f"[b]The figures of this run[/b]\n"
-            f"requests                           {len(REQUESTS)}, {' + '.join(map(str, lengths))} tokens\n"
-            f"continuous batching                {plural(len(steps), 'step')}, mean batch {busy / len(steps):.1f}\n"
-            f"static batches of {BATCH} (same lengths)  about {plural(static, 'step')}\n\n"
-            "A static batch runs until its longest request is done: the short ones sit finished while their "
-            "places stay empty, and the next batch waits.")
+    return figures([("tokens asked", " + ".join(map(str, lengths))),
+                    ("continuous", f"{plural(len(steps), 'step')}, mean batch {busy / len(steps):.1f}"),
+                    (f"static, {BATCH} a batch", f"about {plural(static, 'step')}")],
+                   "A static batch runs until its longest request is done: the short ones sit finished while "
+                   "their places stay empty, and the next batch waits.")
 
 
 LESSON = Lesson(

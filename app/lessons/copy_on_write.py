@@ -17,6 +17,7 @@ from kvscope.app.lessons.script import (
     Moment,
     all_done,
     arrows,
+    figures,
     plural,
     prefilled,
 )
@@ -75,14 +76,11 @@ def say_figures(moment: Moment) -> str:
     made = copies(Moment(moment.earlier["copied"], moment.steps, moment.earlier, moment.run))
     steps = moment.run_steps()
     peak = max(record.stats.num_total_blocks - record.stats.num_free_blocks for record in steps)
-    return (f"[b]The figures of this run[/b]\n"
-            f"samples                        {SAMPLES} × {MAX_TOKENS} tokens\n"
-            f"blocks copied on write         {len(made)}\n"
-            f"blocks in use at the peak      {peak}\n"
-            f"{SAMPLES} separate requests would hold {SAMPLES * alone}\n"
-            f"steps                          {len(steps)}\n\n"
-            "Shared prompt blocks are why parallel sampling and beam search fit in memory: only what differs "
-            "is stored per sample.")
+    return figures([("samples", f"{SAMPLES} × {MAX_TOKENS} tokens"), ("copied on write", plural(len(made), "block")),
+                    ("peak blocks in use", str(peak)), (f"{SAMPLES} lone requests", f"{SAMPLES * alone} blocks"),
+                    ("steps", str(len(steps)))],
+                   "Shared prompt blocks are why parallel sampling and beam search fit in memory: only what "
+                   "differs is stored per sample.")
 
 
 def _copied_blocks(moment: Moment) -> tuple[int, ...]:

@@ -84,13 +84,13 @@ def say_figures(moment: Moment) -> str:
     def prefilled(run) -> int:
         return sum(r.stats.num_prefill_tokens for r in run)
 
-    rows = [("", "recompute", "swap"),
+    rows = [("mode", "recompute", "swap"),
             ("preemptions", str(recompute[-1].stats.num_preemptions), str(swap[-1].stats.num_preemptions)),
-            ("prompt tokens computed", str(prefilled(recompute)), str(prefilled(swap))),
-            ("blocks swapped out / in", "0 / 0",
-             f"{swap[-1].stats.num_swapped_out_blocks} / {swap[-1].stats.num_swapped_in_blocks}"),
+            ("prefill tokens", str(prefilled(recompute)), str(prefilled(swap))),
+            ("swapped out/in", "0/0",
+             f"{swap[-1].stats.num_swapped_out_blocks}/{swap[-1].stats.num_swapped_in_blocks}"),
             ("steps", str(len(recompute)), str(len(swap)))]
-    table = "\n".join(f"{a:<25}{b:>10}{c:>7}" for a, b, c in rows)
+    table = "\n".join(f"{a:<15}{b:>10}{c:>7}" for a, b, c in rows)
     return (f"[b]The figures of this run[/b]\n{table}\n\nRecompute costs compute (the extra prefill); swap costs "
             "host memory and copy bandwidth. vLLM V1 recomputes: on a GPU, prefill is fast.")
 

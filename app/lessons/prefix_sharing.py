@@ -19,6 +19,7 @@ from kvscope.app.lessons.script import (
     Moment,
     all_done,
     every,
+    figures,
     has_event,
     is_running,
     percent,
@@ -128,14 +129,11 @@ def say_figures(moment: Moment) -> str:
     steps = moment.run_steps()
     evicted = sum(len(e.blocks) for record in steps for e in record.events if e.kind == "evict")
     computed = sum(record.stats.num_prefill_tokens for record in steps)
-    return (f"[b]The figures of this run[/b]\n"
-            f"prompt tokens looked up   {stats.prefix_cache_queries:,}\n"
-            f"found in the cache        {stats.prefix_cache_hits:,} "
-            f"({percent(stats.prefix_cache_hits / stats.prefix_cache_queries)})\n"
-            f"prompt tokens computed    {computed:,}\n"
-            f"cached blocks evicted     {evicted}\n"
-            f"steps                     {len(steps)}\n\n"
-            "Without the prefix cache, every request would have computed its whole prompt.")
+    hits = f"{stats.prefix_cache_hits:,} ({percent(stats.prefix_cache_hits / stats.prefix_cache_queries)})"
+    return figures([("prompt tokens asked", f"{stats.prefix_cache_queries:,}"), ("found in the cache", hits),
+                    ("prompt tokens computed", f"{computed:,}"), ("blocks evicted", str(evicted)),
+                    ("steps", str(len(steps)))],
+                   "Without the prefix cache, every request would have computed its whole prompt.")
 
 
 LESSON = Lesson(

@@ -152,3 +152,10 @@ def plural(count: int, word: str) -> str:
 
 def percent(fraction: float) -> str:
     return f"{100 * fraction:.1f}%"
+
+
+def figures(rows: list[tuple[str, str]], note: str = "") -> str:
+    """The closing figures: "label  value" lines, labels padded to the longest, then a sentence."""
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{label:<{width}}  {value}" for label, value in rows]
+    return "[b]The figures of this run[/b]\n" + "\n".join(lines) + (f"\n\n{note}" if note else "")

@@ -32,6 +32,7 @@ LOG_RETRY_S = 0.1         # the run log's writer flushes at least this often
 
 
 class LessonScreen(Screen):
+    AUTO_FOCUS = "#lesson-panel"   # arrows scroll the words; M moves to the map
     BINDINGS = [
         Binding("space", "forward", "Next", priority=True),
         Binding("backspace", "back", "Back", priority=True),
@@ -82,6 +83,7 @@ class LessonScreen(Screen):
     def ingest(self, result: StepResult) -> None:
         self.previous, self.latest = self.latest, result
         self.status_line.push(result.stats)
+        self.view.queues.note_events(result.events)
         self.runner.stepped(result)
 
     def until_done(self, step: int, met: bool) -> None:

@@ -158,8 +158,12 @@ class BlockMap(Widget, can_focus=True):
             return Style(color=widget_background.rich_color, bgcolor=self._colour("block-cursor").rich_color,
                          bold=True)
         if overlay == cells.OVERLAY_MARKED:
-            return Style(color=widget_background.rich_color, bgcolor=self._colour("block-marked").rich_color,
-                         bold=True)
+            # A shared block's ref-count digit stays on a background (here the mark's); any other glyph
+            # (fill, free dot, cached shade) is drawn in the mark's colour, so its shape still reads.
+            marked = self._colour("block-marked").rich_color
+            if base >= cells.STYLE_SHARED:
+                return Style(color=widget_background.rich_color, bgcolor=marked, bold=True)
+            return Style(color=marked, bgcolor=widget_background.rich_color, bold=True)
         background, bold = widget_background, False
         if base == cells.STYLE_FREE:
             colour = self._colour("block-free")

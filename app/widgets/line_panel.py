@@ -96,6 +96,10 @@ class LinePanel(ScrollView, can_focus=False):
     def on_resize(self, event: Resize) -> None:
         self._rewrap()
 
+    def watch_show_vertical_scrollbar(self, shown: bool) -> None:
+        # The scrollbar takes a column from the text: wrap again at the width that is left.
+        self.call_later(self._rewrap)
+
     def _wrap(self, index: int, width: int) -> list[Strip]:
         strips = self._lines[index].render_strips(width, None, self.visual_style,
                                                   RenderOptions(self._get_style, self.styles))

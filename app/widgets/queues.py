@@ -134,8 +134,13 @@ class QueuesTable(ScrollView, can_focus=True):
         self._reorder()
         self._update_title()
 
+    def note_events(self, events: tuple[EngineEvent, ...]) -> None:
+        """Keep the finish reasons a step's events give, for steps the screen never draws."""
+        if events:
+            self._reasons.update(finished_reasons(events))
+
     def show_snapshot(self, snapshot: CacheSnapshot, events: tuple[EngineEvent, ...] = ()) -> None:
-        self._reasons.update(finished_reasons(events))
+        self.note_events(events)
         if snapshot.step < self._step and self.finished:
             # An earlier step (a replay going back, another run): what finished after it is not history yet.
             self.finished.clear()
@@ -160,6 +165,8 @@ class QueuesTable(ScrollView, can_focus=True):
         reorder |= bool(gone) or snapshot.step < self._step or self._expire(snapshot.step)
         self._step = snapshot.step
         self.rows = live
+        # Reasons of requests that came and went between two drawn steps are of no use: keep the map small.
+        self._reasons = {rid: reason for rid, reason in self._reasons.items() if rid in live}
         widths = column_widths([*live.values(), *(row for row, _ in self.finished.values())])
         if widths != self._column_widths:
             self._column_widths, self._widths_for = widths, -1
