@@ -62,6 +62,14 @@ def say_back(moment: Moment) -> str:
             f"and {where}. That prefill is the price of recompute.")
 
 
+def say_done(moment: Moment) -> str:
+    steps = moment.run_steps()
+    prefill = sum(r.stats.num_prefill_tokens for r in steps)
+    return (f"All four finished after [b]{len(steps)} steps[/b], computing {prefill} prompt tokens for prompts "
+            f"of {len(NAMES) * PROMPT_TOKENS} tokens or fewer: the difference is what {VICTIM} computed twice. "
+            "Next: the same requests in swap mode.")
+
+
 def say_swapped(moment: Moment) -> str:
     event = _event(moment, "swap_out")
     view = moment.view(event.request_id)
@@ -105,6 +113,7 @@ LESSON = Lesson(
              load=load, point=lambda m: Highlight(_event(m, "preempt").request_id, _event(m, "preempt").blocks)),
         Beat("back", "Back, and computed again", say_back, until=back_from_recompute,
              point=lambda m: Highlight(VICTIM)),
+        Beat("recompute-done", "Recompute mode: all done", say_done, until=all_done),
         Beat("swapped", "Swap mode: out to the host pool", say_swapped, until=has_event("swap_out"),
              config={"num_blocks": POOL_BLOCKS, "preemption_mode": "swap"}, load=load,
              point=lambda m: Highlight(_event(m, "swap_out").request_id)),

@@ -81,7 +81,8 @@ def say_shared(moment: Moment) -> str:
     refs = int(moment.snapshot.ref_counts[shared[0]]) if shared else 0
     cached = [moment.view(name).num_cached_tokens for name in SHARERS]
     return (f"r2–r5 start with the same system prompt. Each found it in the cache: their tables point at the same "
-            f"{plural(len(shared), 'block')}, so each of those shows its ref count, [b]{refs}[/b]. They skipped "
+            f"{plural(len(shared), 'block')} (the ones holding nothing but the system prompt), so each of those "
+            f"shows its ref count, [b]{refs}[/b]. They skipped "
             f"{sum(cached):,} prompt tokens between them; prefix hits so far: {stats.prefix_cache_hits:,} of "
             f"{stats.prefix_cache_queries:,} tokens ({percent(stats.prefix_cache_hits / stats.prefix_cache_queries)}).")
 
