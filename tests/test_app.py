@@ -143,7 +143,7 @@ async def test_an_over_long_prompt_shows_an_error_and_the_app_keeps_working():
         error = app.main.query(".bubble.error")
         assert len(error) == 1
         assert "max_model_len" in str(error.first().render())
-        assert any(n.severity == "error" for n in app._notifications)
+        await until(pilot, lambda: any(n.severity == "error" for n in app._notifications))   # gathered, then told
         assert chat.messages == []
         await type_chat(pilot, "short one")
         await until(pilot, lambda: chat.current_request is None)
