@@ -37,6 +37,7 @@ from kvscope.app.messages import (
     EngineReady,
     EngineStarting,
     EngineStepped,
+    QueueChanged,
     RequestRejected,
     RunState,
     RunStateChanged,
@@ -104,6 +105,7 @@ class EngineWorker:
         self._steps_done = 0
         self._last_step = 0
         self._until: tuple[Callable, int] | None = None   # a RunUntil's condition and its last step
+        self._queued = False    # requests added since the UI last saw the queues
         self._stopping = threading.Event()
         self._died: BaseException | None = None
 
@@ -227,7 +229,11 @@ class EngineWorker:
             try:
                 self._apply(self._commands.get_nowait())
             except queue.Empty:
-                return
+                break
+        if self._queued and self.engine is not None and not self._step_due():
+            # Requests were added and no step is about to show them (paused, or rate-capped): show them now.
+            self._queued = False
+            self.target.post_message(QueueChanged(self.engine.snapshot()))
 
     def _apply(self, command: WorkerCommand) -> None:
         """Apply one command; one that raises is refused with a message and changes nothing else."""
@@ -288,6 +294,7 @@ class EngineWorker:
             self._reject(request.request_id, exc)
             return
         self._accepted.add(request_id)
+        self._queued = True
 
     def _reject(self, request_id: str, exc: BaseException) -> None:
         self.target.post_message(RequestRejected(request_id, describe_error(exc)))
@@ -334,6 +341,7 @@ class EngineWorker:
 
     def _step(self) -> None:
         self._add_scheduled()
+        self._queued = False
         self._pending_steps = max(0, self._pending_steps - 1)
         self._abort_unreported = False
         if self._steps_per_s_cap:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from textual.message import Message
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.outputs import StepResult
+from kvscope.engine.outputs import CacheSnapshot, StepResult
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,13 @@ class EngineStepped(Message):
     """One engine step. Posted once per step; the UI draws the newest and keeps every output."""
 
     result: StepResult
+
+
+@dataclass
+class QueueChanged(Message):
+    """Requests joined the queues while no step runs to show them (the engine is paused): the state now."""
+
+    snapshot: CacheSnapshot
 
 
 @dataclass

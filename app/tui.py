@@ -31,6 +31,7 @@ from kvscope.app.messages import (
     EngineStarting,
     EngineStepped,
     PresetLaunched,
+    QueueChanged,
     RequestRejected,
     RunLogFailed,
     RunStateChanged,
@@ -198,6 +199,9 @@ class KVScopeApp(App):
             self.main.ingest(message.result)
         if self.lesson_screen is not None:
             self.lesson_screen.ingest(message.result)
+
+    def on_queue_changed(self, message: QueueChanged) -> None:
+        self.main.show_queue(message.snapshot)
 
     def on_run_until_done(self, message: RunUntilDone) -> None:
         if self.lesson_screen is not None:

@@ -19,7 +19,7 @@ import time
 import warnings
 
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
-from kvscope.engine.outputs import RequestOutput, SampleOutput, StepResult
+from kvscope.engine.outputs import CacheSnapshot, RequestOutput, SampleOutput, StepResult
 from kvscope.engine.request import Request, RequestStatus, Sequence
 from kvscope.engine.runner import Runner, RunnerInfo, RunnerOutput
 from kvscope.engine.scheduler import Scheduler
@@ -217,6 +217,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """True while a request runs or waits, or a final output has yet to be returned by step()."""
         return bool(self._pending) or self.scheduler.has_unfinished_requests()
+
+    def snapshot(self) -> CacheSnapshot:
+        """The pool and the queues as they are now, between steps: a request added since the last step
+        shows as waiting (what a paused window shows when a load is launched)."""
+        with self._lock:
+            return build_snapshot(self.scheduler, self.step_counter, self.config.allocator)
 
     def generate(self, prompts,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -176,3 +176,15 @@ def test_the_rate_window_averages_over_ten_seconds_of_steps():
     prompt, _ = window.rates()
     assert prompt == pytest.approx(11 * 10 / 10.0)     # the steps ending in the last ten seconds
     assert np.isfinite(prompt)
+
+
+async def test_launched_requests_show_as_waiting_at_once_even_while_paused():
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(160, 48)) as pilot:
+        await started(pilot)
+        app.worker.launch_preset("burst", 4)
+        table = app.main.query_one(QueuesTable)
+        await until(pilot, lambda: len(table.rows) == 4)
+        assert app.main.latest is None                       # no step has run
+        assert {cells[1] for cells in table.rows.values()} == {"waiting"}
+        assert "waiting 4" in table.border_title

@@ -37,7 +37,7 @@ from kvscope.app.widgets.status_line import VllmStatusLine
 from kvscope.app.widgets.system import REFRESH_S as SYSTEM_REFRESH_S
 from kvscope.app.widgets.system import SystemPanel, SystemSampler
 from kvscope.app.widgets.throughput import Throughput
-from kvscope.engine.outputs import StepResult
+from kvscope.engine.outputs import CacheSnapshot, StepResult
 
 FRAME_RATE = 20
 UI_CPU_BUDGET = 0.04  # share of one core the UI thread may use for painting and handling steps
@@ -128,6 +128,13 @@ class MainScreen(Screen):
         for line in self.status_lines:
             line.push(result.stats)
         self.previous, self.latest = self.latest, result
+
+    def show_queue(self, snapshot: CacheSnapshot) -> None:
+        """Requests launched while the engine is paused: in "waiting" now, not at the next step."""
+        self.view.queues.show_snapshot(snapshot)
+        if self.latest is not None:
+            for line in self.status_lines:
+                line.show_status(snapshot, self.latest.stats)
 
     def _within_budget(self) -> bool:
         """Whether the UI thread (the caller) kept under its CPU budget since the last frame."""
