@@ -30,6 +30,7 @@ class BlockPool:
         self.cached_blocks: dict[int, int] = {}     # prefix hash -> block holding it
         self.num_cached_free_blocks = 0
         self.evicted: list[int] = []    # blocks whose cached prefix was dropped; the caller drains it
+        self.num_evicted_blocks = 0     # cumulative: cached prefixes dropped to make room
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,6 +60,7 @@ class BlockPool:
         self.hashes[block] = 0
         self.num_cached_free_blocks -= 1
         self.evicted.append(block)
+        self.num_evicted_blocks += 1
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on blocks found in the prefix cache, pulling free ones out of the free queue."""

@@ -40,6 +40,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0      # tokens found
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.num_copy_on_write_blocks = 0   # cumulative
+        # (sample index, source, copy) of each copy-on-write since the scheduler last took them for its events.
+        self.copied_on_write: list[tuple[int, int, int]] = []
         self.blocks_to_copy: list[tuple[int, int]] = []
         self.blocks_to_swap_out: list[tuple[int, int]] = []
         self.blocks_to_swap_in: list[tuple[int, int]] = []
@@ -163,6 +166,8 @@ class KVCacheManager:
         seq.block_table = (*table[:index], dst, *table[index + 1:])
         pool.free([src])
         self.blocks_to_copy.append((src, dst))
+        self.copied_on_write.append((seq.index, src, dst))
+        self.num_copy_on_write_blocks += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give a sample the parent's computed prompt: shared blocks when paged, copies when contiguous."""
@@ -221,6 +226,7 @@ class KVCacheManager:
         self.block_pool.rebuild([seq.block_table for seq in keep], forget)
         self.host_pool.rebuild([seq.host_block_table for seq in keep], ())
         self.take_cache_moves()
+        self.copied_on_write.clear()    # copies of a step that did not happen (the counter keeps them)
 
     # ---- swap -----------------------------------------------------------------------------------
 
@@ -276,6 +282,10 @@ class KVCacheManager:
         return list(zip(unique, targets, strict=True))
 
     # ---- per-step drains and gauges -------------------------------------------------------------
+
+    def drain_copies(self) -> list[tuple[int, int, int]]:
+        copies, self.copied_on_write = self.copied_on_write, []
+        return copies
 
     def take_cache_moves(self) -> tuple[tuple, tuple, tuple]:
         moves = (tuple(self.blocks_to_swap_out), tuple(self.blocks_to_swap_in), tuple(self.blocks_to_copy))

@@ -109,6 +109,8 @@ class StepStats:
     snapshot_duration: float = 0.0
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
+    num_copy_on_write_blocks: int = 0   # cumulative: blocks copied before a sample wrote into a shared one
+    num_evicted_blocks: int = 0         # cumulative: cached prefix blocks dropped to make room
 
 
 class RequestView(NamedTuple):
@@ -176,7 +178,7 @@ class StepResult:
 class EngineEvent(NamedTuple):
     """Something the run log and the UI want to know about, beyond the counters."""
 
-    kind: str                           # preempt | swap_out | swap_in | evict | abort | error | finish
+    kind: str                           # preempt | swap_out | swap_in | evict | copy_on_write | abort | error | finish
     request_id: str | None
     blocks: tuple[int, ...] = ()
     detail: str = ""

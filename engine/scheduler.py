@@ -214,6 +214,9 @@ class Scheduler:
             self._budget -= num_new
         if self.kv.block_pool.evicted:
             self._record_evictions(request)
+        if self.kv.copied_on_write:
+            for sample, src, dst in self.kv.drain_copies():
+                self.events.append(EngineEvent("copy_on_write", request.request_id, (src, dst), f"sample {sample}"))
 
     def _item(self, request: Request, seq: Sequence, num_new: int) -> BatchItem:
         start = seq.num_computed_tokens

@@ -88,4 +88,5 @@ def build_stats(scheduler: Scheduler, step: int, now: float, batch, times: Phase
         generation_tokens_per_s=num_generated / duration if duration > 0 else 0.0,
         forward_duration=times.executed - times.scheduled, num_host_blocks=host.num_blocks,
         num_free_host_blocks=host.num_free_blocks, schedule_duration=times.scheduled - times.start,
+        num_copy_on_write_blocks=kv.num_copy_on_write_blocks, num_evicted_blocks=pool.num_evicted_blocks,
         update_duration=times.updated - times.executed, snapshot_duration=times.snapshotted - times.updated)

@@ -17,7 +17,8 @@ _STATS_COLUMNS = (
     "num_running", "num_waiting", "num_swapped", "num_free_blocks", "num_cached_free_blocks",
     "num_total_blocks", "kv_usage", "kv_token_utilisation", "prefix_cache_queries", "prefix_cache_hits",
     "num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "prompt_tokens_per_s",
-    "generation_tokens_per_s", "num_host_blocks", "num_free_host_blocks",
+    "generation_tokens_per_s", "num_host_blocks", "num_free_host_blocks", "num_copy_on_write_blocks",
+    "num_evicted_blocks",
 )
 
 

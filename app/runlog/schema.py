@@ -18,7 +18,7 @@ from pathlib import Path
 import sqlite_utils
 from sqlite_utils.db import ForeignKey
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 RUN_TABLES = ("runs", "requests", "steps", "events", "snapshots")
 BUSY_TIMEOUT_S = 1.0
 # How SQLite says it could not create the WAL index of a read-only connection.
@@ -109,8 +109,15 @@ def _add_status_detail(db: sqlite_utils.Database) -> None:
     db["runs"].add_column("status_detail", str)
 
 
+def _add_copy_and_eviction_counters(db: sqlite_utils.Database) -> None:
+    # The steps' cumulative copy-on-write and eviction counters (StepStats gained them); 0 for older steps.
+    for column in ("num_copy_on_write_blocks", "num_evicted_blocks"):
+        db.execute(f"ALTER TABLE steps ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
+
+
 # MIGRATIONS[v] lifts a database at version v - 1 to version v.
-MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {1: _create_v1, 2: _add_status_detail}
+MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
+    1: _create_v1, 2: _add_status_detail, 3: _add_copy_and_eviction_counters}
 
 
 def connect(path: str, *, read_only: bool = False, timeout: float = BUSY_TIMEOUT_S) -> sqlite_utils.Database:

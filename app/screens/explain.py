@@ -48,7 +48,9 @@ the prefix cache, *preempt* how often the request was pushed out.
 ## Counters
 **Free blocks** (cached ones count as free), **KV usage** (blocks in use), **token
 utilisation** (slots holding a token, out of the slots handed out), the **prefix-cache hit
-rate** in tokens, **preemptions**, and blocks **swapped** out and back in.
+rate** in tokens, **preemptions**, blocks **swapped** out and back in, and **CoW/evicted**: blocks
+copied on write (a sample about to write into a block other samples share gets its own copy)
+and cached blocks evicted to make room, least recently used first.
 
 ## Paged vs contiguous
 Before paging, servers reserved one contiguous region of `max_model_len` tokens for every

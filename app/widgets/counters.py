@@ -1,4 +1,5 @@
-"""The pool's counters: free blocks, KV usage, token utilisation, prefix-cache hits, preemptions, swaps."""
+"""The pool's counters: free blocks, KV usage, token utilisation, prefix-cache hits, preemptions, swaps,
+copy-on-write copies and evictions of cached blocks."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def describe_stats(stats: StepStats) -> str:
         f"prefix hits {percent(hits)} [dim]{stats.prefix_cache_hits:,}/{stats.prefix_cache_queries:,} tok[/]",
         f"preemptions  {stats.num_preemptions:,}",
         f"swap out/in  {stats.num_swapped_out_blocks:,} / {stats.num_swapped_in_blocks:,} blocks",
+        # Short enough for the narrowest panel: copy-on-write copies, then cached blocks evicted.
+        f"CoW/evicted  {stats.num_copy_on_write_blocks:,} / {stats.num_evicted_blocks:,} blocks",
     ]
     if stats.num_host_blocks:
         lines.append(f"host pool    {stats.num_host_blocks - stats.num_free_host_blocks:,} / "
