@@ -20,7 +20,7 @@ from kvscope.app.screens.replay import ReplayScreen
 from kvscope.app.widgets.box import Box
 from kvscope.app.widgets.formatting import percent
 from kvscope.app.widgets.line_panel import LinePanel
-from kvscope.engine.outputs import CacheSnapshot, StepStats
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepStats
 
 
 def describe_sample(snapshot: CacheSnapshot, stats: StepStats) -> str:
@@ -72,7 +72,10 @@ class VllmReplayView(Box):
         """As SnapshotView names it: the replay hands the keys back to it after a jump."""
         return self.pool_map
 
-    def show(self, snapshot: CacheSnapshot, stats: StepStats) -> None:
+    def show(self, snapshot: CacheSnapshot, stats: StepStats, events: tuple[EngineEvent, ...] = (),
+             previous: CacheSnapshot | None = None) -> None:
+        # SnapshotView's signature; the events and the step before feed its event line, which a watched
+        # server's replay has no use for: vLLM's pools already say what its KV events did.
         self.pool_map.show_snapshot(snapshot)
         self.inspector.show_snapshot(snapshot)
         self.sample.show_sample(snapshot, stats)

@@ -83,7 +83,9 @@ class LessonScreen(Screen):
     def ingest(self, result: StepResult) -> None:
         self.previous, self.latest = self.latest, result
         self.status_line.push(result.stats)
-        self.view.queues.note_events(result.events)
+        # Every step reaches the queues, not only the painted ones: a lesson has a handful of requests, and
+        # its finished rows then keep each request's last numbers whatever the frame timing was.
+        self.view.queues.show_snapshot(result.snapshot, result.events)
         self.runner.stepped(result)
 
     def until_done(self, step: int, met: bool) -> None:
