@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, step_number, type_chat, until
 
-from kvscope.app.tui import ACTIONS
+from kvscope.app.actions import ACTIONS
 from kvscope.app.widgets import block_cells as cells
 from kvscope.app.widgets.block_inspector import BlockInspector
 from kvscope.app.widgets.block_map import BlockMap

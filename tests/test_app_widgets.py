@@ -229,24 +229,3 @@ def test_ui_bench_rate_is_generated_tokens_over_the_busy_span():
                      generation_tokens_per_s=2.0)]       # 4 tokens, ends at 14.0
     assert generation_rate(steps) == pytest.approx(8 / 4.0)
     assert generation_rate([]) == 0.0
-
-
-@pytest.mark.anyio
-async def test_a_line_panel_takes_every_changed_line_even_when_one_of_them_wraps_anew():
-    """Two lines change and the first now wraps onto more rows: the second must change too."""
-    from textual.app import App
-
-    from kvscope.app.widgets.line_panel import LinePanel
-
-    class One(App):
-        def compose(self):
-            yield LinePanel("short\nold second line", id="panel")
-
-    app = One()
-    async with app.run_test(size=(20, 10)) as pilot:
-        panel = app.query_one(LinePanel)
-        await pilot.pause()
-        panel.show("a first line long enough to wrap onto several rows\nnew second line")
-        await pilot.pause()
-        assert str(panel.render()).endswith("new second line")
-        assert "new second line" in "".join(panel.render_line(y).text for y in range(10))
