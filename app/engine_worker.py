@@ -318,13 +318,21 @@ class EngineWorker:
     def _launch_preset(self, key: str, count: int) -> None:
         if self.engine is None:
             return
-        planned = presets.build(key, count, presets.PresetContext.from_engine(self.engine, self.info))
+        try:
+            planned = presets.build(key, count, presets.PresetContext.from_engine(self.engine, self.info))
+        except ValueError as exc:   # the preset cannot fit this pool: a refusal in its own words, with the fix
+            self.target.post_message(CommandRejected("LaunchPreset", str(exc)))
+            return
         self._launch([(f"{key}-{next(self._ids)}", item) for item in planned])
 
     def _launch_plan(self, plan: Callable) -> None:
         if self.engine is None:
             return
-        planned = plan(presets.PresetContext.from_engine(self.engine, self.info))
+        try:
+            planned = plan(presets.PresetContext.from_engine(self.engine, self.info))
+        except ValueError as exc:
+            self.target.post_message(CommandRejected("LaunchPlan", str(exc)))
+            return
         self._launch([(item.name or f"load-{next(self._ids)}", item) for item in planned])
 
     def _launch(self, named: list[tuple[str, presets.PlannedRequest]]) -> None:

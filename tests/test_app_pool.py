@@ -70,6 +70,7 @@ async def test_switching_to_an_allocator_that_fits_no_request_warns_once_not_onc
         alarms = [n for n in app._notifications if n.severity in ("warning", "error")]
         assert len(alarms) == 2, [n.message for n in alarms]     # the switch's warning, the preset's refusal
         assert "try --max-model-len 256" in alarms[0].message
+        assert alarms[1].title == "LaunchPreset refused" and alarms[1].message.startswith("the contiguous allocator")
         assert app.main.latest is None or not app.main.latest.snapshot.requests
 
 
