@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
 
-from kvscope.app.engine_worker import engine_info
+from kvscope.app.engine_factory import engine_info
 from kvscope.app.presets import PRESETS, PresetContext, build, fit_reply
 from kvscope.app.widgets.event_line import narrate
 from kvscope.app.widgets.queues import FINISHED_KEEP_STEPS, QueuesTable
@@ -189,3 +189,16 @@ async def test_launched_requests_show_as_waiting_at_once_even_while_paused():
         assert app.main.latest is None                       # no step has run
         assert {cells[1] for cells in table.rows.values()} == {"waiting"}
         assert "waiting 4" in table.border_title
+
+
+async def test_a_finished_row_shows_the_requests_final_numbers_not_the_last_drawn_ones():
+    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=128, max_model_len=512))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await started(pilot)
+        app.worker.submit("short", "hello there", SamplingParams(max_tokens=3))
+        await single_steps(pilot, 2)
+        table = app.main.query_one(QueuesTable)
+        assert table.rows["short"][4] == "2/3"     # drawn after its second token
+        await single_steps(pilot, 1)                # the third token, and the finish
+        row, _ = table.finished["short"]
+        assert row[1] == "✓ length" and row[4] == "3/3"

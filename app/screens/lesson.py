@@ -85,6 +85,7 @@ class LessonScreen(Screen):
         self.status_line.push(result.stats)
         # Every step reaches the queues, not only the painted ones: a lesson has a handful of requests, and
         # its finished rows then keep each request's last numbers whatever the frame timing was.
+        self.view.queues.note_step((), result.outputs)
         self.view.queues.show_snapshot(result.snapshot, result.events)
         self.runner.stepped(result)
 

@@ -124,7 +124,7 @@ class MainScreen(Screen):
         if chat.current_request is None and block_map.chat_request is not None:
             block_map.set_chat_request(None)
         self.throughput.push(result.stats)
-        self.view.queues.note_events(result.events)
+        self.view.queues.note_step(result.events, result.outputs)
         for line in self.status_lines:
             line.push(result.stats)
         self.previous, self.latest = self.latest, result

@@ -9,8 +9,9 @@ Nothing is cut: the id and number columns are as wide as their widest value, and
 when the panel is too narrow for all of them the least needed columns go (the
 prompt preview is the only text shortened). A request that leaves the snapshot
 stays for FINISHED_KEEP_STEPS steps as a "recently finished" row, with its
-finish reason when the step's events gave it. The cursor moves over live rows
-only: Enter never selects a request that is gone.
+finish reason when the step's events gave it, and its final output when the
+step's outputs gave it (live; a replay has the last logged step's numbers). The
+cursor moves over live rows only: Enter never selects a request that is gone.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from kvscope.app.messages import RequestSelected
-from kvscope.engine.outputs import CacheSnapshot, EngineEvent, RequestView
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, RequestOutput, RequestView
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 QUEUE_ORDER = {"running": 0, "swapped": 1, "waiting": 2}
@@ -111,6 +112,8 @@ class QueuesTable(ScrollView, can_focus=True):
         self.cursor_request: str | None = None
         self._step = 0
         self._reasons: dict[str, str] = {}
+        self._finals: dict[str, RequestOutput] = {}     # final outputs of steps the screen may not draw
+        self._views: dict[str, RequestView] = {}        # live requests as last drawn
         self._arrival: dict[str, int] = {}
         self._position: dict[str, int] = {}
         self._strips: dict[str, Strip] = {}
@@ -129,18 +132,22 @@ class QueuesTable(ScrollView, can_focus=True):
     def clear(self) -> None:
         """Forget every row (a new engine): its requests are not this engine's."""
         self.rows, self.finished, self._reasons, self._arrival = {}, {}, {}, {}
+        self._finals, self._views = {}, {}
         self.cursor_request = None
         self._strips.clear()
         self._reorder()
         self._update_title()
 
-    def note_events(self, events: tuple[EngineEvent, ...]) -> None:
-        """Keep the finish reasons a step's events give, for steps the screen never draws."""
+    def note_step(self, events: tuple[EngineEvent, ...], outputs=()) -> None:
+        """Keep the finish reasons a step's events give and its final outputs, for steps the screen never draws."""
         if events:
             self._reasons.update(finished_reasons(events))
+        for output in outputs:
+            if output.finished:
+                self._finals[output.request_id] = output
 
     def show_snapshot(self, snapshot: CacheSnapshot, events: tuple[EngineEvent, ...] = ()) -> None:
-        self.note_events(events)
+        self.note_step(events)
         if snapshot.step < self._step and self.finished:
             # An earlier step (a replay going back, another run): what finished after it is not history yet.
             self.finished.clear()
@@ -165,8 +172,10 @@ class QueuesTable(ScrollView, can_focus=True):
         reorder |= bool(gone) or snapshot.step < self._step or self._expire(snapshot.step)
         self._step = snapshot.step
         self.rows = live
-        # Reasons of requests that came and went between two drawn steps are of no use: keep the map small.
+        self._views = {view.request_id: view for view in snapshot.requests}
+        # Reasons and outputs of requests that came and went between two drawn steps are of no use.
         self._reasons = {rid: reason for rid, reason in self._reasons.items() if rid in live}
+        self._finals = {rid: output for rid, output in self._finals.items() if rid in live}
         widths = column_widths([*live.values(), *(row for row, _ in self.finished.values())])
         if widths != self._column_widths:
             self._column_widths, self._widths_for = widths, -1
@@ -183,6 +192,10 @@ class QueuesTable(ScrollView, can_focus=True):
         reason = self._reasons.pop(request_id, None)
         label = FINISHED_LABELS.get(reason, "✓ done") if reason else "✓ done"
         row = self.rows[request_id]
+        final, view = self._finals.pop(request_id, None), self._views.get(request_id)
+        if final is not None and view is not None:     # the request's last numbers, not the last drawn ones
+            row = row_cells(view._replace(num_output_tokens=len(final.token_ids), num_preemptions=final.num_preemptions,
+                                          num_cached_tokens=final.num_cached_tokens))
         self.finished[request_id] = ((row[0], label, *row[2:]), step)
         self._strips.pop(request_id, None)
 
