@@ -18,7 +18,6 @@ in ``error`` (RequestOutput has no field of its own for an abort's reason).
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 import queue
 import threading
@@ -27,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvscope.app import presets
+from kvscope.app.delayed_requests import DelayedRequests
 from kvscope.app.engine_factory import build_engine, engine_info
 from kvscope.app.messages import (
     CommandRejected,
@@ -98,10 +98,9 @@ class EngineWorker:
         self._pending_steps = 0
         self._abort_unreported = False
         self._next_step_at = 0.0
-        self._scheduled: list[tuple[int, int, AddRequest]] = []  # (engine step to add at, order, request)
+        self._delayed = DelayedRequests()
         self._accepted: set[str] = set()     # added to the engine, final output not yet seen
         self._ids = itertools.count()
-        self._order = itertools.count()   # ties among requests due at the same step: launch order
         self._steps_done = 0
         self._last_step = 0
         self._until: tuple[Callable, int] | None = None   # a RunUntil's condition and its last step
@@ -214,7 +213,7 @@ class EngineWorker:
             return True
         if self._paused:
             return False
-        return self._abort_unreported or bool(self._scheduled) or self.engine.has_unfinished_requests()
+        return self._abort_unreported or bool(self._delayed) or self.engine.has_unfinished_requests()
 
     def _step_due(self) -> bool:
         return self._has_work() and self._clock() >= self._next_step_at
@@ -302,8 +301,7 @@ class EngineWorker:
     def _abort(self, request_id: str) -> None:
         if self.engine is None:
             return
-        self._scheduled = [entry for entry in self._scheduled if entry[2].request_id != request_id]
-        heapq.heapify(self._scheduled)
+        self._delayed.drop(request_id)
         # The engine reports an abort with its next step: make sure one runs, even with nothing
         # else left to do (a paused engine reports it when the user steps or resumes).
         self._abort_unreported |= self.engine.abort_request(request_id)
@@ -316,39 +314,30 @@ class EngineWorker:
         self._add(AddRequest(request_id, list(messages), params))
 
     def _launch_preset(self, key: str, count: int) -> None:
-        if self.engine is None:
-            return
-        try:
-            planned = presets.build(key, count, presets.PresetContext.from_engine(self.engine, self.info))
-        except ValueError as exc:   # the preset cannot fit this pool: a refusal in its own words, with the fix
-            self.target.post_message(CommandRejected("LaunchPreset", str(exc)))
-            return
-        self._launch([(f"{key}-{next(self._ids)}", item) for item in planned])
+        self._launch("LaunchPreset", lambda context: presets.build(key, count, context),
+                     lambda item: f"{key}-{next(self._ids)}")
 
     def _launch_plan(self, plan: Callable) -> None:
+        self._launch("LaunchPlan", plan, lambda item: item.name or f"load-{next(self._ids)}")
+
+    def _launch(self, command_name: str, make_plan: Callable, name: Callable) -> None:
         if self.engine is None:
             return
         try:
-            planned = plan(presets.PresetContext.from_engine(self.engine, self.info))
-        except ValueError as exc:
-            self.target.post_message(CommandRejected("LaunchPlan", str(exc)))
+            planned = make_plan(presets.PresetContext.from_engine(self.engine, self.info))
+        except ValueError as exc:   # the load cannot fit this pool: a refusal in its own words, with the fix
+            self.target.post_message(CommandRejected(command_name, str(exc)))
             return
-        self._launch([(item.name or f"load-{next(self._ids)}", item) for item in planned])
-
-    def _launch(self, named: list[tuple[str, presets.PlannedRequest]]) -> None:
-        for request_id, item in named:
-            request = AddRequest(request_id, item.prompt, item.params)
+        for item in planned:
+            request = AddRequest(name(item), item.prompt, item.params)
             if item.delay_steps:
-                heapq.heappush(self._scheduled, (self._steps_done + item.delay_steps, next(self._order), request))
+                self._delayed.push(self._steps_done + item.delay_steps, request)
             else:
                 self._add(request)
 
-    def _add_scheduled(self) -> None:
-        while self._scheduled and self._scheduled[0][0] <= self._steps_done:
-            self._add(heapq.heappop(self._scheduled)[2])
-
     def _step(self) -> None:
-        self._add_scheduled()
+        for request in self._delayed.pop_due(self._steps_done):
+            self._add(request)
         self._queued = False
         self._pending_steps = max(0, self._pending_steps - 1)
         self._abort_unreported = False
@@ -435,7 +424,7 @@ class EngineWorker:
         saying ``reason``; the run log records them and is closed."""
         engine, logger = self.engine, self._logger
         self.engine, self._logger = None, None
-        self._scheduled.clear()     # preset requests not yet added: never accepted, nothing to end
+        self._delayed.clear()     # never accepted by the engine: nothing to end
         if engine is None:
             return
         aborted: list[str] = []
