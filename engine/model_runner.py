@@ -164,7 +164,7 @@ class ModelRunner:
 
     def _allocate_cache(self, num_blocks: int) -> torch.Tensor:
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return kernels.kv_pool_zeros(shape, self.dtype, self.device)
 
     def _allocate_host_cache(self) -> torch.Tensor | None:
         if not self.num_host_blocks:

@@ -1,8 +1,10 @@
-"""Paged-attention kernels: a torch reference (the CPU path) and Triton kernels (the CUDA path).
+"""Paged-attention kernels: C++ for CPU, Triton for CUDA, and a torch reference under both.
 
 Each public function dispatches on where its tensors live: Triton when they are on CUDA and triton is
-installed, the torch reference otherwise. ``kernels.triton_ops`` is imported only on that CUDA path, so CPU
-users never pay for (or depend on) importing triton. This package imports neither ``engine`` nor ``app``.
+installed; on CPU, ``kernels.cpu``, whose C++ kernels are built on first use and which falls back to the torch
+reference (``kernels.reference``) without a compiler or for dtypes they do not cover. ``kernels.triton_ops`` is
+imported only on the CUDA path, so CPU users never pay for (or depend on) importing triton. This package imports
+neither ``engine`` nor ``app``.
 
 ``swap_blocks`` moves blocks between the device pool and the host pool, which no GPU kernel can do; both paths
 use the same gather → one bus transfer → scatter in torch.
@@ -16,12 +18,13 @@ from types import ModuleType
 
 import torch
 
-from kvscope.kernels import reference
+from kvscope.kernels import cpu
 from kvscope.kernels.reference import BlockIds, clear_workspace, swap_blocks
 
 __all__ = [
     "clear_workspace",
     "copy_blocks",
+    "kv_pool_zeros",
     "paged_decode_attention",
     "paged_prefill_attention",
     "store_kv",
@@ -40,7 +43,7 @@ def _backend(tensor: torch.Tensor) -> ModuleType:
         from kvscope.kernels import triton_ops
 
         return triton_ops
-    return reference
+    return cpu
 
 
 def store_kv(
@@ -75,3 +78,10 @@ def paged_prefill_attention(
 
 def copy_blocks(kv_cache: torch.Tensor, src: BlockIds, dst: BlockIds) -> None:
     _backend(kv_cache).copy_blocks(kv_cache, src, dst)
+
+
+def kv_pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV pool; on CPU backed by huge pages where the OS allows (see ``cpu.huge_page_zeros``)."""
+    if torch.device(device).type == "cpu":
+        return cpu.huge_page_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)

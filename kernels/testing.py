@@ -1,4 +1,4 @@
-"""Random paged layouts and a naive float64 oracle, shared by the kernel tests and the micro-benchmark."""
+"""Random paged layouts, a naive float64 oracle and its tolerances: shared by kernel tests and micro-benchmark."""
 
 from __future__ import annotations
 
@@ -85,3 +85,20 @@ def naive_attention(
         outputs.append((weights @ values).transpose(0, 1))
         row += len(positions)
     return torch.cat(outputs) if outputs else torch.empty(query.shape, dtype=torch.float64)
+
+
+# Largest absolute error against the float64 oracle: fp32 kernels must agree to rounding; bf16 ones are allowed
+# about two bf16 ulps at the outputs' magnitude (softmax weights are kept in fp32 by every kernel).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype
+    assert not torch.isnan(out).any(), "NaN in kernel output"
+    error = (out.double() - expected).abs().max().item()
+    assert error < TOLERANCE[dtype], f"max abs error {error}"
+
+
+def make_query(num_tokens: int, num_q_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
+    # Built head-major then transposed: the kernels must not assume a contiguous query.
+    return torch.randn(num_q_heads, num_tokens, head_dim, generator=gen).to(dtype).transpose(0, 1)

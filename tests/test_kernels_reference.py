@@ -15,26 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvscope.kernels import reference
-from kvscope.kernels.testing import PagedLayout, naive_attention, random_layout
+from kvscope.kernels.testing import PagedLayout, assert_matches, make_query, naive_attention, random_layout
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 GROUPS = st.sampled_from([1, 3, 4])
 HEAD_DIMS = st.sampled_from([64, 128])
 BLOCK_SIZES = st.sampled_from([8, 16, 32])
 FAST = settings(max_examples=25, deadline=None, derandomize=True, database=None)
-
-
-def assert_matches(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    assert out.dtype == dtype
-    assert not torch.isnan(out).any(), "NaN in kernel output"
-    error = (out.double() - expected).abs().max().item()
-    assert error < TOLERANCE[dtype], f"max abs error {error}"
-
-
-def make_query(num_tokens: int, num_q_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
-    # Built head-major then transposed: the kernels must not assume a contiguous query.
-    return torch.randn(num_q_heads, num_tokens, head_dim, generator=gen).to(dtype).transpose(0, 1)
 
 
 # Each decode path forced on whatever shape: "tiled" also shrinks tiles and chunks, so that short contexts

@@ -40,7 +40,7 @@ def test_the_wheel_carries_every_module_and_style_sheet(wheel):
     names = set(wheel.namelist())
     for folder in PACKAGE_FOLDERS:
         for path in (ROOT / folder).rglob("*"):
-            if path.suffix in (".py", ".tcss", ".txt") and "__pycache__" not in path.parts:
+            if path.suffix in (".py", ".tcss", ".txt", ".cpp") and "__pycache__" not in path.parts:
                 assert f"kvscope/{path.relative_to(ROOT).as_posix()}" in names, path
 
 
