@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvscope import kernels
+from kvscope.engine import packed_linear
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.loader import ModelError, load_model
@@ -118,7 +119,7 @@ class ModelRunner:
         elif tokenizer is None:
             raise ConfigError("a model passed in needs its tokenizer too: LLMEngine(config, model=m, tokenizer=t)")
         self.model_name = _display_name(config.model, model)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model = packed_linear.prepare(model, self.device, self.dtype)
         self.tokenizer = tokenizer
         self._attach_attention()
         text_config = self.model.config.get_text_config()
