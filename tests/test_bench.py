@@ -67,7 +67,7 @@ def test_parallel_sampling_and_overload_shapes():
 
 
 def test_default_systems_per_workload():
-    assert systems_for("mixed") == (PAGED, CONTIGUOUS, "hf-static", "hf-cb")
+    assert systems_for("mixed") == (PAGED, CONTIGUOUS, "hf-static", "hf-cb", "vllm")
     assert PAGED_NO_PREFIX in systems_for("shared-prefix")
     assert systems_for("overload-swap") == (PAGED, CONTIGUOUS)
     assert systems_for("overload-swap", ("hf-cb",)) == ("hf-cb",)
@@ -242,21 +242,29 @@ def test_warm_up_request_is_small():
     assert request.n == 4 and len(request.prompt_token_ids) == 32 and request.max_tokens == 8
 
 
-def test_kernel_bench_reports_decode_and_prefill_per_dtype():
+def test_kernel_bench_reports_decode_and_prefill_per_dtype_and_path():
     shape = kernels_bench.AttentionShape(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
     decode = (kernels_bench.DecodeCase(1, 9, 9), kernels_bench.DecodeCase(3, 5, 40))
     prefill = (kernels_bench.PrefillCase(((0, 6), (5, 3))),)
+    paths = list(kernels_bench.kernel_paths("cpu"))
+    assert paths[-1] == "torch"
     rows = kernels_bench.run_kernel_bench(dtypes=("float32", "bfloat16"), decode_cases=decode, prefill_cases=prefill,
-                                          shape=shape, repeats=2, warmup=1)
-    assert [(r["kernel"], r["dtype"], r["seqs"]) for r in rows] == [
-        (kernel, dtype, seqs) for dtype in ("float32", "bfloat16")
-        for kernel, seqs in (("decode", 1), ("decode", 3), ("prefill", 2))]
-    assert rows[0]["context_tokens"] == 9 and rows[2]["query_tokens"] == 9
+                                          shape=shape, repeats=2, warmup=1, copy_gb_per_s=10.0)
+    assert [(r["kernel"], r["dtype"], r["seqs"], r["path"]) for r in rows] == [
+        (kernel, dtype, seqs, path) for dtype in ("float32", "bfloat16")
+        for kernel, seqs in (("decode", 1), ("decode", 3), ("prefill", 2)) for path in paths]
+    assert rows[0]["context_tokens"] == 9 and rows[2 * len(paths)]["query_tokens"] == 9
     assert rows[0]["kv_mib"] * 2**20 == 2 * 9 * 2 * 16 * 4  # keys and values of every context token, fp32
     assert all(r["median_ms"] >= r["min_ms"] > 0 and r["gb_per_s"] > 0 for r in rows)
-    lines = kernels_bench.format_table(rows, shape).splitlines()
-    assert "Hq=4 Hkv=2 D=16 block 4" in lines[0] and "GB/s" in lines[1]
-    assert [line.split()[:2] for line in lines[2:]] == [[r["kernel"], r["dtype"]] for r in rows]
+    assert all(r["of_copy"] == pytest.approx(r["gb_per_s"] / 10.0) for r in rows)
+    lines = kernels_bench.format_table(rows, shape, copy_gb_per_s=10.0).splitlines()
+    assert "Hq=4 Hkv=2 D=16 block 4" in lines[0] and "GB/s" in lines[1] and "of copy" in lines[1]
+    assert [line.split()[:3] for line in lines[2:-1]] == [[r["kernel"], r["path"], r["dtype"]] for r in rows]
+    assert lines[-1].startswith("copy bandwidth: 10.0 GB/s")
+
+
+def test_copy_bandwidth_is_measured():
+    assert kernels_bench.copy_bandwidth(repeats=1) > 0
 
 
 def test_scheduler_bench_reports_the_engine_share_of_a_step(capsys):

@@ -50,7 +50,7 @@ def positive_float(text: str) -> float:
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser(
-        "bench", help="measure kvscope against transformers and its contiguous baseline",
+        "bench", help="measure kvscope against transformers, vLLM and its contiguous baseline",
         description="Run every system side by side in one process: same model, dtype, threads, prompts "
                     "and output lengths. Without WHAT, runs the workload comparison.")
     bench.add_argument("what", nargs="?", default="workloads", choices=WHAT,
@@ -81,6 +81,9 @@ def register(subparsers) -> None:
     peers.add_argument("--hf-cb-max-requests", type=positive_int, default=16, help="hf-cb: most requests per step")
     peers.add_argument("--hf-cb-batch-tokens", type=positive_int, default=512, help="hf-cb: most tokens per step")
     peers.add_argument("--hf-cb-page-size", type=positive_int, default=256, help="hf-cb: tokens per cache page")
+    peers.add_argument("--vllm-python", default=None,
+                       help="vllm: the Python of a venv with vLLM (default: .venv-vllm/bin/python if it exists; "
+                            "`make bench-vllm` creates it)")
     attach = bench.add_argument_group("attach (the vLLM attach client, on recorded events)")
     attach.add_argument("--rate", type=positive_float, default=10_000,
                         help="events per second to replay (default 10,000)")
@@ -180,6 +183,7 @@ def run_workloads(args: argparse.Namespace) -> int:
     from kvscope.app.bench.hf_cb import ContinuousSettings
     from kvscope.app.bench.hf_static import StaticSettings
     from kvscope.app.bench.report import add_ratios, format_table, json_lines
+    from kvscope.app.bench.vllm_system import VllmSettings
     from kvscope.app.bench.workloads import build_workloads
 
     dtypes, systems = _parse_dtypes(args.dtype), _parse_systems(args.systems)
@@ -195,6 +199,7 @@ def run_workloads(args: argparse.Namespace) -> int:
             continuous=ContinuousSettings(page_size=args.hf_cb_page_size,
                                           max_batch_tokens=args.hf_cb_batch_tokens,
                                           max_requests_per_batch=args.hf_cb_max_requests),
+            vllm=VllmSettings(python=args.vllm_python),
         )
         open_log = None if args.no_log else _log_opener(args.db)
         bench = Bench(model, tokenizer, options, open_log=open_log)
@@ -264,15 +269,19 @@ def run_ui(args: argparse.Namespace) -> int:
 
 def run_kernels(args: argparse.Namespace) -> int:
     from kvscope.app.bench.harness import environment_line
-    from kvscope.app.bench.kernels_bench import format_table, run_kernel_bench
+    from kvscope.app.bench.kernels_bench import copy_bandwidth, format_table, run_kernel_bench
 
     dtypes = tuple(_parse_dtypes(args.dtype, default="float32,bfloat16"))
     device = _setup(args)
     print(f"kvscope bench kernels: {environment_line()}", file=sys.stderr)
     progress = None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    bandwidth = copy_bandwidth(device)
     rows = run_kernel_bench(dtypes=dtypes, repeats=args.repeats or 20, device=device, seed=args.seed,
-                            progress=progress)
-    print("\n".join(json.dumps(row) for row in rows) if args.json else format_table(rows))
+                            progress=progress, copy_gb_per_s=bandwidth)
+    if args.json:
+        print("\n".join(json.dumps(row | {"copy_gb_per_s": bandwidth}) for row in rows))
+    else:
+        print(format_table(rows, copy_gb_per_s=bandwidth))
     return 0
 
 

@@ -19,8 +19,10 @@ from kvscope.app.bench.hf_cb import ContinuousBatchRun, ContinuousSettings
 from kvscope.app.bench.hf_static import StaticBatchRun, StaticSettings
 from kvscope.app.bench.kvscope_system import OVERHEAD_BATCH, VARIANTS, KvscopeRun, engine_config
 from kvscope.app.bench.metrics import PeakRss, RunRecord, summarise
-from kvscope.app.bench.systems import HF_CB, HF_STATIC, PAGED, SYSTEMS, systems_for
+from kvscope.app.bench.systems import HF_CB, HF_STATIC, PAGED, SYSTEMS, VLLM, systems_for
+from kvscope.app.bench.vllm_system import SystemUnavailable, VllmRun, VllmSettings
 from kvscope.app.bench.workloads import BenchRequest, Workload, warm_up_request
+from kvscope.engine.packed_linear import unpack_linears
 
 FLOOR_SYSTEM = PAGED
 
@@ -33,6 +35,7 @@ class BenchOptions:
     systems: tuple[str, ...] | None = None     # None: each workload's defaults
     static: StaticSettings = field(default_factory=StaticSettings)
     continuous: ContinuousSettings = field(default_factory=ContinuousSettings)
+    vllm: VllmSettings = field(default_factory=VllmSettings)
     forward_floor: bool = True
 
 
@@ -58,7 +61,11 @@ class Bench:
         rows = []
         for workload in workloads:
             for system in systems_for(workload.name, self.options.systems):
-                record = self.run_system(system, workload)
+                try:
+                    record = self.run_system(system, workload)
+                except SystemUnavailable as exc:
+                    rows.append(self._unavailable_row(system, workload, str(exc)))
+                    continue
                 row = summarise(record, workload.name, self.options.dtype, len(workload.requests))
                 row["settings"] = record.settings
                 if system == FLOOR_SYSTEM and self.floor is not None:
@@ -77,17 +84,26 @@ class Bench:
         with PeakRss() as rss:
             record = self._dispatch(system, workload, warm_up)
             gc.collect()
-        record.peak_rss_mb = rss.peak_mb
+        if record.peak_rss_mb is None:  # a system in another process measures its own
+            record.peak_rss_mb = rss.peak_mb
         if record.num_output_tokens != workload.num_output_tokens:
             raise RuntimeError(f"{system} produced {record.num_output_tokens} output tokens on "
                                f"{workload.name}, expected {workload.num_output_tokens}")
         return record
 
     def _dispatch(self, system: str, workload: Workload, warm_up: BenchRequest) -> RunRecord:
+        if system not in VARIANTS:
+            unpack_linears(self.model)  # stock transformers for its systems; a kvscope engine packs them again
         if system == HF_STATIC:
             return StaticBatchRun(self.model, self.pad_token_id, self.options.static).run(workload, warm_up)
         if system == HF_CB:
             run = ContinuousBatchRun(self.model, self.pad_token_id, self.options.continuous)
+            return run.run(workload, warm_up)
+        if system == VLLM:
+            from kvscope.engine.loader import resolve_model_path
+
+            run = VllmRun(resolve_model_path(self.options.model), self.options.dtype, torch.get_num_threads(),
+                          self.options.vllm)
             return run.run(workload, warm_up)
         config = engine_config(VARIANTS[system], workload, model=self.options.model,
                                device=self.options.device, dtype=self.options.dtype)
@@ -108,8 +124,17 @@ class Bench:
                                  f"{FLOOR_SYSTEM} ran: {floor_tok_s:.1f} output tok/s; "
                                  f"{FLOOR_SYSTEM} reached {row['fraction_of_floor']:.0%} of it")
 
+    def _unavailable_row(self, system: str, workload: Workload, reason: str) -> dict:
+        self.progress(f"  {workload.name} {self.options.dtype} {system}: not run ({reason})")
+        self._note(workload, f"{system}: not run: {reason}")
+        return {"workload": workload.name, "system": system, "dtype": self.options.dtype,
+                "requests": len(workload.requests), "output_tokens": workload.num_output_tokens,
+                "output_tokens_per_s": None, "not_run": reason}
+
     def _note_findings(self, workload: Workload, row: dict) -> None:
         system = row["system"]
+        if row.get("load_s") is not None:
+            self._note(workload, f"{system} load and compile: {row['load_s']:.1f}s (outside its timed run)")
         wasted = row.get("wasted_token_fraction")
         if wasted is not None:
             self._note(workload, f"{system} generated {row['generated_tokens']:,} tokens for "

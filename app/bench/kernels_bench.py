@@ -1,14 +1,17 @@
-"""`kvscope bench kernels`: what one layer's paged attention costs per call, on this machine.
+"""`kvscope bench kernels`: what one layer's paged attention costs per call, and how near the memory limit it runs.
 
-Times ``kernels.paged_decode_attention`` at batch 1, 16 and 64 over short and long contexts, and
-``kernels.paged_prefill_attention`` over one 2048-token step of mixed chunks (fresh prompts, prefix-cache hits,
-a chunked-prefill continuation), in float32 and bfloat16, with SmolLM2-135M's attention shape. The kernels are
-whatever ``kernels`` dispatches to for the device: the torch reference on CPU.
+Times ``paged_decode_attention`` at batch 1, 16 and 64 over short and long contexts, and
+``paged_prefill_attention`` over one 2048-token step of mixed chunks (fresh prompts, prefix-cache hits, a
+chunked-prefill continuation), in float32 and bfloat16, with SmolLM2-135M's attention shape. On CPU each case
+runs through both paths, interleaved call by call: the C++ kernels (when they built) and the torch reference;
+on CUDA, the Triton kernels.
 
 Each call reads its own copy of the pool, as a model's layers each read their own cache, so K/V come from
-memory and not from a cache the previous call warmed. A step's plan is reused across layers by the kernels,
-and so it is here: the first (untimed) call builds it. Reported: median and best wall time per call, the K/V
-bytes a call must read (every context token's key and value, once) and the rate that makes at the median.
+memory and not from a cache the previous call warmed. A step's plan is reused across layers by the reference
+kernels, and so it is here: the first (untimed) call builds it. Reported: median and best wall time per call,
+the K/V bytes a call must read (every context token's key and value, once), the rate that makes at the median,
+and that rate against the machine's copy bandwidth (measured first, a large ``copy_`` on the same threads):
+decode attention is bound by memory, so that fraction is how near the physical limit it runs.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvscope import kernels
+from kvscope.kernels import cpu, reference
 from kvscope.kernels.testing import random_layout
 
 
@@ -58,6 +62,22 @@ PREFILL_CASES = (
 )
 _COLD_BYTES = 128 * 2**20  # pool copies per case: together at least this much (4x this machine's L3)
 _MAX_COPIES = 8
+_COPY_BYTES = 256 * 2**20  # the bandwidth probe's buffer: far past any cache
+
+
+def kernel_paths(device: str) -> dict:
+    """The implementations to time, by name: each module has paged_decode_attention and paged_prefill_attention."""
+    if device.startswith("cuda"):
+        return {"triton" if kernels.triton_available() else "torch": kernels}
+    return {"C++": cpu, "torch": reference} if cpu.available() else {"torch": reference}
+
+
+def copy_bandwidth(device: str = "cpu", repeats: int = 5) -> float:
+    """The machine's copy bandwidth in GB/s: bytes read plus bytes written by one large copy_, best of repeats."""
+    source = torch.ones(_COPY_BYTES // 4, device=device)
+    target = torch.empty_like(source)
+    best = min(_time(lambda pool: target.copy_(pool), [source], repeats, 1, device))
+    return 2 * _COPY_BYTES / best / 1e9
 
 
 def run_kernel_bench(
@@ -70,39 +90,39 @@ def run_kernel_bench(
     device: str = "cpu",
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    copy_gb_per_s: float | None = None,
 ) -> list[dict]:
-    """One row per (case, dtype): decode cases first, then prefill."""
+    """One row per (case, dtype, path): decode cases first, then prefill. With ``copy_gb_per_s``, each row
+    also gives its K/V rate as a fraction of it."""
+    paths = kernel_paths(device)
     rows = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        for case in decode_cases:
-            rows.append(_bench_decode(case, shape, dtype, repeats, warmup, device, seed))
-            if progress:
-                progress(format_row(rows[-1]))
-        for case in prefill_cases:
-            rows.append(_bench_prefill(case, shape, dtype, repeats, warmup, device, seed))
-            if progress:
-                progress(format_row(rows[-1]))
+        cases = [(_bench_decode, case) for case in decode_cases] + [(_bench_prefill, case) for case in prefill_cases]
+        for bench, case in cases:
+            for row in bench(case, shape, dtype, repeats, warmup, device, seed, paths):
+                row["of_copy"] = row["gb_per_s"] / copy_gb_per_s if copy_gb_per_s else None
+                rows.append(row)
+                if progress:
+                    progress(format_row(row))
     return rows
 
 
-def _bench_decode(case, shape, dtype, repeats, warmup, device, seed) -> dict:
+def _bench_decode(case, shape, dtype, repeats, warmup, device, seed, paths) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(case.min_context, case.max_context + 1, (case.batch,), generator=gen).tolist()
     pools, tables, context_lens = _pools(lens, shape, dtype, device, gen)
     query = _query(case.batch, shape, dtype, device, gen)
     scale = shape.head_dim ** -0.5
-
-    def call(pool):
-        kernels.paged_decode_attention(query, pool, tables, context_lens, scale)
-
+    calls = {name: (lambda pool, path=path: path.paged_decode_attention(query, pool, tables, context_lens, scale))
+             for name, path in paths.items()}
     context = (f"{case.min_context}" if case.min_context == case.max_context
                else f"{case.min_context}-{case.max_context}")
-    return _row("decode", dtype, case.batch, context, lens, case.batch, shape,
-                _time(call, pools, repeats, warmup, device))
+    return [_row("decode", name, dtype, case.batch, context, lens, case.batch, shape, times)
+            for name, times in _time_interleaved(calls, pools, repeats, warmup, device).items()]
 
 
-def _bench_prefill(case, shape, dtype, repeats, warmup, device, seed) -> dict:
+def _bench_prefill(case, shape, dtype, repeats, warmup, device, seed, paths) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     lens = [prefix + length for prefix, length in case.chunks]
     pools, tables, context_lens = _pools(lens, shape, dtype, device, gen)
@@ -110,13 +130,13 @@ def _bench_prefill(case, shape, dtype, repeats, warmup, device, seed) -> dict:
     query = _query(sum(query_lens), shape, dtype, device, gen)
     cu_seqlens = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device)
     scale = shape.head_dim ** -0.5
-
-    def call(pool):
-        kernels.paged_prefill_attention(query, pool, tables, cu_seqlens, context_lens, scale, max(query_lens))
-
+    calls = {name: (lambda pool, path=path: path.paged_prefill_attention(query, pool, tables, cu_seqlens,
+                                                                         context_lens, scale, max(query_lens)))
+             for name, path in paths.items()}
     cached = sum(prefix for prefix, _ in case.chunks)
-    return _row("prefill", dtype, len(case.chunks), f"{cached} cached + {sum(query_lens)} new", lens,
-                sum(query_lens), shape, _time(call, pools, repeats, warmup, device))
+    return [_row("prefill", name, dtype, len(case.chunks), f"{cached} cached + {sum(query_lens)} new", lens,
+                 sum(query_lens), shape, times)
+            for name, times in _time_interleaved(calls, pools, repeats, warmup, device).items()]
 
 
 def _pools(lens, shape, dtype, device, gen):
@@ -137,45 +157,62 @@ def _query(num_tokens, shape, dtype, device, gen):
 
 
 def _time(call, pools, repeats, warmup, device) -> list[float]:
+    return _time_interleaved({"": call}, pools, repeats, warmup, device)[""]
+
+
+def _time_interleaved(calls: dict, pools, repeats, warmup, device) -> dict[str, list[float]]:
+    """Wall time of each call per repeat, the calls taking turns so that a noisy moment hits them all."""
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    times = []
+    times = {name: [] for name in calls}
     for i in range(warmup + repeats):
         pool = pools[i % len(pools)]
-        synchronize()
-        start = time.perf_counter()
-        call(pool)
-        synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+        for name, call in calls.items():
+            synchronize()
+            start = time.perf_counter()
+            call(pool)
+            synchronize()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
     return times
 
 
-def _row(kernel, dtype, seqs, context, lens, query_tokens, shape, times) -> dict:
+def _row(kernel, path, dtype, seqs, context, lens, query_tokens, shape, times) -> dict:
     element = torch.empty((), dtype=dtype).element_size()
     kv_bytes = 2 * sum(lens) * shape.num_kv_heads * shape.head_dim * element
     median = statistics.median(times)
     return {
-        "bench": "kernels", "kernel": kernel, "dtype": str(dtype).removeprefix("torch."), "seqs": seqs,
+        "bench": "kernels", "kernel": kernel, "path": path, "dtype": str(dtype).removeprefix("torch."), "seqs": seqs,
         "context": context, "context_tokens": sum(lens), "query_tokens": query_tokens,
         "kv_mib": kv_bytes / 2**20, "median_ms": median * 1e3, "min_ms": min(times) * 1e3,
         "gb_per_s": kv_bytes / median / 1e9,
     }
 
 
-_COLUMNS = (("kernel", 8, "s"), ("dtype", 9, "s"), ("seqs", 5, "d"), ("context", 22, "s"),
+_COLUMNS = (("kernel", 8, "s"), ("path", 6, "s"), ("dtype", 9, "s"), ("seqs", 5, "d"), ("context", 22, "s"),
             ("context_tokens", 8, "d"), ("query_tokens", 6, "d"), ("kv_mib", 8, ".1f"),
-            ("median_ms", 10, ".3f"), ("min_ms", 8, ".3f"), ("gb_per_s", 7, ".1f"))
+            ("median_ms", 10, ".3f"), ("min_ms", 8, ".3f"), ("gb_per_s", 7, ".1f"), ("of_copy", 7, ".0%"))
 _HEADERS = {"context_tokens": "ctx tok", "query_tokens": "q tok", "kv_mib": "KV MiB", "median_ms": "median ms",
-            "min_ms": "min ms", "gb_per_s": "GB/s"}
+            "min_ms": "min ms", "gb_per_s": "GB/s", "of_copy": "of copy"}
+
+
+def _cell(row: dict, key: str, width: int, spec: str) -> str:
+    value = row.get(key)
+    text = "-" if value is None else f"{value:{spec}}"
+    return f"{text:{'<' if spec == 's' else '>'}{width}}"
 
 
 def format_row(row: dict) -> str:
-    return "  ".join(f"{row[key]:{'<' if spec == 's' else '>'}{width}{spec}}" for key, width, spec in _COLUMNS)
+    return "  ".join(_cell(row, key, width, spec) for key, width, spec in _COLUMNS)
 
 
-def format_table(rows: list[dict], shape: AttentionShape = AttentionShape()) -> str:
+def format_table(rows: list[dict], shape: AttentionShape = AttentionShape(),
+                 copy_gb_per_s: float | None = None) -> str:
     header = "  ".join(f"{_HEADERS.get(key, key):{'<' if spec == 's' else '>'}{width}}"
                        for key, width, spec in _COLUMNS)
     title = (f"paged attention, one layer per call · Hq={shape.num_q_heads} Hkv={shape.num_kv_heads} "
              f"D={shape.head_dim} block {shape.block_size} · {torch.get_num_threads()} torch threads")
-    return "\n".join([title, header, *(format_row(row) for row in rows)])
+    lines = [title, header, *(format_row(row) for row in rows)]
+    if copy_gb_per_s:
+        lines.append(f"copy bandwidth: {copy_gb_per_s:.1f} GB/s (read + written by one {_COPY_BYTES // 2**20} MiB "
+                     f"copy_); GB/s above counts K/V bytes read, 'of copy' is that against it")
+    return "\n".join(lines)

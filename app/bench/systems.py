@@ -7,13 +7,15 @@ CONTIGUOUS = "kvscope-contiguous"
 PAGED_NO_PREFIX = "kvscope-paged-noprefix"
 HF_STATIC = "hf-static"
 HF_CB = "hf-cb"
+VLLM = "vllm"
 
 KVSCOPE_SYSTEMS = (PAGED, CONTIGUOUS, PAGED_NO_PREFIX)
-SYSTEMS = (*KVSCOPE_SYSTEMS, HF_STATIC, HF_CB)
+SYSTEMS = (*KVSCOPE_SYSTEMS, HF_STATIC, HF_CB, VLLM)
 
 _EVERY = (PAGED, CONTIGUOUS, HF_STATIC, HF_CB)
 DEFAULT_SYSTEMS = {
-    "mixed": _EVERY,
+    # vLLM runs in its own venv; without one its row says how to get it.
+    "mixed": (*_EVERY, VLLM),
     # Without prefix caching: the baseline for the prefix cache's savings.
     "shared-prefix": (PAGED, PAGED_NO_PREFIX, CONTIGUOUS, HF_STATIC, HF_CB),
     "parallel-sampling": _EVERY,

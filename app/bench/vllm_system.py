@@ -1,0 +1,124 @@
+"""vLLM as a bench system: the same workload through vLLM's offline ``LLM.generate``, in vLLM's own venv.
+
+vLLM pins an older transformers than kvscope, so it cannot share this process: the bench writes the workload
+as JSON, runs ``vllm_runner.py`` with vLLM's interpreter and reads the result back. vLLM gets the same number of
+compute threads as every other system (bound to cores 0..n-1, none reserved for its front end), the same model
+directory, dtype, max_model_len and KV budget, and its own defaults for everything else (block size, batch
+limits, torch.compile). Its load and compile time is reported apart from the timed run.
+
+The interpreter is ``--vllm-python``, else ``.venv-vllm/bin/python`` in the working directory or the repository
+(``make bench-vllm`` creates it). Without one, the vllm row says how to get it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvscope.app.bench.metrics import RunRecord
+from kvscope.app.bench.systems import VLLM
+from kvscope.app.bench.workloads import BenchRequest, Workload
+
+SYSTEM = VLLM
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+VENV = ".venv-vllm"
+HOW_TO_GET = f"run `make bench-vllm` (it creates {VENV}), or pass --vllm-python PATH"
+_REPOSITORY = Path(__file__).resolve().parents[2]
+_LOG_TAIL_LINES = 15
+
+
+class SystemUnavailable(RuntimeError):
+    """A system cannot run here; the message says why and how to fix it."""
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    python: str | None = None       # vLLM's interpreter; None: look for .venv-vllm
+    timeout_s: float = 4 * 3600
+
+
+def find_python(explicit: str | None) -> Path:
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise SystemUnavailable(f"--vllm-python {explicit} does not exist; {HOW_TO_GET}")
+        return path
+    for root in (Path.cwd(), _REPOSITORY):
+        candidate = root / VENV / "bin" / "python"
+        if candidate.is_file():
+            return candidate
+    raise SystemUnavailable(f"vLLM is not installed: {HOW_TO_GET}")
+
+
+def thread_environment(threads: int) -> dict[str, str]:
+    """vLLM's compute threads bound to cores 0..threads-1, none reserved for the front end; offline only."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def _request(request: BenchRequest, seed: int | None = None) -> dict:
+    return {"prompt_token_ids": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
+            "n": request.n, "seed": seed}
+
+
+def build_job(workload: Workload, warm_up: BenchRequest, *, model_dir: str, dtype: str,
+              enable_prefix_caching: bool = True) -> dict:
+    return {"model": model_dir, "dtype": dtype, "max_model_len": workload.max_model_len,
+            "kv_cache_tokens": workload.kv_cache_tokens, "temperature": workload.temperature,
+            "enable_prefix_caching": enable_prefix_caching, "warm_up": _request(warm_up, seed=0),
+            "requests": [_request(r, seed=i) for i, r in enumerate(workload.requests)]}
+
+
+def record_from_result(result: dict, workload: Workload, threads: int) -> RunRecord:
+    """The RunRecord of a runner result. vLLM's offline API gives each request's time to first token, not
+    each token's time, so inter-token latency is left unreported."""
+    outputs = result["outputs"]
+    return RunRecord(
+        system=SYSTEM, settings={"vllm": result["vllm_version"], "threads": threads, **result["settings"]},
+        wall_s=result["wall_s"], num_prompt_tokens=workload.num_prompt_tokens,
+        num_output_tokens=sum(sum(o["num_tokens"]) for o in outputs),
+        token_times=[[o["ttft_s"]] if o["ttft_s"] is not None else [] for o in outputs],
+        peak_rss_mb=result["peak_rss_mb"], extra={"load_s": result["load_s"]},
+    )
+
+
+class VllmRun:
+    """One pass of a workload through vLLM in a subprocess; ``run()`` returns its RunRecord."""
+
+    def __init__(self, model_dir: str, dtype: str, threads: int, settings: VllmSettings) -> None:
+        self.model_dir = model_dir
+        self.dtype = dtype
+        self.threads = threads
+        self.settings = settings
+
+    def run(self, workload: Workload, warm_up: BenchRequest) -> RunRecord:
+        python = find_python(self.settings.python)
+        job = build_job(workload, warm_up, model_dir=self.model_dir, dtype=self.dtype)
+        with tempfile.TemporaryDirectory(prefix="kvscope-vllm-") as scratch:
+            job_path, result_path, log_path = (Path(scratch) / name for name in ("job.json", "result.json", "log"))
+            job_path.write_text(json.dumps(job))
+            self._execute(python, job_path, result_path, log_path)
+            result = json.loads(result_path.read_text())
+        return record_from_result(result, workload, self.threads)
+
+    def _execute(self, python: Path, job_path: Path, result_path: Path, log_path: Path) -> None:
+        print(f"  vllm: {python} (loading and compiling takes minutes on a first start)", file=sys.stderr,
+              flush=True)
+        env = os.environ | thread_environment(self.threads)
+        with open(log_path, "w") as log:
+            try:
+                completed = subprocess.run([str(python), str(RUNNER), str(job_path), str(result_path)], env=env,
+                                           stdout=log, stderr=subprocess.STDOUT, timeout=self.settings.timeout_s,
+                                           check=False)
+            except subprocess.TimeoutExpired as exc:
+                raise SystemUnavailable(f"vLLM did not finish within {self.settings.timeout_s:.0f} s") from exc
+        if completed.returncode != 0 or not result_path.exists():
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-_LOG_TAIL_LINES:]
+            print("\n".join(f"  vllm| {line}" for line in tail), file=sys.stderr)
+            last = tail[-1] if tail else "no output"
+            raise SystemUnavailable(f"vLLM failed (exit {completed.returncode}): {last[:160]}")
