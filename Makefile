@@ -11,7 +11,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 TEST_VLLM_STAMP := $(VENV)/.kvscope-vllm-test-installed
 
-.PHONY: run test test-vllm model lint screenshots bench clean
+.PHONY: run test test-vllm model lint screenshots bench bench-vllm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,12 @@ screenshots: model $(VLLM_STAMP) $(TEST_VLLM_STAMP)
 bench: model
 	$(BIN)/kvscope bench --workload all --dtype float32
 	$(BIN)/kvscope bench --workload all --dtype bfloat16
+
+# kvscope against vLLM on the mixed workload, both dtypes, the same threads for every system. vLLM's first
+# start compiles its model (minutes); its load time is reported apart from its run time.
+bench-vllm: model $(VLLM_STAMP)
+	$(BIN)/kvscope bench --workload mixed --dtype bfloat16,float32 \
+		--systems kvscope-paged,kvscope-contiguous,hf-static,hf-cb,vllm --vllm-python $(VLLM_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
