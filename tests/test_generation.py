@@ -3,7 +3,9 @@
 Each architecture gets one set of ragged prompts whose references are computed
 once; every scenario then replays them through a differently configured engine
 (chunked, prefix-cached, preempted, swapped, forked, contiguous) and must agree
-to the token, with the block-pool invariants checked after every step.
+to the token, with the block-pool invariants checked after every step. On CPU
+every scenario runs on what serves by default: the C++ attention kernels (where
+a compiler exists) and prepacked linear layers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from invariants import check_invariants
 from models import TINY_ARCHS, load_smollm2, reference_generate, tiny_model
 
 from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
+from kvscope.engine.packed_linear import is_packed
+from kvscope.kernels import cpu, reference
 
 ARCHS = ["smollm2", *TINY_ARCHS]
 NUM_PROMPTS = 16
@@ -112,6 +116,27 @@ def test_preemption(case, mode):
     finals = run_all(engine, case, range(NUM_PROMPTS))
     assert sum(output.num_preemptions for output in finals.values()) > 0
     assert_matches(case, finals)
+
+
+@pytest.fixture
+def cpp_attention_only(monkeypatch):
+    """The torch attention path fails if reached: whatever passes then ran on the C++ kernels."""
+    if not cpu.available():
+        pytest.skip(f"C++ kernels unavailable: {cpu.status()}")
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("the torch reference attention served a step")
+
+    monkeypatch.setattr(reference, "paged_decode_attention", unreachable)
+    monkeypatch.setattr(reference, "paged_prefill_attention", unreachable)
+
+
+def test_the_default_cpu_path_is_the_cpp_kernels_on_packed_linears(case, cpp_attention_only):
+    """What every test above runs on by default: exact tokens from the C++ attention and prepacked linears."""
+    engine = build_engine(case, max_num_batched_tokens=40)   # chunked prefills beside decodes
+    assert all(is_packed(layer.self_attn.q_proj) and is_packed(layer.mlp.down_proj)
+               for layer in engine.runner.model.model.layers)
+    assert_matches(case, run_all(engine, case, range(NUM_PROMPTS)))
 
 
 def test_two_greedy_samples_share_the_prompt(case):

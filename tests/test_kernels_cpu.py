@@ -158,3 +158,28 @@ def test_the_kv_pool_is_zeroed_and_asks_for_huge_pages():
     assert pool.shape == (2, 2, 64, 16, 2, 64) and pool.dtype == torch.bfloat16 and not pool.any()
     small = kernels.kv_pool_zeros((2, 3), torch.float32, torch.device("cpu"))  # under one huge page: plain zeros
     assert not small.any()
+
+
+def test_a_failing_build_falls_back_to_the_torch_path_with_one_line(monkeypatch, tmp_path, capsys):
+    """The build step fails (as it does without a working compiler): one stderr line, then the torch path."""
+    def failing_build(compiler, target):
+        raise cpu.BuildError("c++ failed: simulated")
+
+    monkeypatch.setattr(cpu, "_compiler", lambda: "c++")
+    monkeypatch.setattr(cpu, "_library_path", lambda compiler: tmp_path / "kvscope_cpu-missing.so")
+    monkeypatch.setattr(cpu, "_build", failing_build)
+    monkeypatch.delenv("KVSCOPE_CPU_KERNELS", raising=False)
+    cpu.status.cache_clear()
+    try:
+        served = []
+        monkeypatch.setattr(reference, "paged_decode_attention", lambda *args: served.append(1) or args[0] * 0)
+        gen = torch.Generator().manual_seed(11)
+        layout = random_layout([5, 9], 4, 1, 64, torch.float32, gen)
+        query = make_query(2, 2, 64, torch.float32, gen)
+        for _ in range(3):
+            kernels.paged_decode_attention(query, layout.kv_layer, layout.block_tables, layout.context_lens, 0.1)
+        assert served == [1, 1, 1] and not cpu.available()
+        assert capsys.readouterr().err.splitlines() == [
+            "kvscope: C++ CPU kernels unavailable (c++ failed: simulated); using the torch attention path (slower)"]
+    finally:
+        cpu.status.cache_clear()  # the next caller finds the real build again
