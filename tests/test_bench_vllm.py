@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,7 +114,25 @@ def test_a_vllm_row_reports_its_load_time_apart(fake_python):
     bench = _bench(tiny_model("llama"), VllmSettings(python=str(fake_python)))
     rows = add_ratios(bench.run([_workload()]))
     assert rows[0]["load_s"] == 12.5 and rows[0]["output_tokens_per_s"] == 16 / 2.0
-    assert "vllm load and compile: 12.5s (outside its timed run)" in format_table(rows, bench.notes)
+    table = format_table(rows, bench.notes)
+    assert "vllm load and compile: 12.5s (outside its timed run)" in table
+    header, row = table.splitlines()[1:3]
+    assert header.split()[-4:] == ["MiB", "load", "paged", "x"] and row.split()[-2:] == ["12s", "-"]
+
+
+def test_the_runner_counts_the_memory_of_the_processes_it_started():
+    """vLLM's engine core is a live child when the runner measures: its peak must be in the figure."""
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(200 * 2**20); import time; time.sleep(30)"])
+    try:
+        for _ in range(100):
+            if vllm_runner._status_kb(child.pid, "VmHWM:") > 150 * 1024:
+                break
+            time.sleep(0.05)
+        assert child.pid in vllm_runner._children(os.getpid())
+        assert vllm_runner._peak_rss_mb() > 200
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_the_runner_sizes_vllms_kv_pool_from_the_model_config(tmp_path):

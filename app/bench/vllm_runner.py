@@ -10,7 +10,9 @@ path given on the command line. Thread binding is set by the caller in the envir
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import resource
 import sys
 import time
@@ -45,10 +47,33 @@ def _ttft(output) -> float | None:
 
 
 def _peak_rss_mb() -> float:
-    """This process and its largest child (the engine core), in MiB (Linux reports KiB)."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return (own + child) / 1024
+    """The peak resident memory of this process and every process under it (vLLM's engine core runs in a
+    child, still alive here, so RUSAGE_CHILDREN would miss it), in MiB: the sum of each one's VmHWM."""
+    total_kb, pending = 0, [os.getpid()]
+    while pending:
+        pid = pending.pop()
+        total_kb += _status_kb(pid, "VmHWM:")
+        pending.extend(_children(pid))
+    return total_kb / 1024 or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _status_kb(pid: int, field: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next((int(line.split()[1]) for line in status if line.startswith(field)), 0)
+    except OSError:  # not Linux, or the process has just exited
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(task) as handle:
+                children.extend(int(child) for child in handle.read().split())
+        except OSError:
+            continue
+    return children
 
 
 def run(job: dict) -> dict:
