@@ -4,7 +4,7 @@
 measures the run log's cost (issue 6); ``scheduler`` and ``ui`` run the
 scheduler's and the app's own micro-benchmarks; ``kernels`` times one layer's
 paged attention (decode and prefill) per call; ``lessons`` times each lesson
-with the real model.
+with the real model; ``startup`` times fresh processes until the engine is ready.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvscope.app.bench.systems import SYSTEMS
 from kvscope.app.bench.workloads import WORKLOAD_NAMES
 from kvscope.app.cli import add_engine_flags
 
-WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons")
+WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons", "startup")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -57,7 +57,8 @@ def register(subparsers) -> None:
                        help="workloads (default): the system comparison; scheduler: scheduler-only "
                             "micro-benchmark; logging: run log on vs off; ui: app rendering cost; "
                             "kernels: per-layer paged attention time; attach: the vLLM attach client's CPU at an event "
-                            "rate and memory for a big pool; lessons: each lesson's duration")
+                            "rate and memory for a big pool; lessons: each lesson's duration; startup: a fresh "
+                            "process's time until the engine is ready, and its peak memory")
     bench.add_argument("--workload", default="mixed", choices=(*WORKLOAD_NAMES, "all"),
                        help="for workloads and logging (default: mixed)")
     bench.add_argument("--systems", default=None,
@@ -91,14 +92,24 @@ def register(subparsers) -> None:
     attach.add_argument("--pool-blocks", type=positive_int, default=1_000_000,
                         help="pool size for the memory figure (default 1,000,000)")
     bench.add_argument("--repeats", type=positive_int, default=None,
-                       help="logging: off/on/on/off rounds (default 1); kernels: timed calls per case (default 20)")
+                       help="logging: off/on/on/off rounds (default 1); kernels: timed calls per case (default 20); "
+                            "startup: fresh processes (default 3)")
     bench.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     return {"workloads": run_workloads, "scheduler": run_scheduler, "logging": run_logging,
             "ui": run_ui, "kernels": run_kernels, "attach": run_attach,
-            "lessons": run_lessons}[args.what](args)
+            "lessons": run_lessons, "startup": run_startup}[args.what](args)
+
+
+def run_startup(args: argparse.Namespace) -> int:
+    from kvscope.app.bench.startup_bench import format_table, time_startups
+
+    dtype = _parse_dtypes(args.dtype, "bfloat16")[0]
+    timings = time_startups(args.model, args.device, dtype, args.threads, args.repeats or 3)
+    print(format_table(timings, dtype))
+    return 0
 
 
 def run_lessons(args: argparse.Namespace) -> int:
