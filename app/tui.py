@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
-from textual.app import App, SystemCommand
+from textual.app import SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
@@ -45,22 +45,15 @@ from kvscope.app.screens.lesson import LessonScreen
 from kvscope.app.screens.lesson_menu import LessonMenu
 from kvscope.app.screens.main import MainScreen
 from kvscope.app.screens.quit import ConfirmQuit, ShuttingDown
+from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
 from kvscope.app.worker_commands import AddChatTurn
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.settings import settings
-from kvscope.themes import (
-    BLOCK_VARIABLE_DEFAULTS,
-    DEFAULT_THEME,
-    KVSCOPE_DARK,
-    KVSCOPE_LIGHT,
-    THEME_CSS_PATHS,
-    THEMES,
-)
+from kvscope.themes import THEME_CSS_PATHS
 
-APP_CSS = Path(__file__).with_name("kvscope.tcss")
 RATE_CAPS = (None, 50.0, 20.0, 10.0, 5.0, 2.0, 1.0, 0.5)  # steps per second, fastest first
 CHAT_TEMPERATURE = 0.7
 CHAT_TOP_P = 0.9
@@ -81,10 +74,9 @@ def runnable_warning(info: EngineInfo) -> str | None:
     return None
 
 
-class KVScopeApp(App):
+class KVScopeApp(ThemedApp):
     TITLE = "kvscope"
     CSS_PATH = [APP_CSS, *THEME_CSS_PATHS]
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     BINDINGS = [Binding(a.keys, a.action, a.title, tooltip=a.help) for a in ACTIONS if a.keys]
 
     def __init__(self, config: EngineConfig, *, db_path: str | Path | None = None, log_enabled: bool = True,
@@ -110,12 +102,6 @@ class KVScopeApp(App):
         self._lesson_log_dir: tempfile.TemporaryDirectory | None = None
         self._first_lesson = first_lesson
         self._refused: list[tuple[str, str]] = []
-        for theme in THEMES:
-            self.register_theme(theme)
-        self.theme = DEFAULT_THEME
-
-    def get_theme_variable_defaults(self) -> dict[str, str]:
-        return BLOCK_VARIABLE_DEFAULTS
 
     def get_default_screen(self) -> Screen:
         return self.main
@@ -400,13 +386,6 @@ class KVScopeApp(App):
         for view in snapshot.requests if snapshot else ():
             self.worker.abort(view.request_id)
 
-    def action_toggle_theme(self) -> None:
-        self.theme = KVSCOPE_LIGHT.name if self.theme == KVSCOPE_DARK.name else KVSCOPE_DARK.name
-
-    def action_screenshot_svg(self) -> None:
-        self.screenshot_dir.mkdir(parents=True, exist_ok=True)
-        path = self.save_screenshot(path=str(self.screenshot_dir))
-        self.notify(f"saved {path}", title="Screenshot", timeout=6)
 
 
 def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool, engine=None,

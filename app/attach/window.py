@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from textual.app import App
 from textual.binding import Binding
 from textual.message import Message
 from textual.screen import Screen
@@ -20,10 +19,10 @@ from kvscope.app.attach.frame import AttachFrame
 from kvscope.app.attach.screen import AttachScreen
 from kvscope.app.attach.source import AttachSource
 from kvscope.app.screens.history import HistoryScreen
+from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.settings import settings
-from kvscope.themes import BLOCK_VARIABLE_DEFAULTS, DEFAULT_THEME, KVSCOPE_DARK, KVSCOPE_LIGHT, THEME_CSS_PATHS, THEMES
+from kvscope.themes import THEME_CSS_PATHS
 
-APP_CSS = Path(__file__).resolve().parents[1] / "kvscope.tcss"
 CLOSE_TIMEOUT_S = 10.0
 ATTACH_CSS = Path(__file__).with_name("attach.tcss")
 
@@ -35,10 +34,9 @@ class FrameArrived(Message):
     frame: AttachFrame
 
 
-class AttachApp(App):
+class AttachApp(ThemedApp):
     TITLE = "kvscope attach"
     CSS_PATH = [APP_CSS, ATTACH_CSS, *THEME_CSS_PATHS]
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     BINDINGS = [
         Binding("f9", "history", "History"),
         Binding("f10", "screenshot_svg", "Screenshot"),
@@ -58,12 +56,6 @@ class AttachApp(App):
         self.run_thread = run_thread
         source.publish = self._from_source
         self.view = AttachScreen(source.server.url, len(source.pools.views(0, None)))
-        for theme in THEMES:
-            self.register_theme(theme)
-        self.theme = DEFAULT_THEME
-
-    def get_theme_variable_defaults(self) -> dict[str, str]:
-        return BLOCK_VARIABLE_DEFAULTS
 
     def get_default_screen(self) -> Screen:
         return self.view
@@ -92,10 +84,3 @@ class AttachApp(App):
         if not isinstance(self.screen, HistoryScreen):
             self.push_screen(HistoryScreen(self.db_path))
 
-    def action_toggle_theme(self) -> None:
-        self.theme = KVSCOPE_LIGHT.name if self.theme == KVSCOPE_DARK.name else KVSCOPE_DARK.name
-
-    def action_screenshot_svg(self) -> None:
-        self.screenshot_dir.mkdir(parents=True, exist_ok=True)
-        path = self.save_screenshot(path=str(self.screenshot_dir))
-        self.notify(f"saved {path}", title="Screenshot", timeout=6)
