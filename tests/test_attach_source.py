@@ -3,6 +3,7 @@ losing and finding the server again, restarts, several ranks, and the run log it
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import msgspec
@@ -48,6 +49,19 @@ def client():
 class Frames(list):
     def __call__(self, frame) -> None:
         self.append(frame)
+
+
+@contextlib.contextmanager
+def attached(client, context, server: FakeServer, **source_options):
+    """Probe the stand-in server and open its event streams; they are closed however the test ends."""
+    info, sample = probe_server(client, server.url)
+    source = AttachSource(info, client=client, publish=Frames(), **source_options)
+    source.open_streams(context)
+    try:
+        yield source, sample
+    finally:
+        for stream in source.streams:
+            stream.close()
 
 
 def test_probe_reads_the_pool_the_model_and_the_event_sources(client):
@@ -187,22 +201,19 @@ def test_a_restarted_server_clears_the_map_and_says_so(client, context):
         publisher.publish(seq, payload, live=False)
     server = FakeServer(PAGE, sources=zmq_sources(publisher))
     try:
-        info, sample = probe_server(client, server.url)
-        source = AttachSource(info, client=client, publish=Frames(), interval_s=0.05)
-        source.open_streams(context)
-        source.take_sample(sample)
-        source.bootstrap_streams()
-        assert source.make_frame().pools[0].num_known_blocks == 94
-        publisher.restart()
-        run2 = recorded_payloads(SHARED / "run2" / "kv-events.frames.jsonl")
-        publisher.publish(0, run2[0], live=False)
-        restarted = IDLE.replace("process_start_time_seconds 1.7961542469e+09", "process_start_time_seconds 1.8e+09")
-        assert restarted != IDLE
-        source.take_sample(parse_metrics(restarted, sample.time + 5))
-        frame = source.make_frame()
+        with attached(client, context, server, interval_s=0.05) as (source, sample):
+            source.take_sample(sample)
+            source.bootstrap_streams()
+            assert source.make_frame().pools[0].num_known_blocks == 94
+            publisher.restart()
+            run2 = recorded_payloads(SHARED / "run2" / "kv-events.frames.jsonl")
+            publisher.publish(0, run2[0], live=False)
+            restarted = IDLE.replace("process_start_time_seconds 1.7961542469e+09",
+                                     "process_start_time_seconds 1.8e+09")
+            assert restarted != IDLE
+            source.take_sample(parse_metrics(restarted, sample.time + 5))
+            frame = source.make_frame()
     finally:
-        for stream in source.streams:
-            stream.close()
         publisher.close()
         server.close()
     assert frame.pools[0].num_known_blocks == 20       # the new server's first request, from its replay
@@ -219,15 +230,11 @@ def test_data_parallel_ranks_get_a_pool_each(client, context):
     sources = {**zmq_sources(publishers[0], 0), **zmq_sources(publishers[1], 1)}
     server = FakeServer(PAGE, sources=sources)
     try:
-        info, sample = probe_server(client, server.url)
-        source = AttachSource(info, client=client, publish=Frames())
-        source.open_streams(context)
-        source.bootstrap_streams()
-        source.take_sample(sample)
-        frame = source.make_frame()
+        with attached(client, context, server) as (source, sample):
+            source.bootstrap_streams()
+            source.take_sample(sample)
+            frame = source.make_frame()
     finally:
-        for stream in source.streams:
-            stream.close()
         for publisher in publishers:
             publisher.close()
         server.close()
@@ -244,14 +251,10 @@ def test_unknown_and_malformed_payloads_are_counted_in_the_frame(client, context
     publisher.publish(2, msgspec.msgpack.encode([1.0, [{"type": "BlockPinned"}], 0]), live=False)
     server = FakeServer(PAGE, sources=zmq_sources(publisher))
     try:
-        info, sample = probe_server(client, server.url)
-        source = AttachSource(info, client=client, publish=Frames())
-        source.open_streams(context)
-        source.bootstrap_streams()
-        frame = source.make_frame()
+        with attached(client, context, server) as (source, _):
+            source.bootstrap_streams()
+            frame = source.make_frame()
     finally:
-        for stream in source.streams:
-            stream.close()
         publisher.close()
         server.close()
     (stream,) = frame.streams
