@@ -105,6 +105,20 @@ def test_lesson_list_prints_one_name_per_line(capsys):
     assert len(LESSONS) >= 7
 
 
+def test_an_unknown_lesson_or_a_missing_model_is_one_clear_error_and_no_window(monkeypatch, capsys, tmp_path):
+    opened = []
+    monkeypatch.setattr("kvscope.app.tui.run_app", lambda config, **kwargs: opened.append(config))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["lesson", "no-such-lesson"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "invalid choice: 'no-such-lesson'" in error and "fragmentation" in error
+    assert cli.main(["lesson", "preemption", "--model", str(tmp_path / "no-such-model")]) == 2
+    error = capsys.readouterr().err
+    assert "no-such-model" in error and "Traceback" not in error
+    assert opened == []
+
+
 def test_lesson_opens_the_app_on_the_teaching_pool(monkeypatch):
     opened = {}
     monkeypatch.setattr("kvscope.app.tui.run_app", lambda config, **kwargs: opened.update(config=config, **kwargs))
