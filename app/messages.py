@@ -28,6 +28,7 @@ class EngineInfo:
     max_model_len: int
     kv_cache_bytes: int | None
     config: EngineConfig
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()   # the model's (RunnerInfo.sampling_defaults)
 
     @property
     def num_tokens(self) -> int:

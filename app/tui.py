@@ -50,13 +50,11 @@ from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
 from kvscope.app.worker_commands import AddChatTurn
-from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.config import EngineConfig, model_sampling
 from kvscope.settings import settings
 from kvscope.themes import THEME_CSS_PATHS
 
 RATE_CAPS = (None, 50.0, 20.0, 10.0, 5.0, 2.0, 1.0, 0.5)  # steps per second, fastest first
-CHAT_TEMPERATURE = 0.7
-CHAT_TOP_P = 0.9
 
 
 SHUTDOWN_POLL_S = 0.02
@@ -211,7 +209,9 @@ class KVScopeApp(ThemedApp):
     # --- from the panels ----------------------------------------------------------------------------
 
     def on_chat_submitted(self, message: ChatSubmitted) -> None:
-        params = SamplingParams(max_tokens=message.max_tokens, temperature=CHAT_TEMPERATURE, top_p=CHAT_TOP_P)
+        # The model's own sampling defaults, as `kvscope chat` and vLLM use them: greedy for SmolLM2.
+        info = self.main.engine_info
+        params = model_sampling(info.sampling_defaults if info else (), max_tokens=message.max_tokens)
         self.worker.send(AddChatTurn(message.request_id, message.messages, params))
         self.main.view.block_map.set_chat_request(message.request_id)
 

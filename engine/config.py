@@ -217,3 +217,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def model_sampling(defaults: tuple[tuple[str, float | int], ...] = (), **fields) -> SamplingParams:
+    """SamplingParams from a model's own defaults (RunnerInfo.sampling_defaults): greedy where the model asks
+    for no sampling, as transformers' generate decodes it; ``fields`` win over both."""
+    return SamplingParams(**({"temperature": 0.0} | dict(defaults) | fields))

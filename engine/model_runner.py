@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvscope import kernels
-from kvscope.engine import packed_linear
+from kvscope.engine import packed_linear, precision
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.loader import ModelError, load_model
@@ -52,8 +52,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise RuntimeError("kvscope attention was called without a step context")
     ctx = kvscope_ctx
     kv_layer = ctx.kv_cache[module.layer_idx]
-    q = query[0].transpose(0, 1)
-    kernels.store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), kv_layer, ctx.slot_mapping)
+    # Rotary ran in fp32 in a bf16 model (engine/precision.py): q, k and v come down to the pool's dtype here.
+    q = query[0].transpose(0, 1).to(kv_layer.dtype)
+    kernels.store_kv(key[0].transpose(0, 1).to(kv_layer.dtype), value[0].transpose(0, 1).to(kv_layer.dtype),
+                     kv_layer, ctx.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     split = ctx.num_prefill_tokens
     parts = []
@@ -119,7 +121,7 @@ class ModelRunner:
         elif tokenizer is None:
             raise ConfigError("a model passed in needs its tokenizer too: LLMEngine(config, model=m, tokenizer=t)")
         self.model_name = _display_name(config.model, model)
-        self.model = packed_linear.prepare(model, self.device, self.dtype)
+        self.model = prepare_model(model, self.device, self.dtype)
         self.tokenizer = tokenizer
         self._attach_attention()
         text_config = self.model.config.get_text_config()
@@ -145,7 +147,8 @@ class ModelRunner:
             model_name=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             block_size=self.block_size, num_device_blocks=self.num_device_blocks,
             num_host_blocks=self.num_host_blocks, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids, kv_cache_bytes=self.kv_cache_bytes, banner=self.banner)
+            eos_token_ids=self.eos_token_ids, kv_cache_bytes=self.kv_cache_bytes, banner=self.banner,
+            sampling_defaults=sampling_defaults(self.model.generation_config))
         _freeze_heap()
 
     def _attach_attention(self) -> None:
@@ -314,6 +317,22 @@ class ModelRunner:
         return grouped
 
 
+def prepare_model(model, device: torch.device, dtype: torch.dtype):
+    """``model`` ready for the engine: in ``dtype`` on ``device``, its linears packed where that helps, and in
+    bf16/fp16 its residual stream and logits in fp32 (engine/precision.py). A model reused from an earlier
+    engine is taken back to stock first, so this can run on it again."""
+    precision.restore(model)
+    model = packed_linear.prepare(model, device, dtype)
+    precision.keep_fp32(model, dtype)
+    return model
+
+
+def restore_stock(model) -> None:
+    """Give ``model`` back its stock transformers forwards (the bench's transformers systems use it)."""
+    precision.restore(model)
+    packed_linear.unpack_linears(model)
+
+
 def _freeze_heap() -> None:
     """Keep the cyclic garbage collector off the objects that live as long as the model.
 
@@ -341,6 +360,19 @@ def _check_attention_features(text_config, max_model_len: int) -> None:
     if getattr(text_config, "attn_logit_softcapping", None):
         raise ModelError("this model soft-caps attention logits, which kvscope's kernels do not implement; "
                          "pick another model")
+
+
+def sampling_defaults(generation_config) -> tuple[tuple[str, float | int], ...]:
+    """The sampling a model's generation_config asks for: nothing (greedy) unless it sets do_sample, else its
+    temperature, top_p and top_k wherever it sets them."""
+    if generation_config is None or not getattr(generation_config, "do_sample", False):
+        return ()
+    found = []
+    for name in ("temperature", "top_p", "top_k"):
+        value = getattr(generation_config, name, None)
+        if value is not None:
+            found.append((name, value if name != "top_k" else int(value) or -1))
+    return tuple(found)
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -34,6 +34,10 @@ class RunnerInfo:
     eos_token_ids: frozenset[int]
     kv_cache_bytes: int | None      # the device pool's size; None where it holds no real K/V
     banner: str                     # one line saying how big the pool is, printed at start
+    # The model's own sampling defaults (its generation_config), as (field, value) pairs for SamplingParams;
+    # empty for a model that asks for greedy decoding, as transformers' generate then decodes. The chat pane,
+    # `kvscope chat` and the server start from these, as vLLM takes its defaults from the generation_config.
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
 
 
 @runtime_checkable

@@ -22,7 +22,7 @@ from kvscope.app.bench.metrics import PeakRss, RunRecord, summarise
 from kvscope.app.bench.systems import HF_CB, HF_STATIC, PAGED, SYSTEMS, VLLM, systems_for
 from kvscope.app.bench.vllm_system import SystemUnavailable, VllmRun, VllmSettings
 from kvscope.app.bench.workloads import BenchRequest, Workload, warm_up_request
-from kvscope.engine.packed_linear import unpack_linears
+from kvscope.engine.model_runner import restore_stock
 
 FLOOR_SYSTEM = PAGED
 
@@ -93,7 +93,7 @@ class Bench:
 
     def _dispatch(self, system: str, workload: Workload, warm_up: BenchRequest) -> RunRecord:
         if system not in VARIANTS:
-            unpack_linears(self.model)  # stock transformers for its systems; a kvscope engine packs them again
+            restore_stock(self.model)  # stock transformers for its systems; a kvscope engine prepares it again
         if system == HF_STATIC:
             return StaticBatchRun(self.model, self.pad_token_id, self.options.static).run(workload, warm_up)
         if system == HF_CB:
