@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_chat)
 
     for module in ("kvscope.app.bench.cli", "kvscope.app.runs_cli", "kvscope.app.screenshots",
-                   "kvscope.app.attach.cli", "kvscope.app.lessons.cli"):
+                   "kvscope.app.attach.cli", "kvscope.app.lessons.cli", "kvscope.app.serve.cli"):
         __import__(module, fromlist=["register"]).register(sub)
     return parser
 

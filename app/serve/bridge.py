@@ -1,0 +1,182 @@
+"""Between the asyncio server and the thread that steps the engine.
+
+One thread steps the engine: EngineLoop here when the server runs headless, or the window's engine worker
+when the server shares the app's engine. Either way the bridge hears every step as an engine observer
+(LLMEngine.observers), so HTTP requests are ordinary engine requests that the window, the run log and the
+metrics see like chat turns. Each HTTP request owns a RequestStream: the engine thread hands it outputs with
+``call_soon_threadsafe``, and the request's coroutine awaits them.
+
+Engine calls made for the server (add_request, abort_request) go through one worker thread, never the event
+loop (they wait for the engine's lock, up to one step), and in the order they were made: an abort sent for a
+request whose add is still queued runs after that add, so no request is left running for a client that left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from kvscope.engine.outputs import RequestOutput
+
+log = logging.getLogger("kvscope.serve")
+IDLE_WAKE_S = 0.25      # the longest the idle loop sleeps, so stop() is quick
+STEP_FAILURE_PAUSE_S = 0.05
+
+
+class RequestStream:
+    """The outputs of one HTTP request's engine requests (several for a batched prompt), in step order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_ids: tuple[str, ...]) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.request_ids = request_ids
+        self.unfinished = set(request_ids)
+
+    def push(self, output: RequestOutput) -> None:
+        """From the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+        except RuntimeError:
+            pass    # the event loop has closed: the server is gone, and nobody is waiting
+
+    async def next(self) -> RequestOutput:
+        output = await self.queue.get()
+        if output.finished:
+            self.unfinished.discard(output.request_id)
+        return output
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+
+class EngineBridge:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.accepting = True
+        self.work = threading.Event()   # set when a request was added: the stepping thread wakes
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-serve-engine-calls")
+        engine.observers.append(self)
+
+    # --- the engine's observer interface (called from the stepping thread, inside step()) --------------
+
+    def request_added(self, request_id: str, prompt_text: str, num_prompt_tokens: int, n: int) -> None:
+        pass
+
+    def step(self, result) -> None:
+        with self._lock:
+            streams = self._streams
+            for output in result.outputs:
+                stream = streams.get(output.request_id)
+                if stream is None:
+                    continue
+                if output.finished:
+                    del streams[output.request_id]
+                stream.push(output)
+
+    # --- called from the event loop ---------------------------------------------------------------------
+
+    async def add(self, prompts: list, params: list, request_ids: list[str]) -> RequestStream:
+        """Queue one engine request per prompt, all feeding one stream. All or nothing: if the engine refuses
+        one (RequestError), those already added are aborted and the error raised."""
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(loop, tuple(request_ids))
+        with self._lock:
+            for request_id in request_ids:
+                self._streams[request_id] = stream
+        call = loop.run_in_executor(self._calls, self._add_all, prompts, params, request_ids)
+        try:
+            await asyncio.shield(call)
+        except BaseException:
+            self.release(stream)    # after the add in the call queue, whether it is done or not
+            raise
+        self.work.set()
+        return stream
+
+    def _add_all(self, prompts: list, params: list, request_ids: list[str]) -> None:
+        for prompt, sampling, request_id in zip(prompts, params, request_ids):
+            self.engine.add_request(prompt, sampling, request_id=request_id)
+
+    def release(self, stream: RequestStream) -> None:
+        """The request's coroutine is done with the stream: abort what has not finished (a client that left,
+        a refused batch). Safe from any thread; returns at once."""
+        with self._lock:
+            for request_id in stream.request_ids:
+                self._streams.pop(request_id, None)
+        for request_id in tuple(stream.unfinished):
+            self._calls.submit(self.engine.abort_request, request_id)
+        self.work.set()
+
+    def abort_all(self) -> list[str]:
+        """Stop taking requests and abort those in flight: their final outputs (finish_reason "abort") reach
+        their clients with the next step. For shutdown; returns the aborted request ids."""
+        self.accepting = False
+        with self._lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self._calls.submit(self.engine.abort_request, request_id)
+        self.work.set()
+        return request_ids
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def close(self) -> None:
+        self._calls.shutdown(wait=True)
+        if self in self.engine.observers:
+            self.engine.observers.remove(self)
+
+
+class EngineLoop:
+    """Steps the engine while it has work: the headless server's engine thread."""
+
+    def __init__(self, engine, bridge: EngineBridge) -> None:
+        self.engine = engine
+        self.bridge = bridge
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvscope-serve-engine", daemon=True)
+        self.num_failed_steps = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        engine, work = self.engine, self.bridge.work
+        while not self._stop.is_set():
+            if engine.has_unfinished_requests():
+                self._step()
+            else:
+                work.wait(IDLE_WAKE_S)
+                work.clear()
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as exc:
+            # The engine has failed the requests this step touched (finish_reason "error", reported by the
+            # next step) and left the pool consistent; everyone else goes on.
+            self.num_failed_steps += 1
+            log.error("engine step failed: %s: %s", type(exc).__name__, exc)
+            time.sleep(STEP_FAILURE_PAUSE_S)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until the engine has nothing unfinished (every final output delivered)."""
+        deadline = time.monotonic() + timeout_s
+        while self.engine.has_unfinished_requests():
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.01)
+        return True
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.bridge.work.set()
+        if self._thread.is_alive():
+            self._thread.join()
