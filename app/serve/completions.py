@@ -78,7 +78,7 @@ async def start(job: Job, bridge: EngineBridge, facts: EngineFacts) -> RequestSt
                   for prompt in job.prompts]
         return await bridge.add(job.prompts, params, job.request_ids())
     except RequestError as exc:
-        raise bad_request(str(exc), _param_of(str(exc))) from None
+        raise bad_request(str(exc), _param_of(str(exc), job.chat)) from None
 
 
 async def _max_tokens(job: Job, prompt, facts: EngineFacts) -> int:
@@ -106,13 +106,13 @@ def _count_chat_tokens(tokenizer, messages: list[dict]) -> int:
     return len(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def _param_of(message: str) -> str | None:
+def _param_of(message: str, chat: bool) -> str | None:
     """The request field an engine refusal is about, for the error body's ``param``."""
     for name in ("max_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop", "seed", "n"):
         if message.startswith(name):
             return name
-    if "max_model_len" in message or "prompt" in message or "KV cache" in message:
-        return "messages" if "chat" in message else "prompt"
+    if "max_model_len" in message or "prompt" in message or "KV cache" in message or "chat" in message:
+        return "messages" if chat else "prompt"
     return None
 
 

@@ -67,9 +67,10 @@ def from_validation_error(exc: ValidationError) -> APIError:
 
 
 def _field_name(loc: list[str]) -> str:
-    """``messages.2.content`` from pydantic's location, without the union-member tags it adds."""
-    parts = [part for part in loc if not part.startswith(("function-", "tagged-union", "list[", "str", "int",
-                                                          "float", "bool", "dict[", "TextPart", "Message"))]
+    """``messages.0.role`` from pydantic's location, without the tags it adds for the members of a union
+    (``str``, ``list[int]``, ``TextPart``, ``function-after[...]``); field names are lower snake case."""
+    parts = [part for part in loc if not (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part
+                                          or part[:1].isupper())]
     return ".".join(parts) or "body"
 
 

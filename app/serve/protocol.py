@@ -117,7 +117,10 @@ class CompletionRequest(_Request):
         return list(prompt)
 
 
-class TextPart(_Strict):
+class TextPart(BaseModel):
+    """A content part; any type parses, so a non-text one can be refused in words (Message.text)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: str
     text: str | None = None
 
