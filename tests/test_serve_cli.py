@@ -1,0 +1,105 @@
+"""`kvscope serve` as a user runs it: a real process on the default model, vLLM's startup lines, Ctrl+C while a
+request streams (it ends with finish_reason "abort", the run log is closed), and refusals before the model loads."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.xdist_group("serve")
+
+STARTED = re.compile(r"Starting kvscope server on (http://127\.0\.0\.1:\d+)")
+KV_CACHE_LINE = re.compile(r"^INFO \d\d-\d\d \d\d:\d\d:\d\d \[[a-z_]+\.py:\d+\] CPU KV cache size: 4,096 tokens, "
+                           r"Maximum concurrency for 8,192 tokens per request: 0\.50x$")
+
+
+def serve(tmp_path, *flags: str) -> subprocess.Popen:
+    # cwd outside the checkout: the checkout's own folders would shadow installed packages
+    return subprocess.Popen([sys.executable, "-m", "kvscope.app.cli", "serve", *flags], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def read_until(process: subprocess.Popen, pattern: re.Pattern, lines: list[str], timeout_s: float = 120.0):
+    """Lines of the process's output until one matches (collected in ``lines``); the match."""
+    found = {}
+
+    def reader() -> None:
+        for line in process.stdout:
+            lines.append(line.rstrip("\n"))
+            if "match" not in found and (match := pattern.search(line)):
+                found["match"] = match
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while "match" not in found:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("kvscope serve did not start:\n" + "\n".join(lines))
+        time.sleep(0.05)
+    return found["match"], thread
+
+
+def test_ctrl_c_aborts_the_streaming_request_and_closes_the_run_log(tmp_path):
+    db = tmp_path / "runs.db"
+    process = serve(tmp_path, "--port", "0", "--num-blocks", "256", "--db", str(db))
+    lines: list[str] = []
+    try:
+        match, reader = read_until(process, STARTED, lines)
+        url = match.group(1)
+        assert any(KV_CACHE_LINE.match(line) for line in lines), lines
+        body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Count to 500."}],
+                "max_tokens": 2000, "stream": True, "ignore_eos": True}
+        chunks = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line.removeprefix("data: "))
+                    if len(chunks) == 3:
+                        process.send_signal(signal.SIGINT)
+        assert process.wait(60) in (0, 130)
+        reader.join(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+    assert chunks[-1] == "[DONE]"
+    last = json.loads(chunks[-2])
+    assert last["choices"][0]["finish_reason"] == "abort"
+    with sqlite3.connect(db) as conn:
+        run = conn.execute("SELECT status, source, ended_at FROM runs").fetchone()
+        requests = conn.execute("SELECT finish_reason, num_output_tokens FROM requests").fetchall()
+    assert run[0] == "finished" and run[1] == "serve" and run[2]
+    (request,) = requests
+    assert request[0] == "abort" and 2 <= request[1] < 2000
+
+
+def test_a_taken_port_is_one_line_before_the_model_loads(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "kvscope.app.cli", "serve", "--port", str(port), "--no-log"],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert f"kvscope serve: error: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "loading" not in result.stderr
+
+
+def test_a_bad_kv_events_config_is_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "kvscope.app.cli", "serve", "--no-log", "--kv-events-config",
+                             '{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}'],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "kvscope serve: error: --kv-events-config" in result.stderr and "endpont" in result.stderr
