@@ -111,7 +111,9 @@ def test_kvscope_attach_sees_the_same_pool_size_and_hit_rate(loaded):
         thread = threading.Thread(target=source.run, args=(sample,), daemon=True)
         thread.start()
         try:
-            wait_until(lambda: frames and frames[-1].rates is not None and frames[-1].pools)
+            cached = engine.snapshot().block_hashes
+            wait_until(lambda: frames and frames[-1].rates is not None and frames[-1].pools and
+                       frames[-1].pools[0].num_known_blocks == int((cached != 0).sum()) > 0)
         finally:
             source.stop()
             thread.join(10)
@@ -122,3 +124,4 @@ def test_kvscope_attach_sees_the_same_pool_size_and_hit_rate(loaded):
     assert frame.pools[0].num_blocks == engine.num_blocks == 24
     assert frame.rates.hit_rate == pytest.approx(last.prefix_cache_hits / last.prefix_cache_queries)
     assert frame.connection.state == "connected"
+    assert frame.streams[0].num_malformed == 0 and frame.streams[0].num_lost == 0

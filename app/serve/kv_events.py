@@ -31,6 +31,8 @@ from collections import deque
 import msgspec
 import zmq
 
+from kvscope.engine import outputs as engine_outputs
+
 log = logging.getLogger("kvscope.serve")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 POLL_MS = 20
@@ -125,8 +127,7 @@ def wire_events(engine_events) -> list:
     """The engine's per-block events as vLLM sends them: a chain of stored blocks becomes one BlockStored."""
     out: list = []
     for event in engine_events:
-        kind = type(event).__name__     # the engine's event types carry vLLM's names
-        if kind == "BlockStored":
+        if isinstance(event, engine_outputs.BlockStored):
             last = out[-1] if out else None
             if isinstance(last, BlockStored) and last.block_hashes[-1] == event.parent_block_hash and \
                     last.block_size == event.block_size:
@@ -136,9 +137,9 @@ def wire_events(engine_events) -> list:
             else:
                 out.append(BlockStored([event.block_hash], event.parent_block_hash, list(event.token_ids),
                                        event.block_size, extra_keys=[None]))
-        elif kind == "BlockRemoved":
+        elif isinstance(event, engine_outputs.BlockRemoved):
             out.append(BlockRemoved([event.block_hash]))
-        elif kind == "AllBlocksCleared":
+        elif isinstance(event, engine_outputs.AllBlocksCleared):
             out.append(AllBlocksCleared())
     return out
 
@@ -184,7 +185,7 @@ class KVEventPublisher:
         pass
 
     def step(self, result) -> None:
-        events = getattr(result, "kv_events", ())
+        events = result.kv_events
         if not events:
             return
         try:
