@@ -49,9 +49,10 @@ def test_models_lists_the_served_model(api, server):
 
 def test_completion_matches_the_engine_and_streaming_gives_the_same_text(api, server):
     whole = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
-    streamed = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                      stream_options={"include_usage": True})
+    streamed = list(api.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
     texts, reasons, usages = streamed_text(streamed, chat=False)
+    assert sum(1 for chunk in streamed if chunk.choices) == 12     # a chunk per token, as vLLM streams
     engine = tiny_engine()      # the same weights (seeded), outside the server
     (expected,) = engine.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))
     assert whole.choices[0].text == expected.text == texts[0]

@@ -3,7 +3,7 @@ the client receives.
 
 A Job turns the request into engine requests (one per prompt; ``n`` samples each, choice index
 ``prompt * n + sample``), then either collects their final outputs into one body, or streams them as
-server-sent events: a chunk per new piece of text per choice, the finish reason when a choice ends, the usage
+server-sent events: a chunk per new token per choice, the finish reason when a choice ends, the usage
 chunk when ``stream_options.include_usage`` asks for it, then ``[DONE]``. Whatever ends the request early (a
 client that disconnects, a server shutting down) releases it, which aborts whatever has not finished.
 """
@@ -155,7 +155,7 @@ def _usage(outputs: list[RequestOutput]) -> dict:
 
 async def events(job: Job, stream: RequestStream) -> AsyncIterator[bytes]:
     """The stream's chunks as SSE events."""
-    sent: dict[int, int] = {}           # choice index -> characters of its text sent
+    sent: dict[int, tuple[int, int]] = {}     # choice index -> (tokens, characters) of it sent
     finished_choices: set[int] = set()
     finals: dict[str, RequestOutput] = {}
     request_index = {request_id: index for index, request_id in enumerate(stream.request_ids)}
@@ -178,20 +178,23 @@ async def events(job: Job, stream: RequestStream) -> AsyncIterator[bytes]:
     yield format_sse_event(data_str="[DONE]")
 
 
-def _chunks(job: Job, index: int, sample, sent: dict[int, int], finished_choices: set[int]) -> list[dict]:
+def _chunks(job: Job, index: int, sample, sent: dict[int, tuple[int, int]], finished_choices: set[int]) -> list:
+    """The chunks one choice's new output makes: one per step that gave it tokens, as vLLM sends them (with
+    empty text while the detokenizer holds a piece back), so a client timing chunks times tokens."""
     if index in finished_choices:
         return []
-    delta = sample.text[sent.get(index, 0):]
+    num_tokens, num_chars = sent.get(index, (0, 0))
     first = index not in sent
-    sent[index] = len(sample.text)
+    sent[index] = (len(sample.token_ids), len(sample.text))
     finish = sample.finish_reason
     if finish is not None:
         finished_choices.add(index)
     chunks = []
     if job.chat and first:
         chunks.append(protocol.chat_delta(index, {"role": "assistant", "content": ""}, None))
-    if delta or finish is not None:
-        choice = protocol.chat_delta(index, {"content": delta} if delta else {}, finish) if job.chat else \
+    if len(sample.token_ids) > num_tokens or finish is not None:
+        delta = sample.text[num_chars:]
+        choice = protocol.chat_delta(index, {"content": delta}, finish) if job.chat else \
             protocol.completion_choice(index, delta, finish)
         chunks.append(choice)
     kind = "chat.completion.chunk" if job.chat else "text_completion"
