@@ -22,7 +22,7 @@ from kvscope.app.bench.systems import SYSTEMS
 from kvscope.app.bench.workloads import WORKLOAD_NAMES
 from kvscope.app.cli import add_engine_flags
 
-WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons", "startup")
+WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons", "startup", "serve")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -58,7 +58,8 @@ def register(subparsers) -> None:
                             "micro-benchmark; logging: run log on vs off; ui: app rendering cost; "
                             "kernels: per-layer paged attention time; attach: the vLLM attach client's CPU at an event "
                             "rate and memory for a big pool; lessons: each lesson's duration; startup: a fresh "
-                            "process's time until the engine is ready, and its peak memory")
+                            "process's time until the engine is ready, and its peak memory; serve: kvscope serve "
+                            "against vLLM's server under the same client and request rates")
     bench.add_argument("--workload", default="mixed", choices=(*WORKLOAD_NAMES, "all"),
                        help="for workloads and logging (default: mixed)")
     bench.add_argument("--systems", default=None,
@@ -91,6 +92,14 @@ def register(subparsers) -> None:
     attach.add_argument("--seconds", type=positive_float, default=10.0, help="how long to replay them (default 10)")
     attach.add_argument("--pool-blocks", type=positive_int, default=1_000_000,
                         help="pool size for the memory figure (default 1,000,000)")
+    serve = bench.add_argument_group("serve (kvscope serve against vLLM's server)")
+    serve.add_argument("--rates", default="1,4",
+                       help="request rates to try, requests/s, comma-separated; inf sends all at once (default 1,4)")
+    serve.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (default 256)")
+    serve.add_argument("--output-len", type=positive_int, default=64, help="output tokens (default 64)")
+    serve.add_argument("--client", default="auto", choices=("auto", "vllm", "openai"),
+                       help="vllm: `vllm bench serve` from the vLLM venv; openai: kvscope's own load generator "
+                            "(default: vllm when the vLLM venv exists)")
     bench.add_argument("--repeats", type=positive_int, default=None,
                        help="logging: off/on/on/off rounds (default 1); kernels: timed calls per case (default 20); "
                             "startup: fresh processes (default 3)")
@@ -100,7 +109,44 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     return {"workloads": run_workloads, "scheduler": run_scheduler, "logging": run_logging,
             "ui": run_ui, "kernels": run_kernels, "attach": run_attach,
-            "lessons": run_lessons, "startup": run_startup}[args.what](args)
+            "lessons": run_lessons, "startup": run_startup, "serve": run_serve}[args.what](args)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvscope.app.bench.vllm_system import SystemUnavailable, find_python
+    from kvscope.app.serve.bench import ServeBenchSettings, format_table, run_serve_bench
+    from kvscope.engine.loader import resolve_model_path
+
+    rates = tuple(float(rate) for rate in args.rates.split(","))
+    if not rates or any(not rate > 0 for rate in rates):
+        raise SystemExit(f"kvscope bench serve: --rates takes positive numbers or inf, got {args.rates!r}")
+    systems = _parse_serve_systems(args.systems)
+    try:
+        vllm_python = str(find_python(args.vllm_python))
+    except SystemUnavailable as exc:
+        if args.vllm_python or args.client == "vllm":
+            raise SystemExit(f"kvscope bench serve: {exc}") from None
+        print(f"kvscope bench serve: {exc}; measuring kvscope only, with kvscope's own client", file=sys.stderr)
+        vllm_python, systems = None, tuple(s for s in systems if s != "vllm")
+    model_dir = resolve_model_path(args.model)
+    settings = ServeBenchSettings(
+        model_dir=model_dir, dtype=_parse_dtypes(args.dtype, "bfloat16")[0], rates=rates,
+        num_prompts=args.requests or 32, input_len=args.input_len, output_len=args.output_len,
+        systems=systems, vllm_python=vllm_python, client=args.client, seed=args.seed)
+    from transformers import AutoTokenizer
+
+    vocab_size = len(AutoTokenizer.from_pretrained(model_dir))
+    rows = run_serve_bench(settings, vocab_size, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps([dataclasses.asdict(row) for row in rows]) if args.json else format_table(rows, settings))
+    failed = sum(row.failed for row in rows)
+    return 1 if failed else 0
+
+
+def _parse_serve_systems(text: str | None) -> tuple[str, ...]:
+    systems = tuple(s.strip() for s in (text or "kvscope,vllm").split(",") if s.strip())
+    if not systems or set(systems) - {"kvscope", "vllm"}:
+        raise SystemExit(f"kvscope bench serve: --systems takes kvscope and/or vllm, got {text!r}")
+    return systems
 
 
 def run_startup(args: argparse.Namespace) -> int:
