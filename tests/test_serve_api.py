@@ -3,7 +3,10 @@ not, n, stop, seed, max_tokens and usage (cached tokens included), and a client 
 
 from __future__ import annotations
 
+import time
+
 import httpx
+import openai
 import pytest
 from invariants import check_invariants
 from serve_helpers import client, running_server, tiny_engine, wait_until
@@ -134,3 +137,47 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks():
         assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"} 1.0' in metrics
         # and the server goes on serving
         assert client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices[0].text
+
+
+class SlowSteps:
+    """An engine observer that makes each step take a while, so a request stays in flight."""
+
+    def request_added(self, *args) -> None:
+        pass
+
+    def step(self, result) -> None:
+        time.sleep(0.02)
+
+
+def test_a_client_that_gives_up_on_a_whole_reply_frees_its_blocks():
+    engine = tiny_engine()
+    engine.observers.append(SlowSteps())
+    with running_server(engine) as server:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+        wait_until(lambda: not engine.has_unfinished_requests())
+        assert (engine.snapshot().ref_counts == 0).all()
+        assert engine.step_counter < 150, "the request should have been aborted, not run to its end"
+        check_invariants(engine)
+
+
+def test_a_failed_engine_step_is_a_500_for_its_requests_and_the_server_goes_on():
+    engine = tiny_engine()
+    execute = engine.runner.execute
+    failures = []
+
+    def fail_once(batch):
+        if not failures:
+            failures.append(batch)
+            raise RuntimeError("injected: the forward failed")
+        return execute(batch)
+
+    engine.runner.execute = fail_once
+    with running_server(engine) as server:
+        api = client(server)
+        with pytest.raises(openai.InternalServerError) as caught:
+            api.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+        assert "The engine failed this request" in caught.value.message and "injected" in caught.value.message
+        assert api.completions.create(model="tiny", prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+        check_invariants(engine)

@@ -103,3 +103,23 @@ def test_a_bad_kv_events_config_is_one_line(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "kvscope serve: error: --kv-events-config" in result.stderr and "endpont" in result.stderr
+
+
+def test_loopback_is_the_default_and_another_address_is_said_to_be_reachable(caplog):
+    from serve_helpers import tiny_engine
+
+    from kvscope.app.serve.server import ServeApp, ServeOptions, is_loopback, listen
+
+    assert ServeOptions().host == "127.0.0.1"
+    assert all(is_loopback(host) for host in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"))
+    assert not any(is_loopback(host) for host in ("0.0.0.0", "::", "192.168.1.4", "example.org"))
+    # The listener stays on loopback here; only the words about --host are under test.
+    server = ServeApp(tiny_engine(), ServeOptions(host="0.0.0.0", port=0), listener=listen("127.0.0.1", 0))
+    try:
+        with caplog.at_level("INFO", logger="kvscope.serve"):
+            server._startup_lines()
+    finally:
+        server.close()
+    warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning and "reachable from the network" in warning[0] and "--host 0.0.0.0" in warning[0]
+    assert "set --api-key" in warning[0]

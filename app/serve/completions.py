@@ -118,17 +118,21 @@ def _param_of(message: str, chat: bool) -> str | None:
 
 # ---- the whole body at once --------------------------------------------------------------------------------
 
-async def collect(job: Job, stream: RequestStream, is_disconnected) -> dict:
-    """The final outputs as one body. Returns early (the stream released by the caller) if the client left."""
+async def collect(job: Job, stream: RequestStream, is_disconnected) -> dict | None:
+    """The final outputs as one body; None, at once, if the client left (the caller releases the stream, which
+    aborts the requests)."""
     finals: dict[str, RequestOutput] = {}
+    next_check = time.monotonic() + DISCONNECT_POLL_S
     while not stream.finished:
         try:
             output = await asyncio.wait_for(stream.next(), DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
+            output = None
+        if time.monotonic() >= next_check:      # outputs may come every step: look between them too
             if await is_disconnected():
-                raise asyncio.CancelledError("the client disconnected") from None
-            continue
-        if output.finished:
+                return None
+            next_check = time.monotonic() + DISCONNECT_POLL_S
+        if output is not None and output.finished:
             finals[output.request_id] = output
     ordered = [finals[request_id] for request_id in stream.request_ids]
     failed = next((output for output in ordered if output.finish_reason == "error"), None)

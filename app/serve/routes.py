@@ -26,6 +26,8 @@ from kvscope.app.serve.completions import EngineFacts
 from kvscope.app.serve.errors import APIError, error_body, from_validation_error
 from kvscope.app.serve.limits import BodyLimit, ConcurrencyLimit, check_api_key
 
+CLIENT_CLOSED_REQUEST = 499
+
 
 @dataclass
 class ServeState:
@@ -114,9 +116,11 @@ async def _generate(state: ServeState, request: Request, model, chat: bool) -> R
     if parsed.stream:
         return _EventStream(completions.events(job, stream), on_close=release, headers={"cache-control": "no-cache"})
     try:
-        return JSONResponse(await completions.collect(job, stream, request.is_disconnected))
+        body = await completions.collect(job, stream, request.is_disconnected)
     finally:
         release()
+    # Nobody reads the answer to a client that left; 499 is what proxies log for it.
+    return JSONResponse(body) if body is not None else Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 class _EventStream(EventSourceResponse):
