@@ -177,3 +177,10 @@ def test_requests_beyond_the_concurrency_bound_get_a_503_and_the_next_one_is_ser
             assert refused.headers["retry-after"] == "1" and error["type"] == "ServiceUnavailableError"
         wait_until(lambda: server.bridge.num_in_flight == 0)
         still_serving(http)
+
+
+def test_an_infinite_temperature_is_refused_by_the_engines_own_check(http):
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": Infinity}'
+    response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_error(response, 400, "temperature", "finite")
+    still_serving(http)

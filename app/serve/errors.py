@@ -17,7 +17,6 @@ _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
-    413: "RequestEntityTooLarge",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }

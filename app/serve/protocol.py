@@ -9,7 +9,6 @@ vLLM's own benchmark client sends them); any other value is refused with the rea
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -92,8 +91,6 @@ class _Request(_Strict):
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
-        if self.temperature is not None and not math.isfinite(self.temperature):
-            raise bad_request("temperature must be a finite number", "temperature")
         return model_sampling(defaults, **fields)
 
     @property
