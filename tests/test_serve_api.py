@@ -88,6 +88,15 @@ def test_n_samples_are_separate_choices_and_a_seed_repeats_them(api):
     assert [texts[i] for i in range(3)] == [c.text for c in first.choices]
 
 
+def test_top_k_one_and_a_tiny_top_p_sample_the_greedy_token(api):
+    greedy = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    top_k = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.5, seed=3,
+                                   extra_body={"top_k": 1}).choices[0].text
+    top_p = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.5, seed=3,
+                                   top_p=1e-6).choices[0].text
+    assert greedy == top_k == top_p
+
+
 def test_stop_string_cuts_the_text_and_says_stop(api):
     free = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
     cut = free[3:6]
