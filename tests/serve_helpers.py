@@ -49,6 +49,16 @@ def client(server: ServeApp, api_key: str = "unused", **options) -> openai.OpenA
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=60, **options)
 
 
+class SlowSteps:
+    """An engine observer that makes each step take a while, so a request stays in flight."""
+
+    def request_added(self, *args) -> None:
+        pass
+
+    def step(self, result) -> None:
+        time.sleep(0.02)
+
+
 def wait_until(predicate, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -3,13 +3,11 @@ not, n, stop, seed, max_tokens and usage (cached tokens included), and a client 
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
 from invariants import check_invariants
-from serve_helpers import client, running_server, tiny_engine, wait_until
+from serve_helpers import SlowSteps, client, running_server, tiny_engine, wait_until
 
 from kvscope.engine import SamplingParams
 
@@ -146,16 +144,6 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks():
         assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"} 1.0' in metrics
         # and the server goes on serving
         assert client(server).completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices[0].text
-
-
-class SlowSteps:
-    """An engine observer that makes each step take a while, so a request stays in flight."""
-
-    def request_added(self, *args) -> None:
-        pass
-
-    def step(self, result) -> None:
-        time.sleep(0.02)
 
 
 def test_a_client_that_gives_up_on_a_whole_reply_frees_its_blocks():

@@ -3,12 +3,10 @@ serving: after each refusal the same server answers a good request."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
-from serve_helpers import client, running_server, tiny_engine, wait_until
+from serve_helpers import SlowSteps, client, running_server, tiny_engine, wait_until
 
 pytestmark = pytest.mark.xdist_group("serve")
 
@@ -151,16 +149,6 @@ def test_the_api_key_is_required_on_every_v1_route():
         assert client(server, api_key="s3cret").completions.create(model="tiny", prompt="hi", max_tokens=2).choices
         # vLLM's monitoring routes stay open, as vLLM's do
         assert http.get("/metrics").status_code == 200 and http.get("/health").status_code == 200
-
-
-class SlowSteps:
-    """An engine observer that makes each step take a while, so a request stays in flight."""
-
-    def request_added(self, *args) -> None:
-        pass
-
-    def step(self, result) -> None:
-        time.sleep(0.02)
 
 
 def test_requests_beyond_the_concurrency_bound_get_a_503_and_the_next_one_is_served():
