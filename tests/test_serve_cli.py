@@ -123,3 +123,14 @@ def test_loopback_is_the_default_and_another_address_is_said_to_be_reachable(cap
     warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warning and "reachable from the network" in warning[0] and "--host 0.0.0.0" in warning[0]
     assert "set --api-key" in warning[0]
+
+
+def test_serve_addresses_read_as_host_and_port():
+    from kvscope.app.serve.cli import parse_address
+
+    assert parse_address("8000") == ("127.0.0.1", 8000)
+    assert parse_address("0.0.0.0:8001") == ("0.0.0.0", 8001)
+    assert parse_address("[::1]:8002") == ("::1", 8002)
+    for bad in ("", "http", ":8000", "host:", "127.0.0.1:99999"):
+        with pytest.raises(Exception, match="HOST:"):
+            parse_address(bad)

@@ -72,6 +72,15 @@ def options_from_args(args: argparse.Namespace):
         max_concurrent_requests=args.max_concurrent_requests, access_log=not args.disable_uvicorn_access_log)
 
 
+def parse_address(text: str) -> tuple[str, int]:
+    """``--serve [HOST:]PORT``: "8000", "0.0.0.0:8000" or "[::1]:8000"; the host defaults to loopback."""
+    host, colon, port = text.rpartition(":")
+    host = host.strip("[]") if colon else "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) <= 65535 or (colon and not host):
+        raise argparse.ArgumentTypeError(f"expected [HOST:]PORT, e.g. 8000 or 127.0.0.1:8000, got {text!r}")
+    return host, int(port)
+
+
 def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt     # SIGTERM stops the server as Ctrl+C does
 
