@@ -11,8 +11,6 @@ from serve_helpers import SlowSteps, client, running_server, tiny_engine, wait_u
 
 from kvscope.engine import SamplingParams
 
-pytestmark = pytest.mark.xdist_group("serve")
-
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
 

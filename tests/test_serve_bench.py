@@ -12,8 +12,6 @@ from serve_helpers import running_server
 from kvscope.app.serve.bench import Row, ServeBenchSettings, format_table
 from kvscope.app.serve.loadgen import random_prompts, run_load
 
-pytestmark = pytest.mark.xdist_group("serve")
-
 
 @pytest.mark.parametrize("rate", [math.inf, 50.0])
 def test_the_load_generator_measures_every_request_and_token(rate):

@@ -16,8 +16,6 @@ import time
 import httpx
 import pytest
 
-pytestmark = pytest.mark.xdist_group("serve")
-
 STARTED = re.compile(r"Starting kvscope server on (http://127\.0\.0\.1:\d+)")
 KV_CACHE_LINE = re.compile(r"^INFO \d\d-\d\d \d\d:\d\d:\d\d \[[a-z_]+\.py:\d+\] CPU KV cache size: 4,096 tokens, "
                            r"Maximum concurrency for 8,192 tokens per request: 0\.50x$")

@@ -8,8 +8,6 @@ import openai
 import pytest
 from serve_helpers import SlowSteps, client, running_server, tiny_engine, wait_until
 
-pytestmark = pytest.mark.xdist_group("serve")
-
 GOOD = {"model": "tiny", "prompt": "Hello there", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import msgspec
 import numpy as np
-import pytest
 import zmq
 from serve_helpers import client, ipc_events, running_server, tiny_engine, wait_until
 from test_serve_observability import busy_load
@@ -18,8 +17,6 @@ from kvscope.app.attach.server import make_client, probe_server
 from kvscope.app.attach.subscriber import Delivery, EventStream
 from kvscope.app.serve.kv_events import EventBatch, wire_events
 from kvscope.engine.outputs import AllBlocksCleared, BlockRemoved, BlockStored
-
-pytestmark = pytest.mark.xdist_group("serve")
 
 
 def cached_hashes(engine) -> set[int]:

@@ -15,8 +15,6 @@ from kvscope.app.attach.metrics import parse_metrics
 from kvscope.app.attach.server import make_client, probe_server
 from kvscope.app.attach.source import AttachSource
 
-pytestmark = pytest.mark.xdist_group("serve")
-
 SHARED_PREFIX = " ".join(f"fact{i}" for i in range(30))     # two full blocks of 16 tokens, shared by all
 
 

@@ -136,10 +136,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     vocab_size = len(AutoTokenizer.from_pretrained(model_dir))
-    rows = run_serve_bench(settings, vocab_size, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(json.dumps([dataclasses.asdict(row) for row in rows]) if args.json else format_table(rows, settings))
-    failed = sum(row.failed for row in rows)
-    return 1 if failed else 0
+    rows, notes = run_serve_bench(settings, vocab_size,
+                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps([dataclasses.asdict(row) for row in rows]) if args.json else format_table(rows, settings, notes))
+    return 1 if notes or any(row.failed for row in rows) else 0
 
 
 def _parse_serve_systems(text: str | None) -> tuple[str, ...]:

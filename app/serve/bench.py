@@ -182,23 +182,28 @@ def vllm_client_row(system: str, url: str, settings: ServeBenchSettings, rate: f
 
 # ---- the run ----------------------------------------------------------------------------------------------
 
-def run_serve_bench(settings: ServeBenchSettings, vocab_size: int, progress=print) -> list[Row]:
+def run_serve_bench(settings: ServeBenchSettings, vocab_size: int, progress=print) -> tuple[list[Row], list[str]]:
+    """The rows measured, and notes on what could not be (a server that did not start, and where its log is)."""
     client = settings.client_for()
     if client == "vllm" and not settings.vllm_python:
         raise RuntimeError("--client vllm needs a vLLM venv (--vllm-python, or .venv-vllm)")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="kvscope-bench-serve-") as scratch:
-        for system in settings.systems:
-            port = free_port()
-            command, env = (kvscope_server if system == "kvscope" else vllm_server)(settings, port)
-            progress(f"starting {system} on port {port} …")
-            with ServerProcess(command, env, port, Path(scratch) / f"{system}.log") as server:
+    rows, notes = [], []
+    logs = Path(tempfile.mkdtemp(prefix="kvscope-bench-serve-"))     # kept: the servers' logs are evidence
+    for system in settings.systems:
+        port = free_port()
+        command, env = (kvscope_server if system == "kvscope" else vllm_server)(settings, port)
+        log_path = logs / f"{system}.log"
+        progress(f"starting {system} on port {port} (log: {log_path}) …")
+        try:
+            with ServerProcess(command, env, port, log_path) as server:
                 for rate in settings.rates:
                     progress(f"  {system}: {settings.num_prompts} requests at {_rate(rate)} req/s ({client} client)")
-                    row = vllm_client_row(system, server.url, settings, rate, Path(scratch)) if client == "vllm" \
-                        else openai_client_row(system, server.url, settings, rate, vocab_size)
-                    rows.append(row)
-    return rows
+                    rows.append(vllm_client_row(system, server.url, settings, rate, logs) if client == "vllm"
+                                else openai_client_row(system, server.url, settings, rate, vocab_size))
+        except RuntimeError as exc:
+            notes.append(f"{system}: {exc}".splitlines()[0] + f" (its log: {log_path})")
+            progress(str(exc))
+    return rows, notes
 
 
 def _rate(rate: float) -> str:
@@ -209,7 +214,7 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
-def format_table(rows: list[Row], settings: ServeBenchSettings) -> str:
+def format_table(rows: list[Row], settings: ServeBenchSettings, notes: list[str] = ()) -> str:
     head = (f"kvscope bench serve: {settings.num_prompts} requests per rate, random prompts of "
             f"{settings.input_len} tokens, {settings.output_len} output tokens (EOS ignored, greedy), "
             f"{settings.dtype}, max_model_len {settings.max_model_len}, block size {settings.block_size}, "
@@ -224,6 +229,7 @@ def format_table(rows: list[Row], settings: ServeBenchSettings) -> str:
     if ratios:
         lines += ["", "kvscope / vLLM (throughput: above 1 is better; TTFT: below 1 is better)"]
         lines += ratios
+    lines += [f"not measured: {note}" for note in notes]
     return "\n".join(lines)
 
 
