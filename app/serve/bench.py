@@ -52,7 +52,7 @@ class ServeBenchSettings:
     input_len: int = 256
     output_len: int = 64
     max_model_len: int = 1024
-    block_size: int = 16
+    block_size: int = 32             # vLLM's CPU attention takes multiples of 32 only
     kv_cache_gib: int = 1
     systems: tuple[str, ...] = ("kvscope", "vllm")
     vllm_python: str | None = None
