@@ -3,10 +3,11 @@ the engine's own block pool; and the wire format against what a real vLLM 0.32 s
 
 from __future__ import annotations
 
+import httpx
 import msgspec
 import numpy as np
 import zmq
-from serve_helpers import client, ipc_events, running_server, tiny_engine, wait_until
+from serve_helpers import SlowSteps, client, ipc_events, running_server, tiny_engine, wait_until
 from test_serve_observability import busy_load
 from vllm_fakes import SHARED, recorded_payloads
 
@@ -109,3 +110,40 @@ def test_the_payloads_have_vllms_fields_in_vllms_order():
     assert decoded.unknown == {} and [type(e).__name__ for e in decoded.events] == [
         "BlockStored", "BlockRemoved", "AllBlocksCleared"]
     assert np.array_equal([hash_key(h) for h in decoded.events[0].block_hashes], [11, 12])
+
+
+def test_a_prefix_cache_reset_reaches_subscribers_as_all_blocks_cleared():
+    engine = tiny_engine()
+    engine.observers.append(SlowSteps())
+    with running_server(engine, kv_events=ipc_events("reset"), dev_routes=True) as server:
+        http = make_client()
+        context = zmq.Context()
+        streams = []
+        try:
+            info, _ = probe_server(http, server.url)
+            stream = EventStream(context, info.event_sources[0])
+            streams.append(stream)
+            pool = PoolModel(info.num_gpu_blocks, info.block_size)
+            apply(pool, stream.bootstrap())
+            client(server).completions.create(model="tiny", prompt=" ".join(["block"] * 40), max_tokens=2)
+            wait_until(lambda: (apply(pool, stream.drain()), len(pool.slot_of) > 0)[1])
+            with http.stream("POST", f"{server.url}/v1/completions", json={
+                    "model": "tiny", "prompt": "busy", "max_tokens": 100, "stream": True, "ignore_eos": True}) as busy:
+                lines = busy.iter_lines()
+                next(line for line in lines if line.startswith("data:"))
+                refused = http.post(f"{server.url}/reset_prefix_cache")
+                assert refused.status_code == 409 and "hold blocks" in refused.json()["error"]["message"]
+            wait_until(lambda: not engine.has_unfinished_requests())
+            assert http.post(f"{server.url}/reset_prefix_cache").status_code == 200
+            wait_until(lambda: (apply(pool, stream.drain()), pool.counters.num_cleared == 1)[1])
+            assert pool.slot_of == {} and cached_hashes(engine) == set()
+        finally:
+            for each in streams:
+                each.close()
+            context.term()
+            http.close()
+
+
+def test_the_reset_route_exists_only_when_asked_for():
+    with running_server() as server:
+        assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 404

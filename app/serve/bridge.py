@@ -58,6 +58,7 @@ class EngineBridge:
         self.engine = engine
         self.accepting = True
         self.work = threading.Event()   # set when a request was added: the stepping thread wakes
+        self.step_wanted = False        # step even with nothing to run: what happened between steps is reported
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-serve-engine-calls")
@@ -112,6 +113,16 @@ class EngineBridge:
             self._calls.submit(self.engine.abort_request, request_id)
         self.work.set()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (False while a request holds blocks); the stepping thread then takes one
+        step, so the AllBlocksCleared event goes out now rather than with the next request."""
+        loop = asyncio.get_running_loop()
+        done = await loop.run_in_executor(self._calls, self.engine.reset_prefix_cache)
+        if done:
+            self.step_wanted = True
+            self.work.set()
+        return done
+
     def abort_all(self) -> list[str]:
         """Stop taking requests and abort those in flight: their final outputs (finish_reason "abort") reach
         their clients with the next step. For shutdown; returns the aborted request ids."""
@@ -148,13 +159,14 @@ class EngineLoop:
         self._thread.start()
 
     def _run(self) -> None:
-        engine, work = self.engine, self.bridge.work
+        engine, bridge = self.engine, self.bridge
         while not self._stop.is_set():
-            if engine.has_unfinished_requests():
+            if engine.has_unfinished_requests() or bridge.step_wanted:
+                bridge.step_wanted = False
                 self._step()
             else:
-                work.wait(IDLE_WAKE_S)
-                work.clear()
+                bridge.work.wait(IDLE_WAKE_S)
+                bridge.work.clear()
 
     def _step(self) -> None:
         try:

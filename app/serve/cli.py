@@ -51,6 +51,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help=f"generation requests served at once; more are refused with 503 (default "
                             f"{DEFAULT_MAX_CONCURRENT_REQUESTS})")
     group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
+    group.add_argument("--dev-routes", action="store_true",
+                       help="POST /reset_prefix_cache (what VLLM_SERVER_DEV_MODE=1 enables on vLLM): drops every "
+                            "cached prefix while the engine is idle, and publishes AllBlocksCleared")
 
 
 def options_from_args(args: argparse.Namespace):
@@ -69,7 +72,8 @@ def options_from_args(args: argparse.Namespace):
     return ServeOptions(
         host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         served_model_name=args.served_model_name, kv_events=events, max_body_bytes=args.max_request_bytes,
-        max_concurrent_requests=args.max_concurrent_requests, access_log=not args.disable_uvicorn_access_log)
+        max_concurrent_requests=args.max_concurrent_requests, access_log=not args.disable_uvicorn_access_log,
+        dev_routes=args.dev_routes)
 
 
 def parse_address(text: str) -> tuple[str, int]:

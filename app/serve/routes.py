@@ -37,6 +37,7 @@ class ServeState:
     metrics: object                     # ServeMetrics: render() -> the Prometheus page
     event_sources: dict                 # GET /kv_event_sources
     api_key: str | None = None
+    dev_routes: bool = False            # POST /reset_prefix_cache, as vLLM's dev mode has it
     started: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -62,6 +63,14 @@ def build_app(state: ServeState, max_body_bytes: int) -> FastAPI:
     @app.get("/kv_event_sources")
     async def kv_event_sources() -> dict:
         return state.event_sources
+
+    if state.dev_routes:
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(request: Request) -> Response:
+            check_api_key(state.api_key, request.headers.get("authorization"))
+            if not await state.bridge.reset_prefix_cache():
+                raise APIError(409, "The prefix cache cannot be reset while requests hold blocks; retry when idle")
+            return Response(status_code=200)
 
     app.include_router(_v1(state))
     return app

@@ -48,6 +48,7 @@ class ServeOptions:
     access_log: bool = True
     status_interval_s: float = STATUS_INTERVAL_S
     model_root: str | None = None               # what /v1/models says the model was loaded from
+    dev_routes: bool = False                    # POST /reset_prefix_cache
 
 
 def is_loopback(host: str) -> bool:
@@ -122,7 +123,7 @@ class ServeApp:
         engine.observers.extend(self._observers)
         state = ServeState(self.bridge, self.facts, ConcurrencyLimit(options.max_concurrent_requests),
                            self.metrics, kv_events.sources(self.publisher.config if self.publisher else None),
-                           options.api_key)
+                           options.api_key, options.dev_routes)
         self.app = build_app(state, options.max_body_bytes)
         self.engine_loop = EngineLoop(engine, self.bridge) if own_engine_loop else None
         self.status = StatusLogger(StatusLine(self.metrics, info.device, engine.config.preemption_mode == "swap"),
