@@ -18,12 +18,20 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
+from kvscope.app.serve.errors import APIError
 from kvscope.engine.outputs import RequestOutput
 
 log = logging.getLogger("kvscope.serve")
 IDLE_WAKE_S = 0.25      # the longest the idle loop sleeps, so stop() is quick
 STEP_FAILURE_PAUSE_S = 0.05
+
+
+class StreamClosed(NamedTuple):
+    """Put on a stream whose engine went away (the window rebuilt it) instead of a final output."""
+
+    reason: str
 
 
 class RequestStream:
@@ -35,7 +43,7 @@ class RequestStream:
         self.request_ids = request_ids
         self.unfinished = set(request_ids)
 
-    def push(self, output: RequestOutput) -> None:
+    def push(self, output: RequestOutput | StreamClosed) -> None:
         """From the engine thread."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
@@ -43,7 +51,11 @@ class RequestStream:
             pass    # the event loop has closed: the server is gone, and nobody is waiting
 
     async def next(self) -> RequestOutput:
+        """The next output; APIError (503) if the engine went away before the request finished."""
         output = await self.queue.get()
+        if isinstance(output, StreamClosed):
+            self.unfinished.clear()
+            raise APIError(503, f"The request was ended: {output.reason}")
         if output.finished:
             self.unfinished.discard(output.request_id)
         return output
@@ -54,8 +66,9 @@ class RequestStream:
 
 
 class EngineBridge:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, on_added=None) -> None:
         self.engine = engine
+        self.on_added = on_added        # tells a stepping thread that is not ours (the window's) about new work
         self.accepting = True
         self.work = threading.Event()   # set when a request was added: the stepping thread wakes
         self.step_wanted = False        # step even with nothing to run: what happened between steps is reported
@@ -97,6 +110,8 @@ class EngineBridge:
             self.release(stream)    # after the add in the call queue, whether it is done or not
             raise
         self.work.set()
+        if self.on_added is not None:
+            self.on_added()
         return stream
 
     def _add_all(self, prompts: list, params: list, request_ids: list[str]) -> None:
@@ -133,6 +148,14 @@ class EngineBridge:
             self._calls.submit(self.engine.abort_request, request_id)
         self.work.set()
         return request_ids
+
+    def close_streams(self, reason: str) -> None:
+        """The engine is going away without being stepped again: end every stream now, saying why."""
+        self.accepting = False
+        with self._lock:
+            streams, self._streams = set(self._streams.values()), {}
+        for stream in streams:
+            stream.push(StreamClosed(reason))
 
     @property
     def num_in_flight(self) -> int:

@@ -164,7 +164,12 @@ async def events(job: Job, stream: RequestStream) -> AsyncIterator[bytes]:
     finals: dict[str, RequestOutput] = {}
     request_index = {request_id: index for index, request_id in enumerate(stream.request_ids)}
     while not stream.finished:
-        output = await stream.next()
+        try:
+            output = await stream.next()
+        except APIError as exc:     # the engine went away mid-stream: say so in the stream, as vLLM does
+            yield _event(exc.body())
+            yield format_sse_event(data_str="[DONE]")
+            return
         if output.finish_reason == "error":
             yield _event(error_body(500, f"The engine failed this request: {output.error}"))
             yield format_sse_event(data_str="[DONE]")

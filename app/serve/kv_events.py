@@ -193,6 +193,13 @@ class KVEventPublisher:
         except queue.Full:
             self.num_dropped_batches += 1
 
+    def publish_cleared(self) -> None:
+        """Tell subscribers the pool is empty (its engine was replaced by one with a fresh pool)."""
+        try:
+            self._queue.put_nowait((time.time(), [AllBlocksCleared()]))
+        except queue.Full:
+            self.num_dropped_batches += 1
+
     # --- the publisher thread -----------------------------------------------------------------------------
 
     def _run(self) -> None:

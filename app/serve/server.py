@@ -106,33 +106,65 @@ class _Uvicorn(uvicorn.Server):
 
 class ServeApp:
     def __init__(self, engine, options: ServeOptions, *, own_engine_loop: bool = True,
-                 listener: socket.socket | None = None, publisher: KVEventPublisher | None = None) -> None:
-        """``listener`` and ``publisher``, when given, were made before the model loaded (see listen())."""
-        self.engine = engine
+                 listener: socket.socket | None = None, publisher: KVEventPublisher | None = None,
+                 on_added=None) -> None:
+        """``listener`` and ``publisher``, when given, were made before the model loaded (see listen()).
+        Without ``own_engine_loop`` another thread steps the engine (the window's worker); ``on_added`` then
+        tells it that a request came."""
         self.options = options
-        info = engine.info
+        self.on_added = on_added
+        self.listener = listener or listen(options.host, options.port)
+        self.publisher = publisher if publisher is not None else start_publisher(options.kv_events)
+        self._observers: list = []
+        self._bind(engine)
+        self.state = ServeState(self.bridge, self.facts, ConcurrencyLimit(options.max_concurrent_requests),
+                                self.metrics, kv_events.sources(self.publisher.config if self.publisher else None),
+                                options.api_key, options.dev_routes)
+        self.app = build_app(self.state, options.max_body_bytes)
+        self.engine_loop = EngineLoop(engine, self.bridge) if own_engine_loop else None
+        self.status = StatusLogger(self._status_line(), options.status_interval_s)
+        config = uvicorn.Config(self.app, host=options.host, port=options.port, lifespan="off",
+                                access_log=options.access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        self.server = _Uvicorn(config, on_exit=lambda: self.bridge.abort_all(), on_started=self._startup_lines)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def _bind(self, engine) -> None:
+        """Everything that belongs to one engine: its facts, its bridge, its metrics, the observers."""
+        self.engine = engine
+        info, options = engine.info, self.options
         self.facts = EngineFacts(
             model_name=options.served_model_name or info.model_name, model_root=options.model_root or
             engine.config.model, max_model_len=info.max_model_len, num_blocks=info.num_device_blocks,
             block_size=info.block_size, sampling_defaults=info.sampling_defaults, tokenizer=engine.tokenizer)
-        self.listener = listener or listen(options.host, options.port)
-        self.publisher = publisher if publisher is not None else start_publisher(options.kv_events)
-        self.bridge = EngineBridge(engine)
+        self.bridge = EngineBridge(engine, on_added=self.on_added)
         self.metrics = ServeMetrics(self.facts.model_name, info.max_model_len, self._cache_config())
         self._observers = [self.metrics] + ([self.publisher] if self.publisher else [])
         engine.observers.extend(self._observers)
-        state = ServeState(self.bridge, self.facts, ConcurrencyLimit(options.max_concurrent_requests),
-                           self.metrics, kv_events.sources(self.publisher.config if self.publisher else None),
-                           options.api_key, options.dev_routes)
-        self.app = build_app(state, options.max_body_bytes)
-        self.engine_loop = EngineLoop(engine, self.bridge) if own_engine_loop else None
-        self.status = StatusLogger(StatusLine(self.metrics, info.device, engine.config.preemption_mode == "swap"),
-                                   options.status_interval_s)
-        config = uvicorn.Config(self.app, host=options.host, port=options.port, lifespan="off",
-                                access_log=options.access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        self.server = _Uvicorn(config, on_exit=self.bridge.abort_all, on_started=self._startup_lines)
-        self._thread: threading.Thread | None = None
-        self._closed = False
+
+    def _status_line(self) -> StatusLine:
+        return StatusLine(self.metrics, self.engine.info.device, self.engine.config.preemption_mode == "swap")
+
+    def replace_engine(self, engine, reason: str) -> None:
+        """The host (the window) replaced its engine: requests in flight on the old one end with a 503 saying
+        ``reason``, subscribers hear AllBlocksCleared (the new pool is empty), and the API, the metrics and
+        the events go on from the new engine. Only for a server without its own engine loop."""
+        if self.engine_loop is not None:
+            raise RuntimeError("replace_engine is for a server whose engine another thread steps")
+        old_bridge = self.bridge
+        self._detach()
+        old_bridge.close_streams(reason)
+        old_bridge.close()
+        self._bind(engine)
+        self.state.bridge, self.state.facts, self.state.metrics = self.bridge, self.facts, self.metrics
+        self.status.status = self._status_line()
+        if self.publisher is not None:
+            self.publisher.publish_cleared()
+
+    def _detach(self) -> None:
+        for observer in self._observers:
+            if observer in self.engine.observers:
+                self.engine.observers.remove(observer)
 
     def _cache_config(self) -> dict[str, str]:
         """vllm:cache_config_info's labels: vLLM's names, kvscope's values (num_cpu_blocks is the swap pool)."""
@@ -216,9 +248,7 @@ class ServeApp:
             self.engine_loop.stop()
         self.status.stop()
         self.bridge.close()
-        for observer in self._observers:
-            if observer in self.engine.observers:
-                self.engine.observers.remove(observer)
+        self._detach()
         if self.publisher is not None:
             self.publisher.close()
         self.listener.close()
