@@ -77,10 +77,11 @@ def test_ctrl_c_aborts_the_streaming_request_and_closes_the_run_log(tmp_path):
     assert last["choices"][0]["finish_reason"] == "abort"
     with sqlite3.connect(db) as conn:
         run = conn.execute("SELECT status, source, ended_at FROM runs").fetchone()
-        requests = conn.execute("SELECT finish_reason, num_output_tokens FROM requests").fetchall()
+        requests = conn.execute("SELECT finish_reason, num_output_tokens, request_id FROM requests").fetchall()
     assert run[0] == "finished" and run[1] == "serve" and run[2]
     (request,) = requests
     assert request[0] == "abort" and 2 <= request[1] < 2000
+    assert request[2] == "http-1"     # where it came from, as the window and `kvscope runs` show it
 
 
 def test_a_taken_port_is_one_line_before_the_model_loads(tmp_path):

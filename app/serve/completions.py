@@ -49,6 +49,7 @@ class Job:
     prompts: list
     response_id: str
     model: str
+    number: int = 0                     # the server's count of requests: the engine ids say "http-<number>"
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -56,10 +57,14 @@ class Job:
         return self.request.n
 
     def request_ids(self) -> list[str]:
-        return [f"{self.response_id}-{index}" for index in range(len(self.prompts))]
+        """The engine's ids: where the request came from (HTTP) and its number, as the window's queues and
+        the run log show them beside chat turns ("chat-3") and presets; a batch's prompts are .0, .1 …"""
+        if len(self.prompts) == 1:
+            return [f"http-{self.number}"]
+        return [f"http-{self.number}.{index}" for index in range(len(self.prompts))]
 
 
-def new_job(chat: bool, request, facts: EngineFacts) -> Job:
+def new_job(chat: bool, request, facts: EngineFacts, number: int) -> Job:
     protocol.check_model(request.model, facts.model_name)
     request.check_neutral()
     if chat:
@@ -68,7 +73,7 @@ def new_job(chat: bool, request, facts: EngineFacts) -> Job:
     else:
         prompts = request.prompts()
         response_id = f"cmpl-{uuid.uuid4().hex}"
-    return Job(chat, request, prompts, response_id, facts.model_name)
+    return Job(chat, request, prompts, response_id, facts.model_name, number)
 
 
 async def start(job: Job, bridge: EngineBridge, facts: EngineFacts) -> RequestStream:

@@ -9,6 +9,7 @@ error shape.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ class ServeState:
     api_key: str | None = None
     dev_routes: bool = False            # POST /reset_prefix_cache, as vLLM's dev mode has it
     started: int = field(default_factory=lambda: int(time.time()))
+    numbers: itertools.count = field(default_factory=lambda: itertools.count(1))   # the requests served
 
 
 def build_app(state: ServeState, max_body_bytes: int) -> FastAPI:
@@ -105,7 +107,7 @@ async def _generate(state: ServeState, request: Request, model, chat: bool) -> R
         parsed = model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    job = completions.new_job(chat, parsed, state.facts)
+    job = completions.new_job(chat, parsed, state.facts, next(state.numbers))
     if not state.bridge.accepting:
         raise APIError(503, "The server is shutting down")
     state.concurrency.acquire()
