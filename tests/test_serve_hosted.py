@@ -14,7 +14,8 @@ from serve_helpers import SlowSteps, client, ipc_events, tiny_engine, wait_until
 from kvscope.app.attach.pool import PoolModel
 from kvscope.app.attach.server import make_client, probe_server
 from kvscope.app.attach.subscriber import Delivery, EventStream
-from kvscope.app.serve.server import ServeApp, ServeOptions
+from kvscope.app.serve.hosted import HostedServe
+from kvscope.app.serve.server import ServeOptions
 
 
 class Host:
@@ -48,8 +49,10 @@ def test_a_hosted_server_follows_its_hosts_engine():
     host = Host(first)
     options = ServeOptions(port=0, served_model_name="tiny", access_log=False, status_interval_s=3600,
                            kv_events=ipc_events("hosted"))
-    server = ServeApp(first, options, own_engine_loop=False, on_added=host.wake.set)
-    server.start_in_thread()
+    hosted = HostedServe(options)
+    hosted.wake = host.wake.set
+    hosted.engine_installed(first)
+    server = hosted.server
     http, context, streams = make_client(), zmq.Context(), []
     try:
         api = client(server)
@@ -65,10 +68,10 @@ def test_a_hosted_server_follows_its_hosts_engine():
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data:"))
             host.engine = second
-            server.replace_engine(second, "the window rebuilt the engine")
+            hosted.engine_installed(second)
             rest = [line.removeprefix("data: ") for line in lines if line.startswith("data:")]
         error = json.loads(rest[-2])["error"]
-        assert rest[-1] == "[DONE]" and error["code"] == 503 and "rebuilt the engine" in error["message"]
+        assert rest[-1] == "[DONE]" and error["code"] == 503 and "rebuilt its engine" in error["message"]
         reply = api.completions.create(model="tiny", prompt="hello", max_tokens=3)
         assert reply.usage.completion_tokens == 3 and second.step_counter > 0
         metrics = httpx.get(f"{server.url}/metrics").text
@@ -85,5 +88,5 @@ def test_a_hosted_server_follows_its_hosts_engine():
             stream.close()
         context.term()
         http.close()
-        server.stop()
+        hosted.close()
         host.close()
