@@ -9,6 +9,7 @@ loads, so a taken port is one clear error before any window opens.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ REBUILT = "the window rebuilt its engine with new settings"
 
 class HostedServe:
     def __init__(self, options: ServeOptions) -> None:
-        self.options = options
+        self.options = dataclasses.replace(options, terminal_logs=False)   # the window is the terminal
         self.wake: Callable[[], None] | None = None     # set by the host before its first engine is installed
         self.listener = listen(options.host, options.port)
         try:

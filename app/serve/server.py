@@ -49,6 +49,7 @@ class ServeOptions:
     status_interval_s: float = STATUS_INTERVAL_S
     model_root: str | None = None               # what /v1/models says the model was loaded from
     dev_routes: bool = False                    # POST /reset_prefix_cache
+    terminal_logs: bool = True                  # uvicorn's and vLLM's lines; off under a window, which shows it all
 
 
 def is_loopback(host: str) -> bool:
@@ -123,8 +124,10 @@ class ServeApp:
         self.app = build_app(self.state, options.max_body_bytes)
         self.engine_loop = EngineLoop(engine, self.bridge) if own_engine_loop else None
         self.status = StatusLogger(self._status_line(), options.status_interval_s)
+        quiet = {} if options.terminal_logs else {"log_config": None}
         config = uvicorn.Config(self.app, host=options.host, port=options.port, lifespan="off",
-                                access_log=options.access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                                access_log=options.access_log and options.terminal_logs,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **quiet)
         self.server = _Uvicorn(config, on_exit=lambda: self.bridge.abort_all(), on_started=self._startup_lines)
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -188,7 +191,16 @@ class ServeApp:
         host = self.options.host
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
+    def network_warning(self) -> str | None:
+        """What a non-loopback --host means, in words; None on loopback."""
+        if is_loopback(self.options.host):
+            return None
+        return (f"The API is reachable from the network at {self.url} (--host {self.options.host})"
+                + ("" if self.options.api_key else "; anyone who reaches it can use the model: set --api-key"))
+
     def _startup_lines(self) -> None:
+        if not self.options.terminal_logs:
+            return
         info = self.engine.info
         log.info("kvscope serve %s · model %s (%s, %s)", __version__, self.facts.model_name, info.device, info.dtype)
         log.info(kv_cache_line(info.device, info.num_device_blocks * info.block_size, info.max_model_len))
@@ -197,16 +209,16 @@ class ServeApp:
             log.info("KV-cache events: ZMQ on %s, replay on %s, topic %r", config.endpoint,
                      config.replay_endpoint or "none", config.topic)
         log.info("Starting kvscope server on %s (OpenAI-compatible API, vLLM's /metrics)", self.url)
-        if not is_loopback(self.options.host):
-            log.warning("The API is reachable from the network at %s (--host %s)%s", self.url, self.options.host,
-                        "" if self.options.api_key else "; anyone who reaches it can use the model: set --api-key")
+        if self.network_warning():
+            log.warning(self.network_warning())
 
     # --- running ------------------------------------------------------------------------------------------
 
     def _start_engine_side(self) -> None:
         if self.engine_loop is not None:
             self.engine_loop.start()
-        self.status.start()
+        if self.options.terminal_logs:
+            self.status.start()
 
     def serve_forever(self) -> None:
         """Run in the main thread until Ctrl+C (or SIGTERM); in-flight requests end with "abort"."""
