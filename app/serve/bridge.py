@@ -6,9 +6,12 @@ when the server shares the app's engine. Either way the bridge hears every step 
 metrics see like chat turns. Each HTTP request owns a RequestStream: the engine thread hands it outputs with
 ``call_soon_threadsafe``, and the request's coroutine awaits them.
 
-Engine calls made for the server (add_request, abort_request) go through one worker thread, never the event
-loop (they wait for the engine's lock, up to one step), and in the order they were made: an abort sent for a
-request whose add is still queued runs after that add, so no request is left running for a client that left.
+Engine calls made for the server (add_request, abort_request) never run on the event loop, and run in the order
+they were made: an abort sent for a request whose add is still queued runs after that add, so no request is
+left running for a client that left. With its own EngineLoop the calls run on the engine thread between
+steps; a thread that waited for the engine's lock instead would starve, since a busy stepping thread takes
+the lock again the moment it lets it go (Python's locks are not fair), and new requests would wait many
+steps to be added. Under a host that steps the engine itself they go through one worker thread.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from kvscope.app.serve.errors import APIError
@@ -75,6 +79,8 @@ class EngineBridge:
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-serve-engine-calls")
+        self.calls_between_steps = False    # set by an EngineLoop: it runs the calls itself (run_pending)
+        self._pending: deque[tuple] = deque()
         engine.observers.append(self)
 
     # --- the engine's observer interface (called from the stepping thread, inside step()) --------------
@@ -103,7 +109,7 @@ class EngineBridge:
         with self._lock:
             for request_id in request_ids:
                 self._streams[request_id] = stream
-        call = loop.run_in_executor(self._calls, self._add_all, prompts, params, request_ids)
+        call = asyncio.wrap_future(self._submit(self._add_all, prompts, params, request_ids))
         try:
             await asyncio.shield(call)
         except BaseException:
@@ -113,6 +119,25 @@ class EngineBridge:
         if self.on_added is not None:
             self.on_added()
         return stream
+
+    def _submit(self, function, *args) -> Future:
+        """Run an engine call off the event loop, after every call submitted before it."""
+        if not self.calls_between_steps:
+            return self._calls.submit(function, *args)
+        future: Future = Future()
+        self._pending.append((function, args, future))
+        self.work.set()
+        return future
+
+    def run_pending(self) -> None:
+        """The engine thread, between steps: the calls submitted so far, in order."""
+        while self._pending:
+            function, args, future = self._pending.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
 
     def _add_all(self, prompts: list, params: list, request_ids: list[str]) -> None:
         for prompt, sampling, request_id in zip(prompts, params, request_ids):
@@ -125,14 +150,13 @@ class EngineBridge:
             for request_id in stream.request_ids:
                 self._streams.pop(request_id, None)
         for request_id in tuple(stream.unfinished):
-            self._calls.submit(self.engine.abort_request, request_id)
+            self._submit(self.engine.abort_request, request_id)
         self.work.set()
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (False while a request holds blocks); the stepping thread then takes one
         step, so the AllBlocksCleared event goes out now rather than with the next request."""
-        loop = asyncio.get_running_loop()
-        done = await loop.run_in_executor(self._calls, self.engine.reset_prefix_cache)
+        done = await asyncio.wrap_future(self._submit(self.engine.reset_prefix_cache))
         if done:
             self.step_wanted = True
             self.work.set()
@@ -145,7 +169,7 @@ class EngineBridge:
         with self._lock:
             request_ids = list(self._streams)
         for request_id in request_ids:
-            self._calls.submit(self.engine.abort_request, request_id)
+            self._submit(self.engine.abort_request, request_id)
         self.work.set()
         return request_ids
 
@@ -163,6 +187,7 @@ class EngineBridge:
             return len(self._streams)
 
     def close(self) -> None:
+        self.run_pending()      # whatever the engine loop left (it has stopped): aborts, mostly
         self._calls.shutdown(wait=True)
         if self in self.engine.observers:
             self.engine.observers.remove(self)
@@ -177,6 +202,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvscope-serve-engine", daemon=True)
         self.num_failed_steps = 0
+        bridge.calls_between_steps = True
 
     def start(self) -> None:
         self._thread.start()
@@ -184,6 +210,7 @@ class EngineLoop:
     def _run(self) -> None:
         engine, bridge = self.engine, self.bridge
         while not self._stop.is_set():
+            bridge.run_pending()
             if engine.has_unfinished_requests() or bridge.step_wanted:
                 bridge.step_wanted = False
                 self._step()

@@ -22,7 +22,13 @@ def body_too_large(limit: int) -> APIError:
 
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413."""
+    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413.
+
+    Before answering, what the client is still sending is read and dropped, up to DRAIN_BYTES: a server that
+    closes a connection with unread data makes the kernel reset it, and the client would see a broken
+    connection instead of the 413 that says why."""
+
+    DRAIN_BYTES = 1024 * 1024
 
     def __init__(self, app, limit: int) -> None:
         self.app = app
@@ -34,6 +40,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._drain(receive, more=True)
             await body_too_large(self.limit).response()(scope, receive, send)
             return
         received = 0
@@ -44,10 +51,20 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
+                    await self._drain(receive, message.get("more_body", False))
                     raise body_too_large(self.limit)    # the app's APIError handler answers it
             return message
 
         await self.app(scope, bounded_receive, send)
+
+    async def _drain(self, receive, more: bool) -> None:
+        dropped = 0
+        while more and dropped < self.DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            dropped += len(message.get("body", b""))
+            more = message.get("more_body", False)
 
 
 class ConcurrencyLimit:
