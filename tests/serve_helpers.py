@@ -52,11 +52,14 @@ def client(server: ServeApp, api_key: str = "unused", **options) -> openai.OpenA
 class SlowSteps:
     """An engine observer that makes each step take a while, so a request stays in flight."""
 
+    def __init__(self, seconds: float = 0.02) -> None:
+        self.seconds = seconds
+
     def request_added(self, *args) -> None:
         pass
 
     def step(self, result) -> None:
-        time.sleep(0.02)
+        time.sleep(self.seconds)
 
 
 def wait_until(predicate, timeout_s: float = 20.0) -> None:

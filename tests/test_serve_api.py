@@ -177,3 +177,21 @@ def test_a_failed_engine_step_is_a_500_for_its_requests_and_the_server_goes_on()
         assert "The engine failed this request" in caught.value.message and "injected" in caught.value.message
         assert api.completions.create(model="tiny", prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
         check_invariants(engine)
+
+
+def test_a_new_request_joins_a_busy_engine_within_a_step_or_two():
+    """Engine calls run between steps: a request is not kept waiting behind a stepping thread that holds the
+    engine's lock (counted in steps, not seconds)."""
+    engine = tiny_engine()
+    engine.observers.append(SlowSteps(0.25))   # a step outlasts the client's own round trip
+    with running_server(engine) as server, client(server) as api:
+        api.models.list()   # the client's connection is open before the clock (of steps) starts
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as busy:
+            lines = busy.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            before = engine.step_counter
+            reply = api.completions.create(model="tiny", prompt="Hello", max_tokens=1)
+            after = engine.step_counter
+        assert reply.usage.completion_tokens == 1
+        assert after - before <= 4, f"the request waited {after - before} steps to be served"
