@@ -19,10 +19,12 @@ from kvscope.app.serve.server import ServeOptions
 
 
 class Host:
-    """Steps whichever engine it holds while that engine has work; woken when a request comes."""
+    """Steps whichever engine it holds while that engine has work, running the server's engine calls between
+    steps, as the window's worker does; woken when the server has calls for it."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self.hosted = None
         self.wake = threading.Event()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -30,6 +32,8 @@ class Host:
 
     def _run(self) -> None:
         while not self.stop.is_set():
+            if self.hosted is not None:
+                self.hosted.run_pending()
             engine = self.engine
             if engine.has_unfinished_requests():
                 engine.step()
@@ -51,6 +55,7 @@ def test_a_hosted_server_follows_its_hosts_engine():
                            kv_events=ipc_events("hosted"))
     hosted = HostedServe(options)
     hosted.wake = host.wake.set
+    host.hosted = hosted
     hosted.engine_installed(first)
     server = hosted.server
     http, context, streams = make_client(), zmq.Context(), []

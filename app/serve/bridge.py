@@ -8,10 +8,11 @@ metrics see like chat turns. Each HTTP request owns a RequestStream: the engine 
 
 Engine calls made for the server (add_request, abort_request) never run on the event loop, and run in the order
 they were made: an abort sent for a request whose add is still queued runs after that add, so no request is
-left running for a client that left. With its own EngineLoop the calls run on the engine thread between
-steps; a thread that waited for the engine's lock instead would starve, since a busy stepping thread takes
-the lock again the moment it lets it go (Python's locks are not fair), and new requests would wait many
-steps to be added. Under a host that steps the engine itself they go through one worker thread.
+left running for a client that left. They run on the engine thread between steps (``run_pending``: the
+EngineLoop's, or the host's that steps the engine, told by ``on_call``); a thread that waited for the
+engine's lock instead would starve, since a busy stepping thread takes the lock again the moment it lets
+it go (Python's locks are not fair), and new requests waited 10-30 steps to be added. Without anyone to run
+them (a host that does not, the tests' bare bridges) they go through one worker thread.
 """
 
 from __future__ import annotations
@@ -70,16 +71,17 @@ class RequestStream:
 
 
 class EngineBridge:
-    def __init__(self, engine, on_added=None) -> None:
+    def __init__(self, engine, on_call=None) -> None:
         self.engine = engine
-        self.on_added = on_added        # tells a stepping thread that is not ours (the window's) about new work
+        # A host that steps the engine itself (the window) is told of each call; it then runs run_pending().
+        self.on_call = on_call
         self.accepting = True
         self.work = threading.Event()   # set when a request was added: the stepping thread wakes
         self.step_wanted = False        # step even with nothing to run: what happened between steps is reported
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-serve-engine-calls")
-        self.calls_between_steps = False    # set by an EngineLoop: it runs the calls itself (run_pending)
+        self.calls_between_steps = on_call is not None     # an EngineLoop sets it too
         self._pending: deque[tuple] = deque()
         engine.observers.append(self)
 
@@ -116,8 +118,6 @@ class EngineBridge:
             self.release(stream)    # after the add in the call queue, whether it is done or not
             raise
         self.work.set()
-        if self.on_added is not None:
-            self.on_added()
         return stream
 
     def _submit(self, function, *args) -> Future:
@@ -127,6 +127,8 @@ class EngineBridge:
         future: Future = Future()
         self._pending.append((function, args, future))
         self.work.set()
+        if self.on_call is not None:
+            self.on_call()
         return future
 
     def run_pending(self) -> None:

@@ -2,9 +2,10 @@
 
 The host calls ``engine_installed`` from its engine thread with every engine it installs: the first starts the
 server in front of it, a later one (a rebuild with new cache settings) takes its place behind the same port
-and the same KV-event publisher (ServeApp.replace_engine). ``wake`` is how a request tells the host's engine
-thread that there is work. The socket and the publisher are made when the host is made, before the model
-loads, so a taken port is one clear error before any window opens.
+and the same KV-event publisher (ServeApp.replace_engine). ``wake`` is how the server tells the host's engine
+thread that it has engine calls (new requests, aborts); the host runs them with ``run_pending()`` between
+steps, on its engine thread, then steps as usual. The socket and the publisher are made when the host is
+made, before the model loads, so a taken port is one clear error before any window opens.
 """
 
 from __future__ import annotations
@@ -35,10 +36,16 @@ class HostedServe:
         with self._lock:
             if self.server is None:
                 self.server = ServeApp(engine, self.options, own_engine_loop=False, listener=self.listener,
-                                       publisher=self.publisher, on_added=self._wake)
+                                       publisher=self.publisher, on_call=self._wake)
                 self.server.start_in_thread()
             else:
                 self.server.replace_engine(engine, REBUILT)
+
+    def run_pending(self) -> None:
+        """The host's engine thread, between steps: add and abort what the server asked for."""
+        server = self.server
+        if server is not None:
+            server.bridge.run_pending()
 
     def _wake(self) -> None:
         if self.wake is not None:

@@ -108,12 +108,13 @@ class _Uvicorn(uvicorn.Server):
 class ServeApp:
     def __init__(self, engine, options: ServeOptions, *, own_engine_loop: bool = True,
                  listener: socket.socket | None = None, publisher: KVEventPublisher | None = None,
-                 on_added=None) -> None:
+                 on_call=None) -> None:
         """``listener`` and ``publisher``, when given, were made before the model loaded (see listen()).
-        Without ``own_engine_loop`` another thread steps the engine (the window's worker); ``on_added`` then
-        tells it that a request came."""
+        Without ``own_engine_loop`` another thread steps the engine (the window's worker); ``on_call`` then
+        tells it that the server has engine calls (new requests, aborts) for it to run between steps, with
+        ``self.bridge.run_pending()``."""
         self.options = options
-        self.on_added = on_added
+        self.on_call = on_call
         self.listener = listener or listen(options.host, options.port)
         self.publisher = publisher if publisher is not None else start_publisher(options.kv_events)
         self._observers: list = []
@@ -140,7 +141,7 @@ class ServeApp:
             model_name=options.served_model_name or info.model_name, model_root=options.model_root or
             engine.config.model, max_model_len=info.max_model_len, num_blocks=info.num_device_blocks,
             block_size=info.block_size, sampling_defaults=info.sampling_defaults, tokenizer=engine.tokenizer)
-        self.bridge = EngineBridge(engine, on_added=self.on_added)
+        self.bridge = EngineBridge(engine, on_call=self.on_call)
         self.metrics = ServeMetrics(self.facts.model_name, info.max_model_len, self._cache_config())
         self._observers = [self.metrics] + ([self.publisher] if self.publisher else [])
         engine.observers.extend(self._observers)
