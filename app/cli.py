@@ -87,14 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_flags(chat)
     chat.set_defaults(func=_chat)
 
-    for module in ("kvscope.app.bench.cli", "kvscope.app.runs_cli", "kvscope.app.screenshots",
+    for module in ("kvscope.app.bench.cli", "kvscope.app.runlog.cli", "kvscope.app.screenshots",
                    "kvscope.app.attach.cli", "kvscope.app.lessons.cli"):
         __import__(module, fromlist=["register"]).register(sub)
     return parser
 
 
 def _open_app(args: argparse.Namespace) -> int:
-    from kvscope.app.tui import run_app
+    from kvscope.app.app import run_app
 
     engine = first_engine(teaching_pool(args) if args.teach else config_from_args(args))
     if engine is None:

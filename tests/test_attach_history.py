@@ -6,9 +6,9 @@ import pytest
 from attach_frames import RecordedSource, recorded_server
 from test_attach_recorded import timeline
 
-from kvscope.app.attach.replay_view import VllmReplayScreen, VllmReplayView
-from kvscope.app.attach.run_log import AttachRunLog
-from kvscope.app.attach.window import AttachApp
+from kvscope.app.attach.feed.run_log import AttachRunLog
+from kvscope.app.attach.window.app import AttachApp
+from kvscope.app.attach.window.replay_view import VllmReplayScreen, VllmReplayView
 from kvscope.app.cli import main
 from kvscope.app.runlog import RunLogReader
 from kvscope.app.screens.history import HistoryScreen

@@ -154,8 +154,8 @@ def test_the_questions_shown_get_the_answers_transformers_fp32_gives(references)
 @pytest.mark.anyio
 async def test_the_window_answers_paris(tmp_path):
     """Typed into the chat pane of the window `kvscope` opens with no flags, the answer is Paris."""
-    from kvscope.app.screenshots import wait_until
-    from kvscope.app.tui import KVScopeApp
+    from kvscope.app.app import KVScopeApp
+    from kvscope.app.headless import wait_until
 
     config = config_from_args(build_parser().parse_args([]))
     app = KVScopeApp(config, db_path=tmp_path / "runs.db")

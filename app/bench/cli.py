@@ -264,7 +264,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
 
 def run_ui(args: argparse.Namespace) -> int:
-    from kvscope.app.bench_ui import run_ui_bench
+    from kvscope.app.bench.ui import run_ui_bench
     from kvscope.engine import EngineConfig
 
     config = EngineConfig(model=args.model, device=args.device, dtype=_parse_dtypes(args.dtype)[0])

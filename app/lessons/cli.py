@@ -30,9 +30,9 @@ def _run(args: argparse.Namespace) -> int:
         for name in LESSONS:
             print(name)
         return 0
+    from kvscope.app.app import run_app
     from kvscope.app.cli import first_engine
     from kvscope.app.lessons.load import teach_config
-    from kvscope.app.tui import run_app
     from kvscope.engine.config import EngineConfig
 
     engine = first_engine(teach_config(EngineConfig(model=args.model, device=args.device, dtype=args.dtype)))

@@ -30,7 +30,7 @@ def replay_screen_for(reader: RunLogReader, run_id: int) -> ReplayScreen:
     """A watched vLLM server's run replays with the attached window's panels; every other run with the app's."""
     if reader.run(run_id).get("source") == "vllm":
         # Imported here: the attach package brings httpx and pyzmq, which the app needs for nothing else.
-        from kvscope.app.attach.replay_view import VllmReplayScreen
+        from kvscope.app.attach.window.replay_view import VllmReplayScreen
 
         return VllmReplayScreen(reader, run_id)
     return ReplayScreen(reader, run_id)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from textual.app import ComposeResult
 
-from kvscope.app.attach.widgets.legend import AttachLegend
-from kvscope.app.attach.widgets.pool_map import PoolMap, SlotHighlighted
-from kvscope.app.attach.widgets.slot_inspector import SlotInspector
+from kvscope.app.attach.window.widgets.legend import AttachLegend
+from kvscope.app.attach.window.widgets.pool_map import PoolMap, SlotHighlighted
+from kvscope.app.attach.window.widgets.slot_inspector import SlotInspector
 from kvscope.app.messages import RequestSelected
 from kvscope.app.screens.replay import ReplayScreen
 from kvscope.app.widgets.box import Box

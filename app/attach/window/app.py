@@ -15,9 +15,9 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.screen import Screen
 
-from kvscope.app.attach.frame import AttachFrame
-from kvscope.app.attach.screen import AttachScreen
-from kvscope.app.attach.source import AttachSource
+from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.attach.feed.source import AttachSource
+from kvscope.app.attach.window.screen import AttachScreen
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.settings import settings
