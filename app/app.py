@@ -15,6 +15,7 @@ from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
 from kvscope.app.actions import ACTIONS, REPLACED_SYSTEM_COMMANDS
+from kvscope.app.attach.window.replay_view import replay_screen_for
 from kvscope.app.lessons import LESSONS
 from kvscope.app.lessons.load import teach_config
 from kvscope.app.load import presets
@@ -313,7 +314,7 @@ class KVScopeApp(ThemedApp):
 
     def action_history(self) -> None:
         if not isinstance(self.screen, HistoryScreen):
-            self.push_screen(HistoryScreen(self.db_path))
+            self.push_screen(HistoryScreen(self.db_path, replay_for=replay_screen_for))
 
     def action_toggle_pause(self) -> None:
         if self.worker.state.paused:

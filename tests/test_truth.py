@@ -26,7 +26,8 @@ import torch
 from models import load_smollm2
 
 from kvscope.app.bench.accuracy import Agreement, agreement, transformers_greedy
-from kvscope.app.cli import build_parser, config_from_args
+from kvscope.app.cli import build_parser
+from kvscope.app.flags import config_from_args
 from kvscope.engine import LLMEngine, SamplingParams
 from kvscope.engine.model_runner import cpu_has_native_bf16
 from kvscope.kernels import cpu, reference

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvscope.app.bench.systems import SYSTEMS
 from kvscope.app.bench.workloads import WORKLOAD_NAMES
-from kvscope.app.cli import add_engine_flags
+from kvscope.app.flags import add_engine_flags
 
 WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons", "startup")
 DTYPES = ("float32", "bfloat16", "float16")
