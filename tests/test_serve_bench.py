@@ -9,8 +9,8 @@ import math
 import pytest
 from serve_helpers import running_server
 
-from kvscope.app.serve.bench import Row, ServeBenchSettings, format_table
-from kvscope.app.serve.loadgen import random_prompts, run_load
+from kvscope.app.bench.serve_bench import Row, ServeBenchSettings, format_table
+from kvscope.app.bench.serve_load import random_prompts, run_load
 
 
 @pytest.mark.parametrize("rate", [math.inf, 50.0])

@@ -11,9 +11,9 @@ import httpx
 import zmq
 from serve_helpers import SlowSteps, client, ipc_events, tiny_engine, wait_until
 
-from kvscope.app.attach.pool import PoolModel
-from kvscope.app.attach.server import make_client, probe_server
-from kvscope.app.attach.subscriber import Delivery, EventStream
+from kvscope.app.attach.feed.pool import PoolModel
+from kvscope.app.attach.feed.server import make_client, probe_server
+from kvscope.app.attach.feed.subscriber import Delivery, EventStream
 from kvscope.app.serve.hosted import HostedServe
 from kvscope.app.serve.server import ServeOptions
 

@@ -11,11 +11,11 @@ from serve_helpers import SlowSteps, client, ipc_events, running_server, tiny_en
 from test_serve_observability import busy_load
 from vllm_fakes import SHARED, recorded_payloads
 
-from kvscope.app.attach.events import STORED, BatchDecoder
-from kvscope.app.attach.pool import PoolModel, hash_key
-from kvscope.app.attach.replay import request_replay
-from kvscope.app.attach.server import make_client, probe_server
-from kvscope.app.attach.subscriber import Delivery, EventStream
+from kvscope.app.attach.feed.events import STORED, BatchDecoder
+from kvscope.app.attach.feed.pool import PoolModel, hash_key
+from kvscope.app.attach.feed.replay import request_replay
+from kvscope.app.attach.feed.server import make_client, probe_server
+from kvscope.app.attach.feed.subscriber import Delivery, EventStream
 from kvscope.app.serve.kv_events import EventBatch, wire_events
 from kvscope.engine.outputs import AllBlocksCleared, BlockRemoved, BlockStored
 

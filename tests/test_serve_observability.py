@@ -11,9 +11,9 @@ import httpx
 import pytest
 from serve_helpers import client, running_server, tiny_engine, wait_until
 
-from kvscope.app.attach.metrics import parse_metrics
-from kvscope.app.attach.server import make_client, probe_server
-from kvscope.app.attach.source import AttachSource
+from kvscope.app.attach.feed.metrics import parse_metrics
+from kvscope.app.attach.feed.server import make_client, probe_server
+from kvscope.app.attach.feed.source import AttachSource
 
 SHARED_PREFIX = " ".join(f"fact{i}" for i in range(30))     # two full blocks of 16 tokens, shared by all
 

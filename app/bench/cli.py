@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvscope.app.bench.systems import SYSTEMS
 from kvscope.app.bench.workloads import WORKLOAD_NAMES
-from kvscope.app.cli import add_engine_flags
+from kvscope.app.flags import add_engine_flags
 
 WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons", "startup", "serve")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kvscope.app.bench.serve_bench import ServeBenchSettings, format_table, run_serve_bench
     from kvscope.app.bench.vllm_system import SystemUnavailable, find_python
-    from kvscope.app.serve.bench import ServeBenchSettings, format_table, run_serve_bench
     from kvscope.engine.loader import resolve_model_path
 
     rates = tuple(float(rate) for rate in args.rates.split(","))
@@ -310,7 +310,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
 
 def run_ui(args: argparse.Namespace) -> int:
-    from kvscope.app.bench_ui import run_ui_bench
+    from kvscope.app.bench.ui import run_ui_bench
     from kvscope.engine import EngineConfig
 
     config = EngineConfig(model=args.model, device=args.device, dtype=_parse_dtypes(args.dtype)[0])

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from kvscope.app.cli import add_engine_flags, add_log_flags, config_from_args, first_engine
+from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args, first_engine
 from kvscope.app.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_REQUESTS
 
 API_KEY_ENV = "KVSCOPE_API_KEY"

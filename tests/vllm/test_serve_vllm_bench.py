@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvscope.app.serve.bench import SERVED_NAME, ServeBenchSettings, vllm_client_row
+from kvscope.app.bench.serve_bench import SERVED_NAME, ServeBenchSettings, vllm_client_row
 from kvscope.app.serve.server import ServeApp, ServeOptions
 from kvscope.engine import EngineConfig, LLMEngine
 from kvscope.engine.loader import fetch_default_model

@@ -2,7 +2,7 @@
 after the other on the same cores, with request throughput, output tok/s, TTFT and ITL p50/p99 and the ratios.
 
 The client is vLLM's own `vllm bench serve` (random dataset, EOS ignored, greedy) when a vLLM venv is there,
-else kvscope's OpenAI-client load generator (loadgen.py), which measures the same quantities the same way;
+else kvscope's OpenAI-client load generator (serve_load.py), which measures the same quantities the same way;
 the table says which. Each server is a fresh process started outside the checkout, with the same model,
 dtype, max_model_len, block size and KV-cache memory, and is stopped before the next one starts. vLLM gets
 every core (``VLLM_CPU_OMP_THREADS_BIND`` over all of them, none reserved), as kvscope's torch does.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from kvscope.app.serve.loadgen import LoadResult, random_prompts, run_load
+from kvscope.app.bench.serve_load import LoadResult, random_prompts, run_load
 
 SERVED_NAME = "bench"
 START_TIMEOUT_S = 900       # vLLM's first start compiles the model
