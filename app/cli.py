@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--teach", action="store_true",
                         help="a pool for teaching: 64 blocks of 16 tokens (one map cell each, every shared "
                              "block's digit visible), max_model_len 256; flags given explicitly still win")
+    add_serve_flag(parser)
     add_engine_flags(parser)
     add_log_flags(parser)
     parser.set_defaults(func=_open_app)
@@ -74,6 +75,7 @@ def _register_lesson(subparsers) -> None:
     parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     parser.add_argument("--no-log", action="store_true",
                         help="do not keep the lesson's runs (Backspace then replays from a temporary log)")
+    add_serve_flag(parser)
     parser.set_defaults(func=_lesson)
 
 
@@ -91,13 +93,35 @@ SUBCOMMANDS = (
 )
 
 
+def add_serve_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--serve", type=serve_cli.parse_address, default=None, metavar="[HOST:]PORT",
+                        help="also serve the engine as `kvscope serve` does (OpenAI API, /metrics, KV-cache events) "
+                             "on PORT, loopback unless HOST says otherwise; its requests show in the window as "
+                             f"http-N; the API key, if any, from ${serve_cli.API_KEY_ENV}")
+
+
+def _hosted_serve(args: argparse.Namespace):
+    """The server for --serve, listening before the model loads (a taken port is one line); None without it."""
+    if args.serve is None:
+        return None
+    from kvscope.app.serve.hosted import HostedServe
+    from kvscope.app.serve.server import ServeError, ServeOptions
+
+    host, port = args.serve
+    try:
+        return HostedServe(ServeOptions(host=host, port=port, api_key=os.environ.get(serve_cli.API_KEY_ENV) or None))
+    except ServeError as exc:
+        raise ConfigError(f"--serve: {exc}") from None
+
+
 def _open_app(args: argparse.Namespace) -> int:
     from kvscope.app.app import run_app
 
+    serve = _hosted_serve(args)
     engine = first_engine(teaching_pool(args) if args.teach else config_from_args(args))
     if engine is None:
         return 2
-    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine)
+    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine, serve=serve)
 
 
 def _lesson(args: argparse.Namespace) -> int:
@@ -108,11 +132,12 @@ def _lesson(args: argparse.Namespace) -> int:
     from kvscope.app.app import run_app
     from kvscope.app.lessons.load import teach_config
 
+    serve = _hosted_serve(args)
     engine = first_engine(teach_config(EngineConfig(model=args.model, device=args.device, dtype=args.dtype)))
     if engine is None:
         return 2
     return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine,
-                   lesson=args.name or "")
+                   lesson=args.name or "", serve=serve)
 
 
 def teaching_pool(args: argparse.Namespace) -> EngineConfig:

@@ -51,6 +51,9 @@ class HostedServe:
         if self.wake is not None:
             self.wake()
 
+    def network_warning(self) -> str | None:
+        return self.server.network_warning() if self.server is not None else None
+
     @property
     def url(self) -> str | None:
         return self.server.url if self.server is not None else None
