@@ -11,7 +11,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 TEST_VLLM_STAMP := $(VENV)/.kvscope-vllm-test-installed
 
-.PHONY: run test test-vllm model lint screenshots bench bench-vllm clean
+.PHONY: run test test-vllm model lint screenshots bench bench-vllm bench-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -72,6 +72,12 @@ bench: model
 bench-vllm: model $(VLLM_STAMP)
 	$(BIN)/kvscope bench --workload mixed --dtype bfloat16,float32 \
 		--systems kvscope-paged,kvscope-contiguous,hf-static,hf-cb,vllm --vllm-python $(VLLM_VENV)/bin/python
+
+# kvscope serve against vLLM's server: the same client (vllm bench serve) at the same request rates, one server
+# after the other on the same cores. vLLM's first start compiles its model (minutes), apart from the timings.
+bench-serve: model $(VLLM_STAMP)
+	$(BIN)/kvscope bench serve --rates 1,4 --requests 32 --input-len 256 --output-len 64 \
+		--vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
