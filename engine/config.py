@@ -86,9 +86,9 @@ class EngineConfig:
     allocator: Literal["paged", "contiguous"] = field(default="paged", metadata=_help(
         "contiguous reserves max_model_len per request: the pre-paging baseline"))
     seed: int = field(default=0, metadata=_help("seed of the sampler for requests without their own"))
-    cpu_threads_bind: str = field(default="auto", metadata=_help(
-        "CPU: pin the compute threads, one per core, as vLLM does: auto (torch's thread count on the first "
-        "cores, if there are enough), none, or cores like 0-1", "CORES"))
+    cpu_threads_bind: str = field(default="none", metadata=_help(
+        "CPU: pin the compute threads, one per core, as vLLM does: none (the OS places them), auto (torch's "
+        "thread count on the first cores, if there are enough), or cores like 0-1", "CORES"))
 
     def __post_init__(self) -> None:
         for name, hint in config_fields().items():

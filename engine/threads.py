@@ -4,15 +4,19 @@ Unpinned, the OS moves torch's OpenMP threads between cores, and on a busy machi
 core while every parallel op ends at a barrier waiting for the slower. vLLM pins each thread
 (``VLLM_CPU_OMP_THREADS_BIND``); ``--cpu-threads-bind`` does the same for kvscope:
 
-- ``auto`` (default): torch's thread count, each on one of the first cores this process may use; nothing is
-  pinned when there are more threads than cores (pinning two to a core would only make them take turns);
-- ``none``: leave placement to the OS;
+- ``none`` (default): leave placement to the OS;
+- ``auto``: torch's thread count, each on one of the first cores this process may use; nothing is pinned when
+  there are more threads than cores (pinning two to a core would only make them take turns);
 - a core list such as ``0-1`` or ``0,2``: one thread on each, and torch runs that many threads.
 
 Threads are pinned from the thread that builds the runner, which is the one that steps it (the OpenMP team
 belongs to the thread that runs the parallel regions). That thread itself is then on the first core, and threads
 or processes it starts later inherit that: a caller that starts other work from it (the bench's vLLM) widens the
 child's affinity again.
+
+Why not pinned by default: several kvscope processes on one machine (the test suite's workers, a bench beside
+the app) would each put their stepping thread on the same first core, and on the shared 2-core machine this was
+built on no run showed pinning faster (docs/performance-levers.md).
 """
 
 from __future__ import annotations
