@@ -36,7 +36,8 @@ def main(argv: list[str]) -> int:
         seconds = time.perf_counter() - start
         print(result.stdout, result.stderr[-2000:] if result.returncode else "", sep="\n", flush=True)
         last = (result.stdout.strip().splitlines() or ["-"])[-1][:70]
-        rows.append((name, "ok" if result.returncode == 0 else f"FAILED ({result.returncode})", f"{seconds:.0f}s", last))
+        status = "ok" if result.returncode == 0 else f"FAILED ({result.returncode})"
+        rows.append((name, status, f"{seconds:.0f}s", last))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     print("\n" + "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows))
     return 0 if all(row[1] == "ok" for row in rows) else 1
