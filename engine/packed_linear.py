@@ -91,8 +91,31 @@ def unpack_linears(model: nn.Module) -> None:
             del module.forward  # the instance attribute; nn.Linear.forward shows through again
 
 
+def rounds_its_input(module: nn.Module) -> bool:
+    """Whether ``module`` runs on kvscope's packed linear, which takes an fp32 input and rounds it to the weight's
+    dtype itself (as ``x.to(dtype)`` does: to nearest, ties to even), so a cast before it is one op for nothing."""
+    return is_packed(module) and cpu_kernels.is_packed_linear_weight(getattr(module, _PACKED))
+
+
+def exact_head(head: nn.Linear):
+    """A forward for a bf16 LM head whose logits are the fp32 product of its bf16 weights and the fp32 hidden
+    states, reading the 2-byte weights (half an fp32 copy's bytes per decode step); None where kvscope's C++
+    linear is not available. Returns (forward, the packed weight it reads)."""
+    if head.weight.device.type != "cpu" or head.weight.dtype != torch.bfloat16 or not cpu_kernels.linear_available():
+        return None
+    packed = getattr(head, _PACKED) if rounds_its_input(head) else cpu_kernels.pack_linear_weight(head.weight.detach())
+    bias = None if head.bias is None else head.bias.detach().float()
+    out_features = head.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.linear(x.float(), packed, out_features, bias, out_dtype=torch.float32, exact=True)
+
+    return forward, packed
+
+
 def _kvscope_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return cpu_kernels.linear(x, getattr(self, _PACKED), self.out_features, self.bias)
+    packed = getattr(self, _PACKED)
+    return cpu_kernels.linear(x, packed, self.out_features, self.bias, out_dtype=packed.dtype)
 
 
 def _onednn_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
