@@ -80,6 +80,8 @@ def register(subparsers) -> None:
     engine = bench.add_argument_group("engine settings for kvscope and vLLM alike (default: each system's own)")
     engine.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block")
     engine.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget of one step")
+    engine.add_argument("--cpu-threads-bind", default="none", metavar="CORES",
+                        help="kvscope: pin its compute threads, one per core (none, auto, or cores like 0-1)")
     engine.add_argument("--matched", action="store_true",
                         help=f"both at vLLM's CPU defaults: --block-size {MATCHED[0]} --max-num-batched-tokens "
                              f"{MATCHED[1]} (unless those flags say otherwise)")
@@ -223,6 +225,7 @@ def run_workloads(args: argparse.Namespace) -> int:
                                           max_requests_per_batch=args.hf_cb_max_requests),
             vllm=VllmSettings(python=args.vllm_python),
             block_size=block_size, max_num_batched_tokens=step_budget, peak_gflops=peaks.get(dtype),
+            cpu_threads_bind=args.cpu_threads_bind,
         )
         open_log = None if args.no_log else _log_opener(args.db)
         bench = Bench(model, tokenizer, options, open_log=open_log)

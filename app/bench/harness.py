@@ -41,6 +41,7 @@ class BenchOptions:
     # Block size and step budget for kvscope and vLLM alike; None: each system's own defaults.
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
+    cpu_threads_bind: str = "none"              # kvscope's thread pinning (engine/threads.py)
     # The machine's matmul GFLOP/s in this dtype (app/bench/peak.py), for each row's model FLOP utilisation.
     peak_gflops: float | None = None
 
@@ -118,7 +119,8 @@ class Bench:
         config = engine_config(VARIANTS[system], workload, model=self.options.model,
                                device=self.options.device, dtype=self.options.dtype,
                                block_size=self.options.block_size,
-                               max_num_batched_tokens=self.options.max_num_batched_tokens)
+                               max_num_batched_tokens=self.options.max_num_batched_tokens,
+                               cpu_threads_bind=self.options.cpu_threads_bind)
         return KvscopeRun(VARIANTS[system], self.make_engine, self.open_log).run(workload, warm_up, config)
 
     def make_engine(self, config):
