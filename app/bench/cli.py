@@ -22,6 +22,7 @@ from kvscope.app.bench.systems import SYSTEMS
 from kvscope.app.bench.workloads import WORKLOAD_NAMES
 from kvscope.app.flags import add_engine_flags
 
+MATCHED = (128, 4096)   # vLLM 0.32's CPU defaults: block size, max_num_batched_tokens
 WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons", "startup", "serve")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -77,6 +78,14 @@ def register(subparsers) -> None:
     bench.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     bench.add_argument("--no-log", action="store_true", help="do not record the kvscope runs in the run log")
     bench.add_argument("--no-floor", action="store_true", help="skip timing the forward-only floor")
+    engine = bench.add_argument_group("engine settings for kvscope and vLLM alike (default: each system's own)")
+    engine.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block")
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget of one step")
+    engine.add_argument("--cpu-threads-bind", default="none", metavar="CORES",
+                        help="kvscope: pin its compute threads, one per core (none, auto, or cores like 0-1)")
+    engine.add_argument("--matched", action="store_true",
+                        help=f"both at vLLM's CPU defaults: --block-size {MATCHED[0]} --max-num-batched-tokens "
+                             f"{MATCHED[1]} (unless those flags say otherwise)")
     peers = bench.add_argument_group("transformers peers")
     peers.add_argument("--hf-batch-size", type=positive_int, default=32,   # StaticSettings' tuned default
                        help="hf-static: requests per static batch")
@@ -247,6 +256,10 @@ def run_workloads(args: argparse.Namespace) -> int:
     workloads = build_workloads(args.workload, args.requests, args.seed)
     device = _setup(args)
     print(f"kvscope bench: {environment_line()}", file=sys.stderr)
+    block_size, step_budget = engine_settings(args)
+    peaks = matmul_peaks(device)
+    print(f"kvscope bench: matmul peak {', '.join(f'{d} {g:,.0f} GFLOP/s' for d, g in peaks.items())}",
+          file=sys.stderr)
     rows, notes = [], {}
     for dtype in dtypes:
         model, tokenizer = _load(args, dtype, device)
@@ -257,6 +270,8 @@ def run_workloads(args: argparse.Namespace) -> int:
                                           max_batch_tokens=args.hf_cb_batch_tokens,
                                           max_requests_per_batch=args.hf_cb_max_requests),
             vllm=VllmSettings(python=args.vllm_python),
+            block_size=block_size, max_num_batched_tokens=step_budget, peak_gflops=peaks.get(dtype),
+            cpu_threads_bind=args.cpu_threads_bind,
         )
         open_log = None if args.no_log else _log_opener(args.db)
         bench = Bench(model, tokenizer, options, open_log=open_log)
@@ -267,6 +282,13 @@ def run_workloads(args: argparse.Namespace) -> int:
     add_ratios(rows)
     print(json_lines(rows) if args.json else format_table(rows, notes))
     return 0
+
+
+def engine_settings(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(block size, step budget) for kvscope and vLLM alike: the flags, else --matched's, else None (each
+    system's own defaults)."""
+    matched = MATCHED if args.matched else (None, None)
+    return args.block_size or matched[0], args.max_num_batched_tokens or matched[1]
 
 
 def run_logging(args: argparse.Namespace) -> int:
@@ -333,13 +355,23 @@ def run_kernels(args: argparse.Namespace) -> int:
     print(f"kvscope bench kernels: {environment_line()}", file=sys.stderr)
     progress = None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     bandwidth = copy_bandwidth(device)
+    peaks = matmul_peaks(device)
     rows = run_kernel_bench(dtypes=dtypes, repeats=args.repeats or 20, device=device, seed=args.seed,
                             progress=progress, copy_gb_per_s=bandwidth)
     if args.json:
-        print("\n".join(json.dumps(row | {"copy_gb_per_s": bandwidth}) for row in rows))
+        print("\n".join(json.dumps(row | {"copy_gb_per_s": bandwidth, "matmul_gflops": peaks}) for row in rows))
     else:
-        print(format_table(rows, copy_gb_per_s=bandwidth))
+        print(format_table(rows, copy_gb_per_s=bandwidth, matmul_gflops=peaks))
     return 0
+
+
+def matmul_peaks(device: str) -> dict[str, float]:
+    """The machine's matmul throughput per dtype, on the bench's threads (app/bench/peak.py)."""
+    import torch
+
+    from kvscope.app.bench.peak import matmul_peak_gflops
+
+    return {name: matmul_peak_gflops(getattr(torch, name), device=device) for name in ("float32", "bfloat16")}
 
 
 def run_attach(args: argparse.Namespace) -> int:
