@@ -30,6 +30,26 @@ def hash_block(parent_hash: int, token_ids) -> int:
     return (hash((parent_hash, *token_ids)) & _HASH_MASK) or 1
 
 
+class KVCacheState(NamedTuple):
+    """A copy of both pools' state at one moment, for a snapshot and its stats: read-only arrays, plain counts."""
+
+    block_state: np.ndarray             # int8 [num_blocks], BLOCK_* values
+    ref_counts: np.ndarray              # int32 [num_blocks]
+    block_fill: np.ndarray              # int16 [num_blocks], token slots written
+    block_hashes: np.ndarray            # uint64 [num_blocks], 0 = no cached prefix
+    num_free_blocks: int                # cached-free ones included
+    num_cached_free_blocks: int
+    num_host_blocks: int
+    num_free_host_blocks: int
+    num_tokens_held: int                # slots holding computed K/V in blocks in use, shared blocks once
+    prefix_cache_queries: int           # the rest are cumulative
+    prefix_cache_hits: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_copy_on_write_blocks: int
+    num_evicted_blocks: int
+
+
 class CopyOnWrite(NamedTuple):
     """A sample was about to write into a block another sample shares, so it got a copy of it."""
 
@@ -297,7 +317,7 @@ class KVCacheManager:
         dst_pool.ref_counts[targets] = refs[targets]
         return list(zip(unique, targets, strict=True))
 
-    # ---- per-step drains and gauges -------------------------------------------------------------
+    # ---- per-step drains and the state copy -----------------------------------------------------
 
     def take_events(self) -> list:
         """What the cache did since the last call, oldest first: the device pool's KV-cache events (BlockStored,
@@ -314,7 +334,18 @@ class KVCacheManager:
         self.blocks_to_copy.clear()
         return moves
 
-    def num_tokens_held(self) -> int:
-        """Token slots holding computed K/V in blocks in use (shared blocks counted once)."""
-        pool = self.block_pool
-        return int(pool.fill.sum(dtype=np.int64)) - pool.num_cached_free_blocks * self.block_size
+    def copy_state(self) -> KVCacheState:
+        pool, host = self.block_pool, self.host_pool
+        fill = _frozen_copy(pool.fill)
+        return KVCacheState(
+            _frozen_copy(pool.state), _frozen_copy(pool.ref_counts), fill, _frozen_copy(pool.hashes),
+            pool.num_free_blocks, pool.num_cached_free_blocks, host.num_blocks, host.num_free_blocks,
+            int(fill.sum(dtype=np.int64)) - pool.num_cached_free_blocks * self.block_size,
+            self.prefix_cache_queries, self.prefix_cache_hits, self.num_swapped_out_blocks,
+            self.num_swapped_in_blocks, self.num_copy_on_write_blocks, pool.num_evicted_blocks)
+
+
+def _frozen_copy(array: np.ndarray) -> np.ndarray:
+    copy = array.copy()
+    copy.flags.writeable = False
+    return copy

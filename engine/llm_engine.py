@@ -228,7 +228,8 @@ class LLMEngine:
         """The pool and the queues as they are now, between steps: a request added since the last step
         shows as waiting (what a paused window shows when a load is launched)."""
         with self._lock:
-            return build_snapshot(self.scheduler, self.step_counter, self.config.allocator)
+            return build_snapshot(self.scheduler, self.scheduler.cache_state(), self.step_counter,
+                                  self.config.allocator)
 
     def generate(self, prompts,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -299,7 +300,8 @@ class LLMEngine:
             update = scheduler.update_from_output(output, runner_output)
             outputs = [self._make_output(request, tokens) for request, tokens in update.updated]
             updated = time.perf_counter()
-            snapshot = build_snapshot(scheduler, self.step_counter, self.config.allocator)
+            cache = scheduler.cache_state()
+            snapshot = build_snapshot(scheduler, cache, self.step_counter, self.config.allocator)
         except BaseException as exc:
             self._recover(exc)
             raise
@@ -307,7 +309,8 @@ class LLMEngine:
         if self._pending:
             outputs = [*self._pending.values(), *outputs]
             self._pending.clear()
-        stats = build_stats(scheduler, self.step_counter, time.time(), output.batch, times, update.num_generated)
+        stats = build_stats(scheduler, cache, self.step_counter, time.time(), output.batch, times,
+                            update.num_generated)
         events, kv_events = scheduler.take_events()
         return StepResult(outputs=outputs, stats=stats, snapshot=snapshot, events=events, kv_events=kv_events)
 

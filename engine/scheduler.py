@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.kv_cache_manager import CopyOnWrite, KVCacheManager
+from kvscope.engine.kv_cache_manager import CopyOnWrite, KVCacheManager, KVCacheState
 from kvscope.engine.outputs import BlockRemoved, EngineEvent, FinishReason, KVCacheEvent, RequestStatus
 from kvscope.engine.request import Request, Sequence
 from kvscope.engine.runner import RunnerOutput
@@ -110,6 +110,10 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    def cache_state(self) -> KVCacheState:
+        """A read-only copy of the KV cache's state, for a snapshot and its stats."""
+        return self.kv.copy_state()
 
     # ---- one step: schedule -----------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import types
 import pytest
 from invariants import check_invariants, run_checked
 
-from kvscope.engine import EngineConfig, LLMEngine, RequestError, SamplingParams, llm_engine, scheduler
+from kvscope.engine import EngineConfig, LLMEngine, RequestError, SamplingParams, llm_engine, scheduler, snapshot
 from kvscope.engine.fake_runner import FakeRunner, fake_engine
 from kvscope.engine.outputs import FinishReason, RequestStatus
 
@@ -325,7 +325,10 @@ def test_the_engine_leaves_blocks_and_events_to_the_scheduler():
         assert reach_in not in source, reach_in
 
 
-def test_the_scheduler_hears_of_the_cache_s_doings_through_take_events_only():
-    source = inspect.getsource(scheduler)
-    for reach_in in ("block_pool", "host_pool", ".evicted", ".copied_on_write"):
-        assert reach_in not in source, reach_in
+def test_the_scheduler_and_the_snapshot_read_the_cache_through_one_call_each():
+    """The scheduler hears of the cache's doings through take_events(), the snapshot copies its state through
+    cache_state(): neither reaches into the pools."""
+    for module in (scheduler, snapshot):
+        source = inspect.getsource(module)
+        for reach_in in ("block_pool", "host_pool", ".evicted", ".copied_on_write"):
+            assert reach_in not in source, (module.__name__, reach_in)

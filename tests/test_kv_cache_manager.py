@@ -153,7 +153,7 @@ def test_contiguous_reserves_max_model_len_and_fork_copies_the_prompt():
     assert admit(kv, req)
     assert [len(seq.block_table) for seq in req.seqs] == [4, 4]
     assert kv.block_pool.num_used_blocks == 8
-    assert kv.num_tokens_held() == 6                        # 32 slots reserved, 6 used
+    assert kv.copy_state().num_tokens_held == 6              # 32 slots reserved, 6 used
     fork(kv, req)
     copies = kv.take_cache_moves()[2]
     assert copies == tuple(zip(req.seqs[0].block_table[:2], req.seqs[1].block_table[:2], strict=True))
