@@ -2,6 +2,8 @@
 
 Every method that takes blocks is all-or-nothing: it first counts what it
 needs, returns False if the pool is short, and only then changes anything.
+It moves blocks, never a request's counters: as in vLLM, only the scheduler
+advances num_computed_tokens, after the calls here say what they did.
 
 The cache moves it decides (copy-on-write, swap out, swap in) are queued here
 and drained into the next ScheduledBatch; the model runner performs them.
@@ -112,7 +114,8 @@ class KVCacheManager:
     def allocate_for_admission(self, request: Request, plan: list[tuple[Sequence, int]],
                                hits: dict[int, list[int]]) -> bool:
         """Admit a request from waiting: prefix hits plus new blocks for the planned tokens (or the
-        contiguous reservation). ``hits`` maps sample index to its cached blocks."""
+        contiguous reservation). ``hits`` maps sample index to its cached blocks; when this returns True,
+        each planned sample has its hits' tokens computed, and the caller records that."""
         pool = self.block_pool
         if self.contiguous:
             seqs = request.live_seqs()
@@ -133,12 +136,12 @@ class KVCacheManager:
             pool.touch(hits[seq.index])
         for seq, num_new in plan:
             cached = hits[seq.index]
-            seq.num_computed_tokens = len(cached) * bs
-            missing = cdiv(seq.num_computed_tokens + num_new, bs) - len(cached)
+            num_cached = len(cached) * bs
+            missing = cdiv(num_cached + num_new, bs) - len(cached)
             seq.block_table = (*cached, *pool.allocate(missing))
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += seq.num_tokens
-                self.prefix_cache_hits += seq.num_computed_tokens
+                self.prefix_cache_hits += num_cached
         return True
 
     def allocate_slots(self, request: Request, plan: list[tuple[Sequence, int]]) -> bool:
@@ -200,9 +203,9 @@ class KVCacheManager:
         self.num_copy_on_write_blocks += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give a sample the parent's computed prompt: shared blocks when paged, copies when contiguous."""
+        """Give a sample the parent's computed prompt: shared blocks when paged, copies when contiguous.
+        The caller gives it the parent's num_computed_tokens."""
         pool = self.block_pool
-        child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         if self.contiguous:
             for i in range(cdiv(parent.num_computed_tokens, self.block_size)):
@@ -213,11 +216,11 @@ class KVCacheManager:
         child.block_table = parent.block_table
         pool.incref(child.block_table)
 
-    def commit(self, seq: Sequence, num_new: int) -> None:
-        """The runner computed ``num_new`` more tokens: record block fill and cache the blocks now full."""
+    def commit(self, seq: Sequence, old: int, num_new: int) -> None:
+        """The runner computed the sample's tokens ``old .. old + num_new - 1``: record block fill and cache
+        the blocks now full. The caller advances num_computed_tokens."""
         bs = self.block_size
-        old = seq.num_computed_tokens
-        new = seq.num_computed_tokens = old + num_new
+        new = old + num_new
         table, fill = seq.block_table, self.block_pool.fill
         if num_new == 1:    # a decode: one slot in one block
             fill[table[old // bs]] = old % bs + 1

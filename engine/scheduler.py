@@ -207,6 +207,8 @@ class Scheduler:
                 budget -= take
             if not self.kv.allocate_for_admission(request, plan, hits):
                 return
+            for seq, _ in plan:
+                seq.num_computed_tokens = len(hits[seq.index]) * bs
             self.waiting.popleft()
             if not request.admitted:
                 request.admitted = True
@@ -313,7 +315,9 @@ class Scheduler:
             request.view = None
             if failed and request in failed:
                 continue
-            commit(seq, num_new)
+            start = item.start_pos
+            commit(seq, start, num_new)
+            seq.num_computed_tokens = start + num_new
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             sample_indices = item.sample_indices
@@ -354,6 +358,7 @@ class Scheduler:
     def _fork(self, request: Request) -> None:
         parent = request.seqs[0]
         for child in request.seqs[1:]:
+            child.num_computed_tokens = parent.num_computed_tokens
             self.kv.fork(parent, child)
         request.forked = True
 
