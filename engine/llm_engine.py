@@ -1,8 +1,8 @@
 """LLMEngine: the public API. Requests in, one scheduler iteration plus one forward per step, results out.
 
 A step is four calls: Scheduler.schedule() decides the batch, the runner's execute() computes it,
-Scheduler.update_from_output() records the result, and the engine turns the updated requests into
-outputs, stats and a snapshot. The engine itself holds no request or block state.
+Scheduler.update_from_output() records the result and returns the requests' outputs, and the engine
+adds the stats and a snapshot. The engine itself holds no request or block state.
 
 Threads: add_request and abort_request may be called from any thread while another thread steps. One
 lock covers a step and each of those calls, so a call made during a step waits for it (at most one
@@ -19,14 +19,13 @@ import time
 import warnings
 
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
-from kvscope.engine.outputs import CacheSnapshot, RequestOutput, SampleOutput, StepResult
-from kvscope.engine.request import Request, RequestStatus, Sequence
+from kvscope.engine.outputs import CacheSnapshot, RequestOutput, StepResult
+from kvscope.engine.request import Request
 from kvscope.engine.runner import Runner, RunnerInfo, RunnerOutput
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.snapshot import PhaseTimes, build_snapshot, build_stats
 
 _PREVIEW_CHARS = 80
-_FINISHED = RequestStatus.FINISHED  # looked up once: an enum member's lookup through its class costs ~5x a global
 
 
 class LLMEngine:
@@ -208,10 +207,10 @@ class LLMEngine:
         Its final output (finish_reason "abort") comes with the next step; until then the id stays in use.
         """
         with self._lock:
-            request = self.scheduler.abort(request_id)
-            if request is None:
+            output = self.scheduler.abort(request_id)
+            if output is None:
                 return False
-            self._pending[request_id] = self._make_output(request, ())
+            self._pending[request_id] = output
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -298,7 +297,6 @@ class LLMEngine:
             runner_output = self._execute(output.batch)
             executed = time.perf_counter()
             update = scheduler.update_from_output(output, runner_output)
-            outputs = [self._make_output(request, tokens) for request, tokens in update.updated]
             updated = time.perf_counter()
             cache = scheduler.cache_state()
             snapshot = build_snapshot(scheduler, cache, self.step_counter, self.config.allocator)
@@ -306,6 +304,7 @@ class LLMEngine:
             self._recover(exc)
             raise
         times = PhaseTimes(start, scheduled, executed, updated, time.perf_counter())
+        outputs = update.outputs
         if self._pending:
             outputs = [*self._pending.values(), *outputs]
             self._pending.clear()
@@ -322,28 +321,8 @@ class LLMEngine:
     def _recover(self, exc: BaseException) -> None:
         """The step raised: let the scheduler fail what it touched, and queue their final outputs."""
         error = f"the engine step failed: {type(exc).__name__}: {exc}"
-        for request in self.scheduler.fail_step(error):
-            self._pending[request.request_id] = self._make_output(request, ())
-
-    # ---- results --------------------------------------------------------------------------------
-
-    def _make_output(self, request: Request, new_token_ids: tuple[int, ...]) -> RequestOutput:
-        seqs = request.seqs
-        samples = (_sample_output(seqs[0]),) if len(seqs) == 1 else tuple(_sample_output(s) for s in seqs)
-        first = samples[0]
-        detokenizer = seqs[0].detokenizer
-        # Positional: this runs for every request every step, and keywords cost a third more.
-        return RequestOutput(
-            request.request_id, request.prompt_token_ids, new_token_ids,
-            detokenizer.take_delta() if detokenizer else "", first.token_ids, first.text,
-            request.status is _FINISHED, first.finish_reason, request.num_cached_tokens,
-            request.num_preemptions, request.metrics(), samples, request.error)
-
-
-def _sample_output(seq: Sequence) -> SampleOutput:
-    detokenizer = seq.detokenizer
-    return SampleOutput(seq.index, tuple(seq.token_ids[seq.num_prompt_tokens:]),
-                        detokenizer.output_text if detokenizer else "", seq.finish_reason)
+        for output in self.scheduler.fail_step(error):
+            self._pending[output.request_id] = output
 
 
 def _is_token_id(value) -> bool:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.kv_cache_manager import CopyOnWrite, KVCacheManager, KVCacheState
-from kvscope.engine.outputs import BlockRemoved, EngineEvent, FinishReason, KVCacheEvent, RequestStatus
+from kvscope.engine.outputs import BlockRemoved, EngineEvent, FinishReason, KVCacheEvent, RequestOutput, RequestStatus
 from kvscope.engine.request import Request, Sequence
 from kvscope.engine.runner import RunnerOutput
 
@@ -50,10 +50,10 @@ class StepEvents(NamedTuple):
 
 
 class StepUpdate(NamedTuple):
-    """What update_from_output changed: each request with something to report (with sample 0's new token,
-    if any), in output order, and how many tokens the step generated."""
+    """What update_from_output reports, as vLLM's EngineCoreOutputs: an output for each request with something
+    to report, in output order, and how many tokens the step generated."""
 
-    updated: list[tuple[Request, tuple[int, ...]]]
+    outputs: list[RequestOutput]
     num_generated: int
 
 
@@ -302,11 +302,11 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> StepUpdate:
         """Record what the runner computed and sampled: commit computed tokens (filling blocks, caching full
         ones), fork the samples of n > 1 requests whose prompt completed, append each sampled token, apply
-        the stop rules, and finish and free the requests that are done. Drops the snapshot view of every
-        request the step scheduled or preempted: no other request changed."""
+        the stop rules, finish and free the requests that are done, and build the outputs. Drops the snapshot
+        view of every request the step scheduled or preempted: no other request changed."""
         now = time.time()
-        updated: list[tuple[Request, tuple[int, ...]]] = []
-        failed = self._fail_items(output, runner_output, now, updated) if None in runner_output else ()
+        outputs: list[RequestOutput] = []
+        failed = self._fail_items(output, runner_output, now, outputs) if None in runner_output else ()
         grouped: dict[Request, int | None] = {}   # n > 1 requests that sampled, with sample 0's token
         commit = self.kv.commit
         num_generated = 0
@@ -328,7 +328,7 @@ class Scheduler:
                 token = sampled[0]
                 if request.append_token(seq, token, now):
                     self._sample_finished(request, seq, now)
-                updated.append((request, (token,)))
+                outputs.append(request.output((token,)))
                 continue
             if not request.forked:
                 self._fork(request)
@@ -339,20 +339,20 @@ class Scheduler:
                     self._sample_finished(request, sample, now)
                 if sample_index == 0:
                     grouped[request] = token
-        updated.extend((request, () if token is None else (token,)) for request, token in grouped.items())
+        outputs.extend(request.output(() if token is None else (token,)) for request, token in grouped.items())
         for request in output.preempted:
             request.view = None
-        return StepUpdate(updated, num_generated)
+        return StepUpdate(outputs, num_generated)
 
     def _fail_items(self, output: SchedulerOutput, runner_output: RunnerOutput, now: float,
-                    updated: list) -> set[Request]:
+                    outputs: list[RequestOutput]) -> set[Request]:
         """Requests the runner returned None for finish with an error; the rest of the batch goes on."""
         failed = {request for (request, _, _), sampled in zip(output.scheduled, runner_output) if sampled is None}
         for request in failed:
             request.error = _RUNNER_FAILED
             self.events.append(EngineEvent("error", request.request_id, request.device_blocks(), _RUNNER_FAILED))
             self._end(request, FinishReason.ERROR, now)
-            updated.append((request, ()))
+            outputs.append(request.output(()))
         return failed
 
     def _fork(self, request: Request) -> None:
@@ -374,15 +374,16 @@ class Scheduler:
 
     # ---- ending requests early ----------------------------------------------------------------------
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish a request wherever it is and free its blocks; None if it is unknown or already finished."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request wherever it is and free its blocks: its final output, or None if it is unknown or
+        already finished."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         blocks = request.device_blocks()
         self._end(request, FinishReason.ABORT, time.time())
         self.events.append(EngineEvent("abort", request_id, blocks))
-        return request
+        return request.output(())
 
     def _end(self, request: Request, reason: FinishReason, now: float) -> None:
         for seq in request.seqs:
@@ -403,12 +404,12 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
 
-    def fail_step(self, error: str) -> list[Request]:
+    def fail_step(self, error: str) -> list[RequestOutput]:
         """The step raised part-way. Finish every request it touched (scheduled, preempted, or being worked on
         when it stopped) with FinishReason.ERROR, and rebuild the pools from the requests that go on: those
         were not touched, so they go on as if the step never ran. Spared: requests the update had already
         finished, and recompute victims, which are back in waiting with nothing in the cache to lose.
-        Returns the touched requests that are finished now, for their final outputs."""
+        Returns the final outputs of the touched requests that are finished now."""
         touched = [request for request, _, _ in self._scheduled] + self._preempted
         if self._current is not None:
             touched.append(self._current)
@@ -433,7 +434,7 @@ class Scheduler:
                         drop=[seq for r in failed for seq in r.seqs])
         self._record_cache_events(None, self.kv.take_events())  # what it cached, and dropped as half written
         self._scheduled, self._preempted, self._current = [], [], None
-        return [request for request in touched if request.status == RequestStatus.FINISHED]
+        return [request.output(()) for request in touched if request.status == RequestStatus.FINISHED]
 
     def _cleanly_requeued(self, request: Request) -> bool:
         """A recompute victim whose preemption completed: waiting, holding no blocks, nothing computed."""

@@ -319,9 +319,12 @@ def test_step_stats_time_each_phase_of_the_step():
         assert math.isclose(sum(phases), stats.duration, rel_tol=1e-9, abs_tol=1e-9)
 
 
-def test_the_engine_leaves_blocks_and_events_to_the_scheduler():
+def test_the_engine_leaves_blocks_events_and_outputs_to_the_scheduler():
+    """The scheduler's update_from_output, abort and fail_step return the outputs: the engine never reopens
+    a request the scheduler has just updated."""
     source = inspect.getsource(llm_engine)
-    for reach_in in (".kv.", ".kv\n", "block_pool", ".events", "free_sequence", "commit("):
+    for reach_in in (".kv.", ".kv\n", "block_pool", ".events", "free_sequence", "commit(", ".seqs", "detokenizer",
+                     "RequestOutput("):
         assert reach_in not in source, reach_in
 
 
