@@ -17,8 +17,10 @@ import numbers
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
+from kvscope.engine.observer import EngineObserver
 from kvscope.engine.outputs import CacheSnapshot, RequestOutput, StepResult
 from kvscope.engine.request import Request
 from kvscope.engine.runner import Runner, RunnerInfo, RunnerOutput
@@ -48,9 +50,8 @@ class LLMEngine:
         self._pending: dict[str, RequestOutput] = {}
         self._lock = threading.RLock()
         self._stepping = False
-        # Told of every accepted request and every step, e.g. a run log (app.runlog.record_run). Anything
-        # with request_added(request_id, prompt_text, num_prompt_tokens, n) and step(result) methods.
-        self.observers: list = []
+        # Told of every accepted request and every step, e.g. a run log (app.runlog.record_run).
+        self.observers: list[EngineObserver] = []
 
     @property
     def banner(self) -> str:
@@ -79,9 +80,9 @@ class LLMEngine:
             request = self._make_request(prompt, params, request_id)
             self.scheduler.add(request)
             if self.observers:
-                text = self._prompt_text(prompt, request.prompt_token_ids)
-                self._notify("request_added", request.request_id, text, len(request.prompt_token_ids),
-                             request.params.n)
+                request_id, n = request.request_id, request.params.n
+                text, num_tokens = self._prompt_text(prompt, request.prompt_token_ids), len(request.prompt_token_ids)
+                self._notify(lambda observer: observer.request_added(request_id, text, num_tokens, n))
         return request.request_id
 
     def _make_request(self, prompt, params: SamplingParams | None, request_id: str | None) -> Request:
@@ -117,14 +118,14 @@ class LLMEngine:
             return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
         return self.tokenizer.decode(list(token_ids)) if self.tokenizer is not None else f"<{len(token_ids)} token ids>"
 
-    def _notify(self, method: str, *args) -> None:
-        """Call every observer; one that raises is dropped with a warning, and the engine goes on."""
+    def _notify(self, tell: Callable[[EngineObserver], None]) -> None:
+        """Tell every observer; one that raises is dropped with a warning, and the engine goes on."""
         for observer in list(self.observers):
             try:
-                getattr(observer, method)(*args)
+                tell(observer)
             except Exception as exc:
                 self.observers.remove(observer)
-                warnings.warn(f"kvscope: removed the engine observer {observer!r}: its {method}() raised {exc!r}",
+                warnings.warn(f"kvscope: removed the engine observer {observer!r}: it raised {exc!r}",
                               RuntimeWarning, stacklevel=3)
 
     def _new_request_id(self) -> str:
@@ -282,7 +283,7 @@ class LLMEngine:
             try:
                 result = self._step()
                 if self.observers:
-                    self._notify("step", result)
+                    self._notify(lambda observer: observer.step(result))
             finally:
                 self._stepping = False
         return result

@@ -452,6 +452,22 @@ def test_a_script_that_raises_leaves_a_crashed_run(tmp_path):
     assert RunLogReader(db).run(log.run_id)["status"] == "crashed"
 
 
+def test_record_run_attaches_an_engine_observer_that_hears_every_request_and_step(tmp_path):
+    from kvscope.app.runlog import record_run
+    from kvscope.engine import EngineObserver, SamplingParams
+    from kvscope.engine.fake_runner import fake_engine
+
+    engine = fake_engine(EngineConfig(block_size=4), num_blocks=32, max_model_len=64)
+    with record_run(engine, db_path=tmp_path / "runs.db") as log:
+        assert engine.observers == [log] and isinstance(log, EngineObserver)
+        engine.generate([[1, 2, 3], "hi"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    reader = RunLogReader(tmp_path / "runs.db")
+    requests = reader.rows("requests", log.run_id)
+    assert [(r["request_id"], r["num_prompt_tokens"]) for r in requests] == [("0", 3), ("1", 2)]
+    assert len(reader.steps(log.run_id)) == engine.step_counter
+    reader.close()
+
+
 def test_record_run_with_a_bad_path_warns_and_the_engine_runs_on(tmp_path):
     from kvscope.app.runlog import record_run
     from kvscope.engine import SamplingParams
