@@ -23,7 +23,15 @@ from typing import NamedTuple
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.kv_cache_manager import CopyOnWrite, KVCacheManager, KVCacheState
-from kvscope.engine.outputs import BlockRemoved, EngineEvent, FinishReason, KVCacheEvent, RequestOutput, RequestStatus
+from kvscope.engine.outputs import (
+    BlockRemoved,
+    EngineEvent,
+    EventKind,
+    FinishReason,
+    KVCacheEvent,
+    RequestOutput,
+    RequestStatus,
+)
 from kvscope.engine.request import Request, Sequence
 from kvscope.engine.runner import RunnerOutput
 
@@ -189,7 +197,7 @@ class Scheduler:
                 return
             self.swapped.pop(0)
             self._enter_running(request)
-            self.events.append(EngineEvent("swap_in", request.request_id, request.device_blocks()))
+            self.events.append(EngineEvent(EventKind.SWAP_IN, request.request_id, request.device_blocks()))
             self._take(request, plan)
 
     def _schedule_waiting(self) -> None:
@@ -262,14 +270,14 @@ class Scheduler:
         for event in cache_events:
             kind = type(event)
             if kind is CopyOnWrite:
-                copies.append(EngineEvent("copy_on_write", request_id, (event.src, event.dst),
+                copies.append(EngineEvent(EventKind.COPY_ON_WRITE, request_id, (event.src, event.dst),
                                           f"sample {event.sample_index}"))
                 continue
             self.kv_events.append(event)
             if kind is BlockRemoved and request is not None:
                 evicted.append(event.block_id)
         if evicted:
-            self.events.append(EngineEvent("evict", request_id, tuple(evicted)))
+            self.events.append(EngineEvent(EventKind.EVICT, request_id, tuple(evicted)))
         self.events.extend(copies)
 
     def _enter_running(self, request: Request) -> None:
@@ -283,8 +291,8 @@ class Scheduler:
         if self.preemption_mode == "swap" and self.kv.swap_out(victim):
             victim.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, victim, key=_by_arrival)
-            self.events.append(EngineEvent("preempt", victim.request_id, blocks, "swap"))
-            self.events.append(EngineEvent("swap_out", victim.request_id, blocks))
+            self.events.append(EngineEvent(EventKind.PREEMPT, victim.request_id, blocks, "swap"))
+            self.events.append(EngineEvent(EventKind.SWAP_OUT, victim.request_id, blocks))
             return
         detail = "recompute"
         if self.preemption_mode == "swap":
@@ -295,7 +303,7 @@ class Scheduler:
             seq.num_computed_tokens = 0     # generated tokens stay: it resumes where it was
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
-        self.events.append(EngineEvent("preempt", victim.request_id, blocks, detail))
+        self.events.append(EngineEvent(EventKind.PREEMPT, victim.request_id, blocks, detail))
 
     # ---- one step: update from the runner's output --------------------------------------------------
 
@@ -350,7 +358,8 @@ class Scheduler:
         failed = {request for (request, _, _), sampled in zip(output.scheduled, runner_output) if sampled is None}
         for request in failed:
             request.error = _RUNNER_FAILED
-            self.events.append(EngineEvent("error", request.request_id, request.device_blocks(), _RUNNER_FAILED))
+            blocks = request.device_blocks()
+            self.events.append(EngineEvent(EventKind.ERROR, request.request_id, blocks, _RUNNER_FAILED))
             self._end(request, FinishReason.ERROR, now)
             outputs.append(request.output(()))
         return failed
@@ -370,7 +379,7 @@ class Scheduler:
             return
         request.finished_time = now
         self._remove(request)
-        self.events.append(EngineEvent("finish", request.request_id, blocks, seq.finish_reason))
+        self.events.append(EngineEvent(EventKind.FINISH, request.request_id, blocks, seq.finish_reason))
 
     # ---- ending requests early ----------------------------------------------------------------------
 
@@ -382,7 +391,7 @@ class Scheduler:
             return None
         blocks = request.device_blocks()
         self._end(request, FinishReason.ABORT, time.time())
-        self.events.append(EngineEvent("abort", request_id, blocks))
+        self.events.append(EngineEvent(EventKind.ABORT, request_id, blocks))
         return request.output(())
 
     def _end(self, request: Request, reason: FinishReason, now: float) -> None:
@@ -423,7 +432,7 @@ class Scheduler:
         self.swapped = [r for r in self.swapped if r not in gone]
         now = time.time()
         for request in failed:
-            self.events.append(EngineEvent("error", request.request_id, request.device_blocks(), error))
+            self.events.append(EngineEvent(EventKind.ERROR, request.request_id, request.device_blocks(), error))
             request.error = error
             request.finished_time = now
             request.status = RequestStatus.FINISHED

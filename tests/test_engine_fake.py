@@ -15,7 +15,7 @@ from invariants import check_invariants, run_checked
 
 from kvscope.engine import EngineConfig, EngineObserver, LLMEngine, RequestError, SamplingParams, llm_engine
 from kvscope.engine.fake_runner import FakeRunner, fake_engine
-from kvscope.engine.outputs import FinishReason, RequestStatus
+from kvscope.engine.outputs import EventKind, FinishReason, RequestStatus
 
 
 def make_engine(num_blocks=64, max_model_len=128, **config):
@@ -300,7 +300,10 @@ def test_statuses_and_finish_reasons_are_enums_that_read_as_strings():
     engine.add_request([1, 2, 3], greedy(2), request_id="a")
     view = engine.step().snapshot.requests[0]
     assert view.queue is RequestStatus.RUNNING and view.queue == "running" and f"{view.queue}" == "running"
-    final = run_checked(engine)[-1]
+    results = []
+    final = run_checked(engine, on_step=results.append)[-1]
+    (finish,) = [e for r in results for e in r.events]
+    assert finish.kind is EventKind.FINISH and finish.kind == "finish" and json.dumps(finish.kind) == '"finish"'
     assert final.finish_reason is FinishReason.LENGTH and final.samples[0].finish_reason is FinishReason.LENGTH
     assert final.finish_reason == "length" and str(final.finish_reason) == "length"
     assert json.dumps([final.finish_reason, view.queue]) == '["length", "running"]'

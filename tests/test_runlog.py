@@ -20,7 +20,7 @@ from kvscope.app.runlog import SCHEMA_VERSION, RunLogReader, open_run_log, schem
 from kvscope.app.runlog.liveness import current_process_identity, mark_crashed_runs
 from kvscope.engine import loader
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.outputs import StepStats
+from kvscope.engine.outputs import EventKind, StepStats
 from kvscope.settings import settings
 
 CONFIG = EngineConfig(device="cpu", num_blocks=128, block_size=16)
@@ -149,6 +149,10 @@ def test_steps_requests_and_events_read_back_as_logged(tmp_path):
     expected = [(r.stats.step, e.kind, e.request_id, list(e.blocks)) for r in results for e in r.events]
     assert [(e["step"], e["kind"], e["request_id"], json.loads(e["blocks"])) for e in events] == expected
     assert {"evict", "preempt"} <= {e["kind"] for e in events}
+    replayed = [e for step in reader.recorded_steps(logger.run_id)
+                for e in reader.snapshot_at(logger.run_id, step).events]
+    assert {e.kind for e in replayed} <= set(EventKind) and EventKind.EVICT in {e.kind for e in replayed}
+    reader.close()
 
 
 def test_summary_and_listing_agree_with_the_steps(tmp_path):
