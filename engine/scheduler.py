@@ -80,7 +80,6 @@ class Scheduler:
         self.swapped: list[Request] = []    # sorted by arrival: the first one comes back first
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
-        self.num_swap_fallbacks = 0         # swap preemptions that recomputed because the host pool was full
         self.events: list[EngineEvent] = []
         self.kv_events: list[KVCacheEvent] = []
         # What one schedule() pass builds up: its token budget, what it scheduled and the batch items for it,
@@ -296,7 +295,6 @@ class Scheduler:
             return
         detail = "recompute"
         if self.preemption_mode == "swap":
-            self.num_swap_fallbacks += 1
             detail = "recompute (host pool full)"
         self.kv.free_request(victim)
         for seq in victim.seqs:
