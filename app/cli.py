@@ -1,4 +1,4 @@
-"""The `kvscope` command line. Engine flags are made from EngineConfig's fields and named as vLLM names them."""
+"""The `kvscope` command line: the one place every subcommand is registered (SUBCOMMANDS)."""
 
 from __future__ import annotations
 
@@ -7,57 +7,22 @@ import atexit
 import dataclasses
 import os
 import sys
-import typing
-from collections.abc import Iterable
-from types import UnionType
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING
 
 from kvscope import __version__
-from kvscope.engine.config import ConfigError, EngineConfig, RequestError, config_fields
+from kvscope.app import screenshots
+from kvscope.app.attach import cli as attach_cli
+from kvscope.app.bench import cli as bench_cli
+from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args
+from kvscope.app.lessons import LESSONS
+from kvscope.app.runlog import cli as runs_cli
+from kvscope.engine.config import ConfigError, EngineConfig, RequestError
 from kvscope.engine.loader import ModelError
 
 if TYPE_CHECKING:
     from kvscope.engine import LLMEngine
 
 USER_ERRORS = (ConfigError, RequestError, ModelError)
-
-
-def add_engine_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
-    """One flag per EngineConfig field (or per field named), as vLLM names it: block_size is --block-size.
-
-    Defaults, types and choices come from the dataclass and the help text from each field's metadata, so
-    the command line cannot drift from the config; EngineConfig itself checks the values.
-    """
-    group = parser.add_argument_group("engine")
-    for spec in dataclasses.fields(EngineConfig):
-        if names is not None and spec.name not in names:
-            continue
-        group.add_argument(f"--{spec.name.replace('_', '-')}", default=spec.default,
-                           help=spec.metadata["help"].replace("%", "%%"), metavar=spec.metadata["metavar"],
-                           **_flag_kind(config_fields()[spec.name]))
-
-
-def _flag_kind(hint) -> dict:
-    """argparse's type, choices or action for a field's type; a size that takes units stays a string."""
-    options = set(typing.get_args(hint)) - {type(None)} if typing.get_origin(hint) in (Union, UnionType) else {hint}
-    if options == {bool}:
-        return {"action": argparse.BooleanOptionalAction}
-    if len(options) == 1 and typing.get_origin(hint) is Literal:
-        return {"choices": typing.get_args(hint)}
-    if options == {int}:
-        return {"type": int}
-    if options == {float}:
-        return {"type": float}
-    return {"type": str}
-
-
-def add_log_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
-    parser.add_argument("--no-log", action="store_true", help="do not log this run")
-
-
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{name: getattr(args, name) for name in config_fields()})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,11 +38,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_flags(parser)
     parser.set_defaults(func=_open_app)
     sub = parser.add_subparsers(title="subcommands", metavar="COMMAND")
+    for register in SUBCOMMANDS:
+        register(sub)
+    return parser
 
-    fetch = sub.add_parser("fetch-model", help="install and convert the default model (SmolLM2-135M-Instruct)")
+
+def _register_fetch_model(subparsers) -> None:
+    fetch = subparsers.add_parser("fetch-model", help="install and convert the default model (SmolLM2-135M-Instruct)")
     fetch.set_defaults(func=_fetch_model)
 
-    chat = sub.add_parser("chat", help="answer one prompt in the terminal, streaming, without the app")
+
+def _register_chat(subparsers) -> None:
+    chat = subparsers.add_parser("chat", help="answer one prompt in the terminal, streaming, without the app")
     chat.add_argument("prompt", help="the user message")
     chat.add_argument("--max-tokens", type=int, default=128, help="the longest reply, in tokens (default: 128)")
     chat.add_argument("--temperature", type=float, default=None,
@@ -87,19 +59,62 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_flags(chat)
     chat.set_defaults(func=_chat)
 
-    for module in ("kvscope.app.bench.cli", "kvscope.app.runs_cli", "kvscope.app.screenshots",
-                   "kvscope.app.attach.cli", "kvscope.app.lessons.cli"):
-        __import__(module, fromlist=["register"]).register(sub)
-    return parser
+
+def _register_lesson(subparsers) -> None:
+    """`kvscope lesson [NAME]` opens the App on a lesson, so it registers here with the App's own commands:
+    lessons/ is below the App and never imports it."""
+    parser = subparsers.add_parser(
+        "lesson", help="run a lesson: a scripted scenario on the real model that pauses where it matters",
+        description="Run a lesson on the teaching pool (--teach). Space moves to the next beat, Backspace goes "
+                    "back by replaying the run log, Esc leaves the lesson for the app. With no NAME, pick one "
+                    "from the list.")
+    parser.add_argument("name", nargs="?", choices=list(LESSONS), metavar="NAME",
+                        help=f"one of: {', '.join(LESSONS)}")
+    parser.add_argument("--list", action="store_true", help="print the lesson names, one per line, and exit")
+    parser.add_argument("--model", default="default", help="as for the app (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
+    parser.add_argument("--no-log", action="store_true",
+                        help="do not keep the lesson's runs (Backspace then replays from a temporary log)")
+    parser.set_defaults(func=_lesson)
+
+
+# Every subcommand, each added by one `register(subparsers)`: the App's own here, every other one in its
+# feature's room. This is the one list of them; `kvscope serve` (app/serve/) registers here when it lands.
+SUBCOMMANDS = (
+    _register_fetch_model,
+    _register_chat,
+    _register_lesson,
+    bench_cli.register,          # kvscope bench
+    runs_cli.register,           # kvscope runs
+    screenshots.register,        # kvscope screenshots
+    attach_cli.register,         # kvscope attach
+)
 
 
 def _open_app(args: argparse.Namespace) -> int:
-    from kvscope.app.tui import run_app
+    from kvscope.app.app import run_app
 
     engine = first_engine(teaching_pool(args) if args.teach else config_from_args(args))
     if engine is None:
         return 2
     return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine)
+
+
+def _lesson(args: argparse.Namespace) -> int:
+    if args.list:
+        for name in LESSONS:
+            print(name)
+        return 0
+    from kvscope.app.app import run_app
+    from kvscope.app.lessons.load import teach_config
+
+    engine = first_engine(teach_config(EngineConfig(model=args.model, device=args.device, dtype=args.dtype)))
+    if engine is None:
+        return 2
+    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine,
+                   lesson=args.name or "")
 
 
 def first_engine(config: EngineConfig) -> LLMEngine | None:

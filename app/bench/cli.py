@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvscope.app.bench.systems import SYSTEMS
 from kvscope.app.bench.workloads import WORKLOAD_NAMES
-from kvscope.app.cli import add_engine_flags
+from kvscope.app.flags import add_engine_flags
 
 WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons", "startup")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -264,7 +264,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
 
 def run_ui(args: argparse.Namespace) -> int:
-    from kvscope.app.bench_ui import run_ui_bench
+    from kvscope.app.bench.ui import run_ui_bench
     from kvscope.engine import EngineConfig
 
     config = EngineConfig(model=args.model, device=args.device, dtype=_parse_dtypes(args.dtype)[0])

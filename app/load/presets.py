@@ -1,4 +1,4 @@
-"""Load-generator presets: the situations a teacher wants to show, built from app/prompts/*.txt.
+"""Load-generator presets: the situations a teacher wants to show, built from app/load/prompts/*.txt.
 
 Each preset sizes its requests from the running engine (pool, max_model_len,
 token budget, allocator), so the same preset overloads a small pool and a large

@@ -1,7 +1,7 @@
 """The engine thread: owns the LLMEngine, takes commands from a queue, posts one message per step.
 
 Everything the UI asks for (add, abort, pause, single step, rate cap, preset,
-rebuild) is a command (app/worker_commands.py) put on a queue and applied
+rebuild) is a command (app/worker/commands.py) put on a queue and applied
 between steps, so the engine is only ever touched by this thread. Results go
 back with ``post_message``, which never waits for the UI; a semaphore bounds
 how far the engine may run ahead of a UI that has stopped draining messages.
@@ -25,9 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvscope.app import presets
-from kvscope.app.delayed_requests import DelayedRequests
-from kvscope.app.engine_factory import build_engine, engine_info
+from kvscope.app.load import presets
 from kvscope.app.messages import (
     CommandRejected,
     EngineBuildFailed,
@@ -43,7 +41,7 @@ from kvscope.app.messages import (
     RunStateChanged,
     RunUntilDone,
 )
-from kvscope.app.worker_commands import (
+from kvscope.app.worker.commands import (
     AbortRequest,
     AddChatTurn,
     AddRequest,
@@ -57,6 +55,8 @@ from kvscope.app.worker_commands import (
     Stop,
     WorkerCommand,
 )
+from kvscope.app.worker.delayed import DelayedRequests
+from kvscope.app.worker.factory import build_engine, engine_info
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
 
 MAX_STEPS_AHEAD_OF_UI = 256
@@ -113,7 +113,7 @@ class EngineWorker:
     def send(self, command: WorkerCommand) -> None:
         """Queue a command for the engine thread. TypeError for anything that is not one."""
         if not isinstance(command, WorkerCommand):
-            raise TypeError(f"not an engine worker command: {command!r} (see app/worker_commands.py)")
+            raise TypeError(f"not an engine worker command: {command!r} (see app/worker/commands.py)")
         if isinstance(command, Stop):
             self._stopping.set()    # a step in progress stops waiting for the UI at once
         self._commands.put(command)

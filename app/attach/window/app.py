@@ -15,9 +15,10 @@ from textual.binding import Binding
 from textual.message import Message
 from textual.screen import Screen
 
-from kvscope.app.attach.frame import AttachFrame
-from kvscope.app.attach.screen import AttachScreen
-from kvscope.app.attach.source import AttachSource
+from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.attach.feed.source import AttachSource
+from kvscope.app.attach.window.replay_view import replay_screen_for
+from kvscope.app.attach.window.screen import AttachScreen
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.settings import settings
@@ -82,5 +83,5 @@ class AttachApp(ThemedApp):
 
     def action_history(self) -> None:
         if not isinstance(self.screen, HistoryScreen):
-            self.push_screen(HistoryScreen(self.db_path))
+            self.push_screen(HistoryScreen(self.db_path, replay_for=replay_screen_for))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from textual.events import Resize
 from textual.markup import escape
 
-from kvscope.app.attach.frame import AttachFrame
-from kvscope.app.attach.pool_view import PrefixTree
+from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.attach.feed.pool_view import PrefixTree
 from kvscope.app.widgets.line_panel import LinePanel
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 

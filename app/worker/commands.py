@@ -61,7 +61,7 @@ class SetRateCap:
 
 @dataclass(frozen=True)
 class LaunchPreset:
-    """Send ``count`` requests of a load preset (app/presets.py), some of them staggered over steps."""
+    """Send ``count`` requests of a load preset (app/load/presets.py), some of them staggered over steps."""
 
     key: str
     count: int
@@ -69,7 +69,7 @@ class LaunchPreset:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Send the requests ``plan`` returns (app/presets.py's PlannedRequest, each named), planned on the engine
+    """Send the requests ``plan`` returns (app/load/presets.py's PlannedRequest, each named), planned on the engine
     thread from the running engine's PresetContext; some may be staggered over steps."""
 
     plan: Callable[[Any], list]

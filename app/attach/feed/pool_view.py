@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.app.attach.pool import PoolCounters, PoolModel
+from kvscope.app.attach.feed.pool import PoolCounters, PoolModel
 from kvscope.engine.outputs import BLOCK_USED, CacheSnapshot, RequestView
 
 PREFIX_QUEUE = "prefix"

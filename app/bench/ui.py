@@ -54,7 +54,7 @@ def generation_rate(stats: list[StepStats]) -> float:
 
 
 def _workload(num_requests: int, max_tokens: int) -> list[tuple[list[dict], SamplingParams]]:
-    from kvscope.app.presets import prompt_lines
+    from kvscope.app.load.presets import prompt_lines
 
     questions = prompt_lines("chat_questions.txt")
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -80,8 +80,8 @@ def _headless(make_engine, workload) -> float:
 
 
 async def _with_ui(make_engine, workload, config: EngineConfig, size: tuple[int, int]) -> float:
-    from kvscope.app.screenshots import wait_until
-    from kvscope.app.tui import KVScopeApp
+    from kvscope.app.app import KVScopeApp
+    from kvscope.app.headless import wait_until
 
     recording: list[RecordingEngine] = []
 
@@ -103,7 +103,7 @@ def bench_engine_with_ui(config: EngineConfig, num_requests: int = 32, max_token
                          repeats: int = 3, size: tuple[int, int] = (160, 48)) -> dict:
     """Rounds of one headless run and one with the UI, the order swapped every other round, so a machine
     that gets busier or quieter during the bench weighs on both sides alike; medians over the rounds."""
-    from kvscope.app.engine_factory import build_engine
+    from kvscope.app.worker.factory import build_engine
 
     first = build_engine(config)
 

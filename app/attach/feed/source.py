@@ -26,14 +26,14 @@ from collections.abc import Callable
 import httpx
 import zmq
 
-from kvscope.app.attach.frame import CONNECTED, DISCONNECTED, AttachFrame, Connection, Notice, QueuePoint
-from kvscope.app.attach.metrics import MetricsSample
-from kvscope.app.attach.pool_set import PoolSet
-from kvscope.app.attach.pool_view import PoolView
-from kvscope.app.attach.rates import RateWindow, ServerRates
-from kvscope.app.attach.run_log import step_stats
-from kvscope.app.attach.server import AttachError, ServerInfo, describe_http_error, fetch_metrics
-from kvscope.app.attach.subscriber import Delivery, EventStream
+from kvscope.app.attach.feed.frame import CONNECTED, DISCONNECTED, AttachFrame, Connection, Notice, QueuePoint
+from kvscope.app.attach.feed.metrics import MetricsSample
+from kvscope.app.attach.feed.pool_set import PoolSet
+from kvscope.app.attach.feed.pool_view import PoolView
+from kvscope.app.attach.feed.rates import RateWindow, ServerRates
+from kvscope.app.attach.feed.run_log import step_stats
+from kvscope.app.attach.feed.server import AttachError, ServerInfo, describe_http_error, fetch_metrics
+from kvscope.app.attach.feed.subscriber import Delivery, EventStream
 from kvscope.engine.outputs import StepStats
 
 FRAME_RATE = 10

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvscope.app.attach.metrics import EngineMetrics, MetricsSample
+from kvscope.app.attach.feed.metrics import EngineMetrics, MetricsSample
 
 LOG_INTERVAL_S = 10.0
 QUANTILES = (0.5, 0.99)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvscope.app.attach.metrics import MetricsSample
-from kvscope.app.attach.pool_view import PoolView
-from kvscope.app.attach.rates import ServerRates
-from kvscope.app.attach.server import ServerInfo
-from kvscope.app.attach.subscriber import StreamStatus
+from kvscope.app.attach.feed.metrics import MetricsSample
+from kvscope.app.attach.feed.pool_view import PoolView
+from kvscope.app.attach.feed.rates import ServerRates
+from kvscope.app.attach.feed.server import ServerInfo
+from kvscope.app.attach.feed.subscriber import StreamStatus
 from kvscope.engine.outputs import StepStats
 
 CONNECTING, CONNECTED, DISCONNECTED = "connecting", "connected", "disconnected"

@@ -13,15 +13,15 @@ from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from kvscope.app.attach.frame import AttachFrame
-from kvscope.app.attach.widgets.events_panel import EventsPanel
-from kvscope.app.attach.widgets.header import AttachHeader
-from kvscope.app.attach.widgets.legend import AttachLegend
-from kvscope.app.attach.widgets.pool_map import PoolMap, SlotHighlighted
-from kvscope.app.attach.widgets.prefix_trees import PrefixTrees
-from kvscope.app.attach.widgets.server_counters import ServerCounters
-from kvscope.app.attach.widgets.server_queues import ServerQueues
-from kvscope.app.attach.widgets.slot_inspector import SlotInspector
+from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.attach.window.widgets.events_panel import EventsPanel
+from kvscope.app.attach.window.widgets.header import AttachHeader
+from kvscope.app.attach.window.widgets.legend import AttachLegend
+from kvscope.app.attach.window.widgets.pool_map import PoolMap, SlotHighlighted
+from kvscope.app.attach.window.widgets.prefix_trees import PrefixTrees
+from kvscope.app.attach.window.widgets.server_counters import ServerCounters
+from kvscope.app.attach.window.widgets.server_queues import ServerQueues
+from kvscope.app.attach.window.widgets.slot_inspector import SlotInspector
 from kvscope.app.messages import RequestSelected
 from kvscope.app.widgets.box import Box
 from kvscope.app.widgets.throughput import Series, Throughput

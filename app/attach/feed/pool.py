@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from kvscope.app.attach.events import CLEARED, DEVICE_MEDIA, REMOVED, STORED
+from kvscope.app.attach.feed.events import CLEARED, DEVICE_MEDIA, REMOVED, STORED
 
 MASK64 = (1 << 64) - 1
 PREVIEW_TOKENS = 48     # tokens kept from a tree's root block(s) for the prefix panel

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kvscope.app.attach.frame import AttachFrame
-from kvscope.app.attach.metrics import MetricsSample
-from kvscope.app.attach.pool import Journal
-from kvscope.app.attach.pool_view import PoolView
-from kvscope.app.attach.rates import ServerRates
-from kvscope.app.attach.server import ServerInfo
+from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.attach.feed.metrics import MetricsSample
+from kvscope.app.attach.feed.pool import Journal
+from kvscope.app.attach.feed.pool_view import PoolView
+from kvscope.app.attach.feed.rates import ServerRates
+from kvscope.app.attach.feed.server import ServerInfo
 from kvscope.app.runlog import open_observed_run_log
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, StepResult, StepStats
 

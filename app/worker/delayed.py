@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from kvscope.app.worker_commands import AddRequest
+from kvscope.app.worker.commands import AddRequest
 
 
 class DelayedRequests:

@@ -14,12 +14,12 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
-from kvscope.app import presets
 from kvscope.app.actions import ACTIONS, REPLACED_SYSTEM_COMMANDS
-from kvscope.app.engine_factory import build_engine, first_engine_then_build
-from kvscope.app.engine_worker import EngineWorker
+from kvscope.app.attach.window.replay_view import replay_screen_for
 from kvscope.app.lessons import LESSONS
 from kvscope.app.lessons.load import teach_config
+from kvscope.app.load import presets
+from kvscope.app.load.presets import PRESETS
 from kvscope.app.messages import (
     ChatSubmitted,
     CommandRejected,
@@ -37,7 +37,6 @@ from kvscope.app.messages import (
     RunStateChanged,
     RunUntilDone,
 )
-from kvscope.app.presets import PRESETS
 from kvscope.app.runlog import record_run
 from kvscope.app.screens.explain import ExplainScreen
 from kvscope.app.screens.history import HistoryScreen
@@ -49,7 +48,9 @@ from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
-from kvscope.app.worker_commands import AddChatTurn
+from kvscope.app.worker.commands import AddChatTurn
+from kvscope.app.worker.factory import build_engine, first_engine_then_build
+from kvscope.app.worker.thread import EngineWorker
 from kvscope.engine.config import EngineConfig, model_sampling
 from kvscope.settings import settings
 from kvscope.themes import THEME_CSS_PATHS
@@ -313,7 +314,7 @@ class KVScopeApp(ThemedApp):
 
     def action_history(self) -> None:
         if not isinstance(self.screen, HistoryScreen):
-            self.push_screen(HistoryScreen(self.db_path))
+            self.push_screen(HistoryScreen(self.db_path, replay_for=replay_screen_for))
 
     def action_toggle_pause(self) -> None:
         if self.worker.state.paused:

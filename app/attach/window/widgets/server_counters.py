@@ -7,8 +7,8 @@ which observations they come from.
 
 from __future__ import annotations
 
-from kvscope.app.attach.frame import AttachFrame
-from kvscope.app.attach.rates import Quantiles
+from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.attach.feed.rates import Quantiles
 from kvscope.app.widgets.formatting import bar, percent
 from kvscope.app.widgets.line_panel import LinePanel
 

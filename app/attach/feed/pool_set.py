@@ -11,10 +11,10 @@ to its rank.
 
 from __future__ import annotations
 
-from kvscope.app.attach.metrics import MetricsSample
-from kvscope.app.attach.pool import Journal, PoolModel
-from kvscope.app.attach.pool_view import PoolPicture, PoolView
-from kvscope.app.attach.server import ServerInfo
+from kvscope.app.attach.feed.metrics import MetricsSample
+from kvscope.app.attach.feed.pool import Journal, PoolModel
+from kvscope.app.attach.feed.pool_view import PoolPicture, PoolView
+from kvscope.app.attach.feed.server import ServerInfo
 
 
 class PoolSet:

@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import zmq
 
-from kvscope.app.attach.events import BatchDecoder, DecodedBatch, MalformedPayload
-from kvscope.app.attach.replay import decode_seq, request_replay
-from kvscope.app.attach.server import EventEndpoint
+from kvscope.app.attach.feed.events import BatchDecoder, DecodedBatch, MalformedPayload
+from kvscope.app.attach.feed.replay import decode_seq, request_replay
+from kvscope.app.attach.feed.server import EventEndpoint
 
 RECEIVE_HWM = 100_000   # as vLLM's publisher: a burst waits in the socket instead of being dropped
 DRAIN_LIMIT = 2_000     # messages taken per call, so metrics and frames are not starved by a flood

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvscope.app.attach.frame import AttachFrame
+from kvscope.app.attach.feed.frame import AttachFrame
 from kvscope.app.widgets.line_panel import LinePanel
 from kvscope.app.widgets.throughput import BARS, bar_levels
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from textual.app import ComposeResult
 
-from kvscope.app.attach.widgets.legend import AttachLegend
-from kvscope.app.attach.widgets.pool_map import PoolMap, SlotHighlighted
-from kvscope.app.attach.widgets.slot_inspector import SlotInspector
+from kvscope.app.attach.window.widgets.legend import AttachLegend
+from kvscope.app.attach.window.widgets.pool_map import PoolMap, SlotHighlighted
+from kvscope.app.attach.window.widgets.slot_inspector import SlotInspector
 from kvscope.app.messages import RequestSelected
+from kvscope.app.runlog import RunLogReader
 from kvscope.app.screens.replay import ReplayScreen
 from kvscope.app.widgets.box import Box
 from kvscope.app.widgets.formatting import percent
@@ -89,12 +90,20 @@ class VllmReplayView(Box):
         self.pool_map.select_request(message.request_id)
 
 
+def replay_screen_for(reader: RunLogReader, run_id: int) -> ReplayScreen:
+    """History's ``replay_for`` in both windows: a watched vLLM server's run replays with the attached
+    window's panels, every other run with the app's."""
+    if reader.run(run_id).get("source") == "vllm":
+        return VllmReplayScreen(reader, run_id)
+    return ReplayScreen(reader, run_id)
+
+
 class VllmReplayScreen(ReplayScreen):
     """The app's replay (its controls, its frames from the log), drawing each step with VllmReplayView."""
 
     # Its own styles: History opens it from the app's window as well as from the attached one.
     CSS_PATH = Path(__file__).with_name("attach.tcss")
 
-    def __init__(self, reader, run_id: int) -> None:
+    def __init__(self, reader: RunLogReader, run_id: int) -> None:
         super().__init__(reader, run_id)
         self.view = VllmReplayView(id="vllm-replay-body")

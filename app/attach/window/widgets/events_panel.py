@@ -9,8 +9,8 @@ import time
 
 from textual.markup import escape
 
-from kvscope.app.attach.frame import AttachFrame
-from kvscope.app.attach.subscriber import StreamStatus
+from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.attach.feed.subscriber import StreamStatus
 from kvscope.app.widgets.line_panel import LinePanel
 
 

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from kvscope.app.attach.metrics import MetricsSample, is_vllm_page, parse_metrics
+from kvscope.app.attach.feed.metrics import MetricsSample, is_vllm_page, parse_metrics
 
 CONNECT_TIMEOUT_S = 3.0
 READ_TIMEOUT_S = 10.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.content import Content
 from textual.widgets import Static
 
-from kvscope.app.attach.frame import CONNECTED, DISCONNECTED, AttachFrame
+from kvscope.app.attach.feed.frame import CONNECTED, DISCONNECTED, AttachFrame
 
 
 def describe_connection(frame: AttachFrame) -> str:
