@@ -40,10 +40,3 @@ class ScheduledBatch:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     preempted_request_ids: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(item.token_ids) for item in self.items)
-
-
-SampledTokens = list  # per BatchItem: list[int] (one per sample index), or None when the item failed (e.g. NaN logits)

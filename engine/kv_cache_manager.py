@@ -2,6 +2,8 @@
 
 Every method that takes blocks is all-or-nothing: it first counts what it
 needs, returns False if the pool is short, and only then changes anything.
+It moves blocks, never a request's counters: as in vLLM, only the scheduler
+advances num_computed_tokens, after the calls here say what they did.
 
 The cache moves it decides (copy-on-write, swap out, swap in) are queued here
 and drained into the next ScheduledBatch; the model runner performs them.
@@ -28,6 +30,26 @@ def cdiv(a: int, b: int) -> int:
 def hash_block(parent_hash: int, token_ids) -> int:
     """Chain hash of one full block: non-zero, deterministic (ints and tuples hash stably in CPython)."""
     return (hash((parent_hash, *token_ids)) & _HASH_MASK) or 1
+
+
+class KVCacheState(NamedTuple):
+    """A copy of both pools' state at one moment, for a snapshot and its stats: read-only arrays, plain counts."""
+
+    block_state: np.ndarray             # int8 [num_blocks], BLOCK_* values
+    ref_counts: np.ndarray              # int32 [num_blocks]
+    block_fill: np.ndarray              # int16 [num_blocks], token slots written
+    block_hashes: np.ndarray            # uint64 [num_blocks], 0 = no cached prefix
+    num_free_blocks: int                # cached-free ones included
+    num_cached_free_blocks: int
+    num_host_blocks: int
+    num_free_host_blocks: int
+    num_tokens_held: int                # slots holding computed K/V in blocks in use, shared blocks once
+    prefix_cache_queries: int           # the rest are cumulative
+    prefix_cache_hits: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_copy_on_write_blocks: int
+    num_evicted_blocks: int
 
 
 class CopyOnWrite(NamedTuple):
@@ -92,7 +114,8 @@ class KVCacheManager:
     def allocate_for_admission(self, request: Request, plan: list[tuple[Sequence, int]],
                                hits: dict[int, list[int]]) -> bool:
         """Admit a request from waiting: prefix hits plus new blocks for the planned tokens (or the
-        contiguous reservation). ``hits`` maps sample index to its cached blocks."""
+        contiguous reservation). ``hits`` maps sample index to its cached blocks; when this returns True,
+        each planned sample has its hits' tokens computed, and the caller records that."""
         pool = self.block_pool
         if self.contiguous:
             seqs = request.live_seqs()
@@ -113,12 +136,12 @@ class KVCacheManager:
             pool.touch(hits[seq.index])
         for seq, num_new in plan:
             cached = hits[seq.index]
-            seq.num_computed_tokens = len(cached) * bs
-            missing = cdiv(seq.num_computed_tokens + num_new, bs) - len(cached)
+            num_cached = len(cached) * bs
+            missing = cdiv(num_cached + num_new, bs) - len(cached)
             seq.block_table = (*cached, *pool.allocate(missing))
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += seq.num_tokens
-                self.prefix_cache_hits += seq.num_computed_tokens
+                self.prefix_cache_hits += num_cached
         return True
 
     def allocate_slots(self, request: Request, plan: list[tuple[Sequence, int]]) -> bool:
@@ -180,9 +203,9 @@ class KVCacheManager:
         self.num_copy_on_write_blocks += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give a sample the parent's computed prompt: shared blocks when paged, copies when contiguous."""
+        """Give a sample the parent's computed prompt: shared blocks when paged, copies when contiguous.
+        The caller gives it the parent's num_computed_tokens."""
         pool = self.block_pool
-        child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         if self.contiguous:
             for i in range(cdiv(parent.num_computed_tokens, self.block_size)):
@@ -193,11 +216,11 @@ class KVCacheManager:
         child.block_table = parent.block_table
         pool.incref(child.block_table)
 
-    def commit(self, seq: Sequence, num_new: int) -> None:
-        """The runner computed ``num_new`` more tokens: record block fill and cache the blocks now full."""
+    def commit(self, seq: Sequence, old: int, num_new: int) -> None:
+        """The runner computed the sample's tokens ``old .. old + num_new - 1``: record block fill and cache
+        the blocks now full. The caller advances num_computed_tokens."""
         bs = self.block_size
-        old = seq.num_computed_tokens
-        new = seq.num_computed_tokens = old + num_new
+        new = old + num_new
         table, fill = seq.block_table, self.block_pool.fill
         if num_new == 1:    # a decode: one slot in one block
             fill[table[old // bs]] = old % bs + 1
@@ -297,7 +320,7 @@ class KVCacheManager:
         dst_pool.ref_counts[targets] = refs[targets]
         return list(zip(unique, targets, strict=True))
 
-    # ---- per-step drains and gauges -------------------------------------------------------------
+    # ---- per-step drains and the state copy -----------------------------------------------------
 
     def take_events(self) -> list:
         """What the cache did since the last call, oldest first: the device pool's KV-cache events (BlockStored,
@@ -314,7 +337,18 @@ class KVCacheManager:
         self.blocks_to_copy.clear()
         return moves
 
-    def num_tokens_held(self) -> int:
-        """Token slots holding computed K/V in blocks in use (shared blocks counted once)."""
-        pool = self.block_pool
-        return int(pool.fill.sum(dtype=np.int64)) - pool.num_cached_free_blocks * self.block_size
+    def copy_state(self) -> KVCacheState:
+        pool, host = self.block_pool, self.host_pool
+        fill = _frozen_copy(pool.fill)
+        return KVCacheState(
+            _frozen_copy(pool.state), _frozen_copy(pool.ref_counts), fill, _frozen_copy(pool.hashes),
+            pool.num_free_blocks, pool.num_cached_free_blocks, host.num_blocks, host.num_free_blocks,
+            int(fill.sum(dtype=np.int64)) - pool.num_cached_free_blocks * self.block_size,
+            self.prefix_cache_queries, self.prefix_cache_hits, self.num_swapped_out_blocks,
+            self.num_swapped_in_blocks, self.num_copy_on_write_blocks, pool.num_evicted_blocks)
+
+
+def _frozen_copy(array: np.ndarray) -> np.ndarray:
+    copy = array.copy()
+    copy.flags.writeable = False
+    return copy

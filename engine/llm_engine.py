@@ -1,8 +1,8 @@
 """LLMEngine: the public API. Requests in, one scheduler iteration plus one forward per step, results out.
 
 A step is four calls: Scheduler.schedule() decides the batch, the runner's execute() computes it,
-Scheduler.update_from_output() records the result, and the engine turns the updated requests into
-outputs, stats and a snapshot. The engine itself holds no request or block state.
+Scheduler.update_from_output() records the result and returns the requests' outputs, and the engine
+adds the stats and a snapshot. The engine itself holds no request or block state.
 
 Threads: add_request and abort_request may be called from any thread while another thread steps. One
 lock covers a step and each of those calls, so a call made during a step waits for it (at most one
@@ -17,16 +17,17 @@ import numbers
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
-from kvscope.engine.outputs import CacheSnapshot, RequestOutput, SampleOutput, StepResult
-from kvscope.engine.request import Request, RequestStatus, Sequence
+from kvscope.engine.observer import EngineObserver
+from kvscope.engine.outputs import CacheSnapshot, RequestOutput, StepResult
+from kvscope.engine.request import Request
 from kvscope.engine.runner import Runner, RunnerInfo, RunnerOutput
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.snapshot import PhaseTimes, build_snapshot, build_stats
 
 _PREVIEW_CHARS = 80
-_FINISHED = RequestStatus.FINISHED  # looked up once: an enum member's lookup through its class costs ~5x a global
 
 
 class LLMEngine:
@@ -49,9 +50,8 @@ class LLMEngine:
         self._pending: dict[str, RequestOutput] = {}
         self._lock = threading.RLock()
         self._stepping = False
-        # Told of every accepted request and every step, e.g. a run log (app.runlog.record_run). Anything
-        # with request_added(request_id, prompt_text, num_prompt_tokens, n) and step(result) methods.
-        self.observers: list = []
+        # Told of every accepted request and every step, e.g. a run log (app.runlog.record_run).
+        self.observers: list[EngineObserver] = []
 
     @property
     def banner(self) -> str:
@@ -80,9 +80,9 @@ class LLMEngine:
             request = self._make_request(prompt, params, request_id)
             self.scheduler.add(request)
             if self.observers:
-                text = self._prompt_text(prompt, request.prompt_token_ids)
-                self._notify("request_added", request.request_id, text, len(request.prompt_token_ids),
-                             request.params.n)
+                request_id, n = request.request_id, request.params.n
+                text, num_tokens = self._prompt_text(prompt, request.prompt_token_ids), len(request.prompt_token_ids)
+                self._notify(lambda observer: observer.request_added(request_id, text, num_tokens, n))
         return request.request_id
 
     def _make_request(self, prompt, params: SamplingParams | None, request_id: str | None) -> Request:
@@ -118,14 +118,14 @@ class LLMEngine:
             return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
         return self.tokenizer.decode(list(token_ids)) if self.tokenizer is not None else f"<{len(token_ids)} token ids>"
 
-    def _notify(self, method: str, *args) -> None:
-        """Call every observer; one that raises is dropped with a warning, and the engine goes on."""
+    def _notify(self, tell: Callable[[EngineObserver], None]) -> None:
+        """Tell every observer; one that raises is dropped with a warning, and the engine goes on."""
         for observer in list(self.observers):
             try:
-                getattr(observer, method)(*args)
+                tell(observer)
             except Exception as exc:
                 self.observers.remove(observer)
-                warnings.warn(f"kvscope: removed the engine observer {observer!r}: its {method}() raised {exc!r}",
+                warnings.warn(f"kvscope: removed the engine observer {observer!r}: it raised {exc!r}",
                               RuntimeWarning, stacklevel=3)
 
     def _new_request_id(self) -> str:
@@ -208,10 +208,10 @@ class LLMEngine:
         Its final output (finish_reason "abort") comes with the next step; until then the id stays in use.
         """
         with self._lock:
-            request = self.scheduler.abort(request_id)
-            if request is None:
+            output = self.scheduler.abort(request_id)
+            if output is None:
                 return False
-            self._pending[request_id] = self._make_output(request, ())
+            self._pending[request_id] = output
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -228,7 +228,8 @@ class LLMEngine:
         """The pool and the queues as they are now, between steps: a request added since the last step
         shows as waiting (what a paused window shows when a load is launched)."""
         with self._lock:
-            return build_snapshot(self.scheduler, self.step_counter, self.config.allocator)
+            return build_snapshot(self.scheduler, self.scheduler.cache_state(), self.step_counter,
+                                  self.config.allocator)
 
     def generate(self, prompts,
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -282,7 +283,7 @@ class LLMEngine:
             try:
                 result = self._step()
                 if self.observers:
-                    self._notify("step", result)
+                    self._notify(lambda observer: observer.step(result))
             finally:
                 self._stepping = False
         return result
@@ -297,17 +298,19 @@ class LLMEngine:
             runner_output = self._execute(output.batch)
             executed = time.perf_counter()
             update = scheduler.update_from_output(output, runner_output)
-            outputs = [self._make_output(request, tokens) for request, tokens in update.updated]
             updated = time.perf_counter()
-            snapshot = build_snapshot(scheduler, self.step_counter, self.config.allocator)
+            cache = scheduler.cache_state()
+            snapshot = build_snapshot(scheduler, cache, self.step_counter, self.config.allocator)
         except BaseException as exc:
             self._recover(exc)
             raise
         times = PhaseTimes(start, scheduled, executed, updated, time.perf_counter())
+        outputs = update.outputs
         if self._pending:
             outputs = [*self._pending.values(), *outputs]
             self._pending.clear()
-        stats = build_stats(scheduler, self.step_counter, time.time(), output.batch, times, update.num_generated)
+        stats = build_stats(scheduler, cache, self.step_counter, time.time(), output.batch, times,
+                            update.num_generated)
         events, kv_events = scheduler.take_events()
         return StepResult(outputs=outputs, stats=stats, snapshot=snapshot, events=events, kv_events=kv_events)
 
@@ -319,28 +322,8 @@ class LLMEngine:
     def _recover(self, exc: BaseException) -> None:
         """The step raised: let the scheduler fail what it touched, and queue their final outputs."""
         error = f"the engine step failed: {type(exc).__name__}: {exc}"
-        for request in self.scheduler.fail_step(error):
-            self._pending[request.request_id] = self._make_output(request, ())
-
-    # ---- results --------------------------------------------------------------------------------
-
-    def _make_output(self, request: Request, new_token_ids: tuple[int, ...]) -> RequestOutput:
-        seqs = request.seqs
-        samples = (_sample_output(seqs[0]),) if len(seqs) == 1 else tuple(_sample_output(s) for s in seqs)
-        first = samples[0]
-        detokenizer = seqs[0].detokenizer
-        # Positional: this runs for every request every step, and keywords cost a third more.
-        return RequestOutput(
-            request.request_id, request.prompt_token_ids, new_token_ids,
-            detokenizer.take_delta() if detokenizer else "", first.token_ids, first.text,
-            request.status is _FINISHED, first.finish_reason, request.num_cached_tokens,
-            request.num_preemptions, request.metrics(), samples, request.error)
-
-
-def _sample_output(seq: Sequence) -> SampleOutput:
-    detokenizer = seq.detokenizer
-    return SampleOutput(seq.index, tuple(seq.token_ids[seq.num_prompt_tokens:]),
-                        detokenizer.output_text if detokenizer else "", seq.finish_reason)
+        for output in self.scheduler.fail_step(error):
+            self._pending[output.request_id] = output
 
 
 def _is_token_id(value) -> bool:

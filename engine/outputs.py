@@ -23,7 +23,6 @@ BLOCK_USED = 1      # ref count >= 1
 BLOCK_CACHED = 2    # ref count 0 but still holds a prefix hash: reusable until evicted
 
 
-
 class _StrEnum(str, Enum):
     """Members are their own string values: they compare equal to, print as and store as plain strings,
     so the run log stays readable and code comparing with "running" keeps working. (enum.StrEnum is
@@ -207,10 +206,28 @@ class StepResult:
     kv_events: tuple[KVCacheEvent, ...] = ()
 
 
+class EventKind(_StrEnum):
+    """What an EngineEvent reports. A str enum, so run logs written with plain strings read back the same."""
+
+    PREEMPT = "preempt"                 # detail: "swap", "recompute" or "recompute (host pool full)"
+    SWAP_OUT = "swap_out"
+    SWAP_IN = "swap_in"
+    EVICT = "evict"                     # blocks: cached prefixes the request's allocation took
+    COPY_ON_WRITE = "copy_on_write"     # blocks: (source, copy); detail: "sample k"
+    ABORT = "abort"
+    ERROR = "error"                     # detail: why
+    FINISH = "finish"                   # detail: the finish reason
+    # Recorded by `kvscope attach` for a watched vLLM server:
+    NOTICE = "notice"                   # detail: what the attach source noticed
+    KV_STORED = "kv_stored"             # blocks: the pool view's slots of blocks the server announced
+    KV_REMOVED = "kv_removed"
+    KV_CLEARED = "kv_cleared"
+
+
 class EngineEvent(NamedTuple):
     """Something the run log and the UI want to know about, beyond the counters."""
 
-    kind: str                           # preempt | swap_out | swap_in | evict | copy_on_write | abort | error | finish
+    kind: EventKind
     request_id: str | None
     blocks: tuple[int, ...] = ()
     detail: str = ""

@@ -11,12 +11,13 @@ import itertools
 
 from kvscope.engine.config import SamplingParams
 from kvscope.engine.detokenizer import IncrementalDetokenizer
-from kvscope.engine.outputs import FinishReason, RequestMetrics, RequestStatus, RequestView
+from kvscope.engine.outputs import FinishReason, RequestMetrics, RequestOutput, RequestStatus, RequestView, SampleOutput
 
 __all__ = ["Request", "RequestStatus", "Sequence"]
 
 
 _seq_ids = itertools.count()
+_FINISHED = RequestStatus.FINISHED  # looked up once: an enum member's lookup through its class costs ~5x a global
 
 
 class Sequence:
@@ -118,6 +119,19 @@ class Request:
             return False
         return True
 
+    def output(self, new_token_ids: tuple[int, ...]) -> RequestOutput:
+        """What the request reports after a step that gave sample 0 ``new_token_ids``; takes the text delta."""
+        seqs = self.seqs
+        samples = (_sample_output(seqs[0]),) if len(seqs) == 1 else tuple(_sample_output(s) for s in seqs)
+        first = samples[0]
+        detokenizer = seqs[0].detokenizer
+        # Positional: this runs for every request every step, and keywords cost a third more.
+        return RequestOutput(
+            self.request_id, self.prompt_token_ids, new_token_ids,
+            detokenizer.take_delta() if detokenizer else "", first.token_ids, first.text,
+            self.status is _FINISHED, first.finish_reason, self.num_cached_tokens,
+            self.num_preemptions, self.metrics(), samples, self.error)
+
     def metrics(self) -> RequestMetrics:
         cached = self._metrics
         if (cached is None or cached.first_scheduled_time != self.first_scheduled_time
@@ -126,6 +140,12 @@ class Request:
             cached = self._metrics = RequestMetrics(self.arrival_time, self.first_scheduled_time,
                                                     self.first_token_time, self.finished_time)
         return cached
+
+
+def _sample_output(seq: Sequence) -> SampleOutput:
+    detokenizer = seq.detokenizer
+    return SampleOutput(seq.index, tuple(seq.token_ids[seq.num_prompt_tokens:]),
+                        detokenizer.output_text if detokenizer else "", seq.finish_reason)
 
 
 def _detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingParams):

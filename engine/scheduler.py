@@ -22,8 +22,16 @@ from typing import NamedTuple
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.kv_cache_manager import CopyOnWrite, KVCacheManager
-from kvscope.engine.outputs import BlockRemoved, EngineEvent, FinishReason, KVCacheEvent, RequestStatus
+from kvscope.engine.kv_cache_manager import CopyOnWrite, KVCacheManager, KVCacheState
+from kvscope.engine.outputs import (
+    BlockRemoved,
+    EngineEvent,
+    EventKind,
+    FinishReason,
+    KVCacheEvent,
+    RequestOutput,
+    RequestStatus,
+)
 from kvscope.engine.request import Request, Sequence
 from kvscope.engine.runner import RunnerOutput
 
@@ -50,10 +58,10 @@ class StepEvents(NamedTuple):
 
 
 class StepUpdate(NamedTuple):
-    """What update_from_output changed: each request with something to report (with sample 0's new token,
-    if any), in output order, and how many tokens the step generated."""
+    """What update_from_output reports, as vLLM's EngineCoreOutputs: an output for each request with something
+    to report, in output order, and how many tokens the step generated."""
 
-    updated: list[tuple[Request, tuple[int, ...]]]
+    outputs: list[RequestOutput]
     num_generated: int
 
 
@@ -72,7 +80,6 @@ class Scheduler:
         self.swapped: list[Request] = []    # sorted by arrival: the first one comes back first
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
-        self.num_swap_fallbacks = 0         # swap preemptions that recomputed because the host pool was full
         self.events: list[EngineEvent] = []
         self.kv_events: list[KVCacheEvent] = []
         # What one schedule() pass builds up: its token budget, what it scheduled and the batch items for it,
@@ -110,6 +117,10 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    def cache_state(self) -> KVCacheState:
+        """A read-only copy of the KV cache's state, for a snapshot and its stats."""
+        return self.kv.copy_state()
 
     # ---- one step: schedule -----------------------------------------------------------------------
 
@@ -185,7 +196,7 @@ class Scheduler:
                 return
             self.swapped.pop(0)
             self._enter_running(request)
-            self.events.append(EngineEvent("swap_in", request.request_id, request.device_blocks()))
+            self.events.append(EngineEvent(EventKind.SWAP_IN, request.request_id, request.device_blocks()))
             self._take(request, plan)
 
     def _schedule_waiting(self) -> None:
@@ -203,6 +214,8 @@ class Scheduler:
                 budget -= take
             if not self.kv.allocate_for_admission(request, plan, hits):
                 return
+            for seq, _ in plan:
+                seq.num_computed_tokens = len(hits[seq.index]) * bs
             self.waiting.popleft()
             if not request.admitted:
                 request.admitted = True
@@ -256,14 +269,14 @@ class Scheduler:
         for event in cache_events:
             kind = type(event)
             if kind is CopyOnWrite:
-                copies.append(EngineEvent("copy_on_write", request_id, (event.src, event.dst),
+                copies.append(EngineEvent(EventKind.COPY_ON_WRITE, request_id, (event.src, event.dst),
                                           f"sample {event.sample_index}"))
                 continue
             self.kv_events.append(event)
             if kind is BlockRemoved and request is not None:
                 evicted.append(event.block_id)
         if evicted:
-            self.events.append(EngineEvent("evict", request_id, tuple(evicted)))
+            self.events.append(EngineEvent(EventKind.EVICT, request_id, tuple(evicted)))
         self.events.extend(copies)
 
     def _enter_running(self, request: Request) -> None:
@@ -277,30 +290,29 @@ class Scheduler:
         if self.preemption_mode == "swap" and self.kv.swap_out(victim):
             victim.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, victim, key=_by_arrival)
-            self.events.append(EngineEvent("preempt", victim.request_id, blocks, "swap"))
-            self.events.append(EngineEvent("swap_out", victim.request_id, blocks))
+            self.events.append(EngineEvent(EventKind.PREEMPT, victim.request_id, blocks, "swap"))
+            self.events.append(EngineEvent(EventKind.SWAP_OUT, victim.request_id, blocks))
             return
         detail = "recompute"
         if self.preemption_mode == "swap":
-            self.num_swap_fallbacks += 1
             detail = "recompute (host pool full)"
         self.kv.free_request(victim)
         for seq in victim.seqs:
             seq.num_computed_tokens = 0     # generated tokens stay: it resumes where it was
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
-        self.events.append(EngineEvent("preempt", victim.request_id, blocks, detail))
+        self.events.append(EngineEvent(EventKind.PREEMPT, victim.request_id, blocks, detail))
 
     # ---- one step: update from the runner's output --------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> StepUpdate:
         """Record what the runner computed and sampled: commit computed tokens (filling blocks, caching full
         ones), fork the samples of n > 1 requests whose prompt completed, append each sampled token, apply
-        the stop rules, and finish and free the requests that are done. Drops the snapshot view of every
-        request the step scheduled or preempted: no other request changed."""
+        the stop rules, finish and free the requests that are done, and build the outputs. Drops the snapshot
+        view of every request the step scheduled or preempted: no other request changed."""
         now = time.time()
-        updated: list[tuple[Request, tuple[int, ...]]] = []
-        failed = self._fail_items(output, runner_output, now, updated) if None in runner_output else ()
+        outputs: list[RequestOutput] = []
+        failed = self._fail_items(output, runner_output, now, outputs) if None in runner_output else ()
         grouped: dict[Request, int | None] = {}   # n > 1 requests that sampled, with sample 0's token
         commit = self.kv.commit
         num_generated = 0
@@ -309,7 +321,9 @@ class Scheduler:
             request.view = None
             if failed and request in failed:
                 continue
-            commit(seq, num_new)
+            start = item.start_pos
+            commit(seq, start, num_new)
+            seq.num_computed_tokens = start + num_new
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             sample_indices = item.sample_indices
@@ -320,7 +334,7 @@ class Scheduler:
                 token = sampled[0]
                 if request.append_token(seq, token, now):
                     self._sample_finished(request, seq, now)
-                updated.append((request, (token,)))
+                outputs.append(request.output((token,)))
                 continue
             if not request.forked:
                 self._fork(request)
@@ -331,25 +345,27 @@ class Scheduler:
                     self._sample_finished(request, sample, now)
                 if sample_index == 0:
                     grouped[request] = token
-        updated.extend((request, () if token is None else (token,)) for request, token in grouped.items())
+        outputs.extend(request.output(() if token is None else (token,)) for request, token in grouped.items())
         for request in output.preempted:
             request.view = None
-        return StepUpdate(updated, num_generated)
+        return StepUpdate(outputs, num_generated)
 
     def _fail_items(self, output: SchedulerOutput, runner_output: RunnerOutput, now: float,
-                    updated: list) -> set[Request]:
+                    outputs: list[RequestOutput]) -> set[Request]:
         """Requests the runner returned None for finish with an error; the rest of the batch goes on."""
         failed = {request for (request, _, _), sampled in zip(output.scheduled, runner_output) if sampled is None}
         for request in failed:
             request.error = _RUNNER_FAILED
-            self.events.append(EngineEvent("error", request.request_id, request.device_blocks(), _RUNNER_FAILED))
+            blocks = request.device_blocks()
+            self.events.append(EngineEvent(EventKind.ERROR, request.request_id, blocks, _RUNNER_FAILED))
             self._end(request, FinishReason.ERROR, now)
-            updated.append((request, ()))
+            outputs.append(request.output(()))
         return failed
 
     def _fork(self, request: Request) -> None:
         parent = request.seqs[0]
         for child in request.seqs[1:]:
+            child.num_computed_tokens = parent.num_computed_tokens
             self.kv.fork(parent, child)
         request.forked = True
 
@@ -361,19 +377,20 @@ class Scheduler:
             return
         request.finished_time = now
         self._remove(request)
-        self.events.append(EngineEvent("finish", request.request_id, blocks, seq.finish_reason))
+        self.events.append(EngineEvent(EventKind.FINISH, request.request_id, blocks, seq.finish_reason))
 
     # ---- ending requests early ----------------------------------------------------------------------
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish a request wherever it is and free its blocks; None if it is unknown or already finished."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request wherever it is and free its blocks: its final output, or None if it is unknown or
+        already finished."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         blocks = request.device_blocks()
         self._end(request, FinishReason.ABORT, time.time())
-        self.events.append(EngineEvent("abort", request_id, blocks))
-        return request
+        self.events.append(EngineEvent(EventKind.ABORT, request_id, blocks))
+        return request.output(())
 
     def _end(self, request: Request, reason: FinishReason, now: float) -> None:
         for seq in request.seqs:
@@ -394,12 +411,12 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         del self.requests[request.request_id]
 
-    def fail_step(self, error: str) -> list[Request]:
+    def fail_step(self, error: str) -> list[RequestOutput]:
         """The step raised part-way. Finish every request it touched (scheduled, preempted, or being worked on
         when it stopped) with FinishReason.ERROR, and rebuild the pools from the requests that go on: those
         were not touched, so they go on as if the step never ran. Spared: requests the update had already
         finished, and recompute victims, which are back in waiting with nothing in the cache to lose.
-        Returns the touched requests that are finished now, for their final outputs."""
+        Returns the final outputs of the touched requests that are finished now."""
         touched = [request for request, _, _ in self._scheduled] + self._preempted
         if self._current is not None:
             touched.append(self._current)
@@ -413,7 +430,7 @@ class Scheduler:
         self.swapped = [r for r in self.swapped if r not in gone]
         now = time.time()
         for request in failed:
-            self.events.append(EngineEvent("error", request.request_id, request.device_blocks(), error))
+            self.events.append(EngineEvent(EventKind.ERROR, request.request_id, request.device_blocks(), error))
             request.error = error
             request.finished_time = now
             request.status = RequestStatus.FINISHED
@@ -424,7 +441,7 @@ class Scheduler:
                         drop=[seq for r in failed for seq in r.seqs])
         self._record_cache_events(None, self.kv.take_events())  # what it cached, and dropped as half written
         self._scheduled, self._preempted, self._current = [], [], None
-        return [request for request in touched if request.status == RequestStatus.FINISHED]
+        return [request.output(()) for request in touched if request.status == RequestStatus.FINISHED]
 
     def _cleanly_requeued(self, request: Request) -> bool:
         """A recompute victim whose preemption completed: waiting, holding no blocks, nothing computed."""

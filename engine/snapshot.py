@@ -1,14 +1,15 @@
 """What a step reports besides its outputs: the cache snapshot and the step's counters.
 
-Both only read the scheduler's state. The snapshot copies the pool's per-block arrays and reuses each
-request's view until the scheduler drops it (Scheduler.update_from_output), so a step that touched few
-requests builds few views.
+Both only read: the scheduler's queues, and one copy of the KV cache's state (Scheduler.cache_state(), whose
+arrays are read-only, as a replayed snapshot's are). The snapshot reuses each request's view until the
+scheduler drops it (Scheduler.update_from_output), so a step that touched few requests builds few views.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from kvscope.engine.kv_cache_manager import KVCacheState
 from kvscope.engine.outputs import CacheSnapshot, RequestView, StepStats
 from kvscope.engine.request import Request, Sequence
 from kvscope.engine.scheduler import Scheduler
@@ -24,17 +25,16 @@ class PhaseTimes(NamedTuple):
     snapshotted: float
 
 
-def build_snapshot(scheduler: Scheduler, step: int, allocator: str) -> CacheSnapshot:
-    pool, host = scheduler.kv.block_pool, scheduler.kv.host_pool
+def build_snapshot(scheduler: Scheduler, cache: KVCacheState, step: int, allocator: str) -> CacheSnapshot:
     queues = (scheduler.running, scheduler.swapped, scheduler.waiting)
-    views = [request_view(request, scheduler) for queue in queues for request in queue]
-    return CacheSnapshot(step=step, block_size=pool.block_size, num_blocks=pool.num_blocks, allocator=allocator,
-                         block_state=pool.state.copy(), ref_counts=pool.ref_counts.copy(),
-                         block_fill=pool.fill.copy(), block_hashes=pool.hashes.copy(), requests=tuple(views),
-                         num_host_blocks=host.num_blocks, num_free_host_blocks=host.num_free_blocks)
+    views = [request_view(request, scheduler, cache) for queue in queues for request in queue]
+    return CacheSnapshot(step=step, block_size=scheduler.block_size, num_blocks=len(cache.block_state),
+                         allocator=allocator, block_state=cache.block_state, ref_counts=cache.ref_counts,
+                         block_fill=cache.block_fill, block_hashes=cache.block_hashes, requests=tuple(views),
+                         num_host_blocks=cache.num_host_blocks, num_free_host_blocks=cache.num_free_host_blocks)
 
 
-def request_view(request: Request, scheduler: Scheduler) -> RequestView:
+def request_view(request: Request, scheduler: Scheduler, cache: KVCacheState) -> RequestView:
     """The request as the block map sees it; rebuilt only when the scheduler touched the request."""
     view = request.view
     if view is not None:
@@ -50,7 +50,7 @@ def request_view(request: Request, scheduler: Scheduler) -> RequestView:
         live = request.live_seqs()
         block_tables = tuple(seq.block_table for seq in live)
         host_block_tables = tuple(seq.host_block_table for seq in live if seq.host_block_table)
-        reserved, used = _shared_slots(live, scheduler)
+        reserved, used = _shared_slots(live, scheduler.block_size, cache.block_fill)
     view = request.view = RequestView(    # positional: this runs for every touched request every step
         request.request_id, request.status, request.arrival_index, block_tables, host_block_tables,
         first.num_prompt_tokens, len(first.token_ids) - first.num_prompt_tokens, request.params.max_tokens,
@@ -59,34 +59,32 @@ def request_view(request: Request, scheduler: Scheduler) -> RequestView:
     return view
 
 
-def _shared_slots(live: list[Sequence], scheduler: Scheduler) -> tuple[int, int]:
+def _shared_slots(live: list[Sequence], block_size: int, fill) -> tuple[int, int]:
     """(slots held in device blocks, slots holding computed tokens), counting shared blocks once."""
     blocks = list({b for seq in live for b in seq.block_table})
-    fill = scheduler.kv.block_pool.fill
-    return len(blocks) * scheduler.block_size, int(fill[blocks].sum()) if blocks else 0
+    return len(blocks) * block_size, int(fill[blocks].sum()) if blocks else 0
 
 
-def build_stats(scheduler: Scheduler, step: int, now: float, batch, times: PhaseTimes,
+def build_stats(scheduler: Scheduler, cache: KVCacheState, step: int, now: float, batch, times: PhaseTimes,
                 num_generated: int) -> StepStats:
-    kv = scheduler.kv
-    pool, host = kv.block_pool, kv.host_pool
-    used = pool.num_used_blocks
-    slots = used * pool.block_size
+    num_blocks = len(cache.block_state)
+    used = num_blocks - cache.num_free_blocks
+    slots = used * scheduler.block_size
     duration = times.snapshotted - times.start
     return StepStats(
         step=step, time=now, duration=duration,
         num_prefill_tokens=batch.num_prefill_tokens, num_decode_tokens=batch.num_decode_tokens,
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-        num_swapped=len(scheduler.swapped), num_free_blocks=pool.num_free_blocks,
-        num_cached_free_blocks=pool.num_cached_free_blocks, num_total_blocks=pool.num_blocks,
-        kv_usage=used / pool.num_blocks,
-        kv_token_utilisation=kv.num_tokens_held() / slots if slots else 0.0,
-        prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-        num_preemptions=scheduler.num_preemptions, num_swapped_out_blocks=kv.num_swapped_out_blocks,
-        num_swapped_in_blocks=kv.num_swapped_in_blocks,
+        num_swapped=len(scheduler.swapped), num_free_blocks=cache.num_free_blocks,
+        num_cached_free_blocks=cache.num_cached_free_blocks, num_total_blocks=num_blocks,
+        kv_usage=used / num_blocks,
+        kv_token_utilisation=cache.num_tokens_held / slots if slots else 0.0,
+        prefix_cache_queries=cache.prefix_cache_queries, prefix_cache_hits=cache.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions, num_swapped_out_blocks=cache.num_swapped_out_blocks,
+        num_swapped_in_blocks=cache.num_swapped_in_blocks,
         prompt_tokens_per_s=batch.num_prefill_tokens / duration if duration > 0 else 0.0,
         generation_tokens_per_s=num_generated / duration if duration > 0 else 0.0,
-        forward_duration=times.executed - times.scheduled, num_host_blocks=host.num_blocks,
-        num_free_host_blocks=host.num_free_blocks, schedule_duration=times.scheduled - times.start,
-        num_copy_on_write_blocks=kv.num_copy_on_write_blocks, num_evicted_blocks=pool.num_evicted_blocks,
+        forward_duration=times.executed - times.scheduled, num_host_blocks=cache.num_host_blocks,
+        num_free_host_blocks=cache.num_free_host_blocks, schedule_duration=times.scheduled - times.start,
+        num_copy_on_write_blocks=cache.num_copy_on_write_blocks, num_evicted_blocks=cache.num_evicted_blocks,
         update_duration=times.updated - times.executed, snapshot_duration=times.snapshotted - times.updated)

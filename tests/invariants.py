@@ -124,6 +124,8 @@ def _check_result(engine, result) -> None:
     assert np.array_equal(snap.ref_counts, pool.ref_counts) and np.array_equal(snap.block_state, pool.state)
     assert np.array_equal(snap.block_fill, pool.fill) and np.array_equal(snap.block_hashes, pool.hashes)
     assert snap.ref_counts is not pool.ref_counts, "the snapshot must own its arrays"
+    for array in (snap.block_state, snap.ref_counts, snap.block_fill, snap.block_hashes):
+        assert not array.flags.writeable, "a snapshot's arrays are read-only, live or replayed"
     views = {view.request_id: view for view in snap.requests}
     assert set(views) == set(scheduler.requests)
     for request_id, request in scheduler.requests.items():

@@ -13,9 +13,9 @@ import types
 import pytest
 from invariants import check_invariants, run_checked
 
-from kvscope.engine import EngineConfig, LLMEngine, RequestError, SamplingParams, llm_engine, scheduler
+from kvscope.engine import EngineConfig, EngineObserver, LLMEngine, RequestError, SamplingParams, llm_engine
 from kvscope.engine.fake_runner import FakeRunner, fake_engine
-from kvscope.engine.outputs import FinishReason, RequestStatus
+from kvscope.engine.outputs import EventKind, FinishReason, RequestStatus
 
 
 def make_engine(num_blocks=64, max_model_len=128, **config):
@@ -285,6 +285,7 @@ def test_an_observer_that_raises_is_dropped_and_the_engine_goes_on():
 
     engine = make_engine()
     broken, counting = Broken(), Counting()
+    assert isinstance(counting, EngineObserver)     # a Protocol: any object with its two methods
     engine.observers += [broken, counting]
     engine.add_request("hi", greedy(3), request_id="a")
     with pytest.warns(RuntimeWarning, match="disk full"):
@@ -299,7 +300,10 @@ def test_statuses_and_finish_reasons_are_enums_that_read_as_strings():
     engine.add_request([1, 2, 3], greedy(2), request_id="a")
     view = engine.step().snapshot.requests[0]
     assert view.queue is RequestStatus.RUNNING and view.queue == "running" and f"{view.queue}" == "running"
-    final = run_checked(engine)[-1]
+    results = []
+    final = run_checked(engine, on_step=results.append)[-1]
+    (finish,) = [e for r in results for e in r.events]
+    assert finish.kind is EventKind.FINISH and finish.kind == "finish" and json.dumps(finish.kind) == '"finish"'
     assert final.finish_reason is FinishReason.LENGTH and final.samples[0].finish_reason is FinishReason.LENGTH
     assert final.finish_reason == "length" and str(final.finish_reason) == "length"
     assert json.dumps([final.finish_reason, view.queue]) == '["length", "running"]'
@@ -319,13 +323,21 @@ def test_step_stats_time_each_phase_of_the_step():
         assert math.isclose(sum(phases), stats.duration, rel_tol=1e-9, abs_tol=1e-9)
 
 
-def test_the_engine_leaves_blocks_and_events_to_the_scheduler():
+def test_the_engine_leaves_blocks_events_and_outputs_to_the_scheduler():
+    """The scheduler's update_from_output, abort and fail_step return the outputs: the engine never reopens
+    a request the scheduler has just updated."""
     source = inspect.getsource(llm_engine)
-    for reach_in in (".kv.", ".kv\n", "block_pool", ".events", "free_sequence", "commit("):
+    for reach_in in (".kv.", ".kv\n", "block_pool", ".events", "free_sequence", "commit(", ".seqs", "detokenizer",
+                     "RequestOutput(", "getattr("):
         assert reach_in not in source, reach_in
 
 
-def test_the_scheduler_hears_of_the_cache_s_doings_through_take_events_only():
-    source = inspect.getsource(scheduler)
-    for reach_in in ("block_pool", "host_pool", ".evicted", ".copied_on_write"):
-        assert reach_in not in source, reach_in
+def test_the_scheduler_and_the_snapshot_read_the_cache_through_one_call_each():
+    """The scheduler hears of the cache's doings through take_events(), the snapshot copies its state through
+    cache_state(): neither reaches into the pools."""
+    from kvscope.engine import scheduler, snapshot
+
+    for module in (scheduler, snapshot):
+        source = inspect.getsource(module)
+        for reach_in in ("block_pool", "host_pool", ".evicted", ".copied_on_write"):
+            assert reach_in not in source, (module.__name__, reach_in)

@@ -13,6 +13,7 @@ from invariants import check_invariants, run_checked
 from kvscope.engine import ConfigError, EngineConfig, LLMEngine, RequestError, SamplingParams
 from kvscope.engine.config import GREEDY_TEMPERATURE
 from kvscope.engine.fake_runner import fake_engine
+from kvscope.engine.outputs import EventKind
 
 
 def make_engine(**config):
@@ -168,8 +169,9 @@ def test_swap_space_zero_means_no_host_pool_and_swap_falls_back_to_recompute():
                                       max_num_batched_tokens=64), num_blocks=6, num_host_blocks=0)
     for name in "abc":
         engine.add_request(list(range(8)), greedy(12), request_id=name)
-    outputs = run_checked(engine)
-    assert engine.scheduler.num_swap_fallbacks > 0
+    events = []
+    outputs = run_checked(engine, on_step=lambda result: events.extend(result.events))
+    assert any(e.kind == EventKind.PREEMPT and e.detail == "recompute (host pool full)" for e in events)
     assert sorted(o.request_id for o in outputs if o.finished) == ["a", "b", "c"]
     check_invariants(engine)
     assert math.isclose(0, engine.scheduler.kv.host_pool.num_blocks)

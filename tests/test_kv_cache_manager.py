@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+
+from kvscope.engine import kv_cache_manager
 from kvscope.engine.config import SamplingParams
 from kvscope.engine.kv_cache_manager import KVCacheManager, hash_block
 from kvscope.engine.request import Request
@@ -26,8 +29,15 @@ def admit(kv: KVCacheManager, req: Request) -> bool:
     if not kv.allocate_for_admission(req, plan, hits):
         return False
     for seq, num_new in plan:
-        kv.commit(seq, num_new)
+        seq.num_computed_tokens = len(hits[seq.index]) * BS
+        commit(kv, seq, num_new)
     return True
+
+
+def commit(kv: KVCacheManager, seq, num_new: int) -> None:
+    """What the scheduler does with computed tokens: the cache records them, then the counter moves."""
+    kv.commit(seq, seq.num_computed_tokens, num_new)
+    seq.num_computed_tokens += num_new
 
 
 def decode(kv: KVCacheManager, req: Request, token: int) -> bool:
@@ -41,14 +51,29 @@ def decode(kv: KVCacheManager, req: Request, token: int) -> bool:
             seq.token_ids.pop()
         return False
     for seq in seqs:
-        kv.commit(seq, 1)
+        commit(kv, seq, 1)
     return True
 
 
 def fork(kv: KVCacheManager, req: Request) -> None:
     for child in req.seqs[1:]:
+        child.num_computed_tokens = req.seqs[0].num_computed_tokens
         kv.fork(req.seqs[0], child)
     req.forked = True
+
+
+def test_the_manager_moves_blocks_and_leaves_every_computed_count_to_the_scheduler():
+    kv = manager()
+    assert admit(kv, request(range(10), rid="a"))
+    b = request(range(10), n=2, rid="b")
+    seq = b.seqs[0]
+    hits = {0: kv.find_cached_prefix(seq)}
+    assert kv.allocate_for_admission(b, [(seq, 2)], hits) and len(seq.block_table) == 3
+    kv.commit(seq, 8, 2)
+    kv.fork(seq, b.seqs[1])
+    assert [s.num_computed_tokens for s in b.seqs] == [0, 0]
+    assert "num_computed_tokens =" not in inspect.getsource(kv_cache_manager)
+    assert "num_computed_tokens +=" not in inspect.getsource(kv_cache_manager)
 
 
 def test_block_hash_chain_depends_on_parent_and_content_and_is_never_zero():
@@ -153,7 +178,7 @@ def test_contiguous_reserves_max_model_len_and_fork_copies_the_prompt():
     assert admit(kv, req)
     assert [len(seq.block_table) for seq in req.seqs] == [4, 4]
     assert kv.block_pool.num_used_blocks == 8
-    assert kv.num_tokens_held() == 6                        # 32 slots reserved, 6 used
+    assert kv.copy_state().num_tokens_held == 6              # 32 slots reserved, 6 used
     fork(kv, req)
     copies = kv.take_cache_moves()[2]
     assert copies == tuple(zip(req.seqs[0].block_table[:2], req.seqs[1].block_table[:2], strict=True))

@@ -20,7 +20,7 @@ from kvscope.app.runlog import SCHEMA_VERSION, RunLogReader, open_run_log, schem
 from kvscope.app.runlog.liveness import current_process_identity, mark_crashed_runs
 from kvscope.engine import loader
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.outputs import StepStats
+from kvscope.engine.outputs import EventKind, StepStats
 from kvscope.settings import settings
 
 CONFIG = EngineConfig(device="cpu", num_blocks=128, block_size=16)
@@ -149,6 +149,10 @@ def test_steps_requests_and_events_read_back_as_logged(tmp_path):
     expected = [(r.stats.step, e.kind, e.request_id, list(e.blocks)) for r in results for e in r.events]
     assert [(e["step"], e["kind"], e["request_id"], json.loads(e["blocks"])) for e in events] == expected
     assert {"evict", "preempt"} <= {e["kind"] for e in events}
+    replayed = [e for step in reader.recorded_steps(logger.run_id)
+                for e in reader.snapshot_at(logger.run_id, step).events]
+    assert {e.kind for e in replayed} <= set(EventKind) and EventKind.EVICT in {e.kind for e in replayed}
+    reader.close()
 
 
 def test_summary_and_listing_agree_with_the_steps(tmp_path):
@@ -450,6 +454,22 @@ def test_a_script_that_raises_leaves_a_crashed_run(tmp_path):
         engine.step()
         raise RuntimeError("the script failed")
     assert RunLogReader(db).run(log.run_id)["status"] == "crashed"
+
+
+def test_record_run_attaches_an_engine_observer_that_hears_every_request_and_step(tmp_path):
+    from kvscope.app.runlog import record_run
+    from kvscope.engine import EngineObserver, SamplingParams
+    from kvscope.engine.fake_runner import fake_engine
+
+    engine = fake_engine(EngineConfig(block_size=4), num_blocks=32, max_model_len=64)
+    with record_run(engine, db_path=tmp_path / "runs.db") as log:
+        assert engine.observers == [log] and isinstance(log, EngineObserver)
+        engine.generate([[1, 2, 3], "hi"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    reader = RunLogReader(tmp_path / "runs.db")
+    requests = reader.rows("requests", log.run_id)
+    assert [(r["request_id"], r["num_prompt_tokens"]) for r in requests] == [("0", 3), ("1", 2)]
+    assert len(reader.steps(log.run_id)) == engine.step_counter
+    reader.close()
 
 
 def test_record_run_with_a_bad_path_warns_and_the_engine_runs_on(tmp_path):

@@ -22,6 +22,7 @@ from kvscope.app.lessons.script import (
     arrows,
     has_event,
 )
+from kvscope.engine.outputs import EventKind
 
 POOL_BLOCKS = 7
 NAMES = ("r1", "r2", "r3", "r4")
@@ -34,8 +35,16 @@ def load(ctx) -> list:
     return [read(name, ctx, PROMPT_TOKENS, MAX_TOKENS, offset=50 * i) for i, name in enumerate(NAMES)]
 
 
-def _event(moment: Moment, kind: str):
+def _event(moment: Moment, kind: EventKind):
     return next(e for e in moment.result.events if e.kind == kind)
+
+
+def _pointing_at(kind: EventKind, with_blocks: bool = True):
+    """Highlight the request of the step's first ``kind`` event, and that event's blocks."""
+    def point(moment: Moment) -> Highlight:
+        event = _event(moment, kind)
+        return Highlight(event.request_id, event.blocks) if with_blocks else Highlight(event.request_id)
+    return point
 
 
 def back_from_recompute(result) -> bool:
@@ -44,7 +53,7 @@ def back_from_recompute(result) -> bool:
 
 
 def say_preempt(moment: Moment) -> str:
-    event = _event(moment, "preempt")
+    event = _event(moment, EventKind.PREEMPT)
     view = moment.view(event.request_id)
     tokens = view.num_prompt_tokens + view.num_output_tokens
     return (f"The pool is out of blocks: every request needed a new one in the same step. The scheduler "
@@ -71,7 +80,7 @@ def say_done(moment: Moment) -> str:
 
 
 def say_swapped(moment: Moment) -> str:
-    event = _event(moment, "swap_out")
+    event = _event(moment, EventKind.SWAP_OUT)
     view = moment.view(event.request_id)
     host = view.host_block_tables[0] if view.host_block_tables else ()
     return (f"[b]Swap[/b] mode, same requests, same moment: this time {event.request_id}'s blocks "
@@ -81,7 +90,7 @@ def say_swapped(moment: Moment) -> str:
 
 
 def say_swapped_in(moment: Moment) -> str:
-    event = _event(moment, "swap_in")
+    event = _event(moment, EventKind.SWAP_IN)
     return (f"Blocks are free again: {event.request_id}'s blocks came back from the host pool into device blocks "
             f"[b]{arrows(event.blocks)}[/b], and it goes on from where it stopped: nothing recomputed.")
 
@@ -109,16 +118,16 @@ LESSON = Lesson(
     summary="More requests than fit: the latest arrival is preempted, recomputed, then swapped out and back.",
     config={"num_blocks": POOL_BLOCKS, "preemption_mode": "recompute", "enable_prefix_caching": False},
     beats=(
-        Beat("preempt", "Out of blocks: the latest arrival goes", say_preempt, until=has_event("preempt"),
-             load=load, point=lambda m: Highlight(_event(m, "preempt").request_id, _event(m, "preempt").blocks)),
+        Beat("preempt", "Out of blocks: the latest arrival goes", say_preempt, until=has_event(EventKind.PREEMPT),
+             load=load, point=_pointing_at(EventKind.PREEMPT)),
         Beat("back", "Back, and computed again", say_back, until=back_from_recompute,
              point=lambda m: Highlight(VICTIM)),
         Beat("recompute-done", "Recompute mode: all done", say_done, until=all_done),
-        Beat("swapped", "Swap mode: out to the host pool", say_swapped, until=has_event("swap_out"),
+        Beat("swapped", "Swap mode: out to the host pool", say_swapped, until=has_event(EventKind.SWAP_OUT),
              config={"num_blocks": POOL_BLOCKS, "preemption_mode": "swap"}, load=load,
-             point=lambda m: Highlight(_event(m, "swap_out").request_id)),
-        Beat("swapped-in", "And back in", say_swapped_in, until=has_event("swap_in"),
-             point=lambda m: Highlight(_event(m, "swap_in").request_id, _event(m, "swap_in").blocks)),
+             point=_pointing_at(EventKind.SWAP_OUT, with_blocks=False)),
+        Beat("swapped-in", "And back in", say_swapped_in, until=has_event(EventKind.SWAP_IN),
+             point=_pointing_at(EventKind.SWAP_IN)),
         Beat("figures", "Recompute against swap", say_figures, until=all_done),
     ),
 )

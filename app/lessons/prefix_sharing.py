@@ -26,7 +26,7 @@ from kvscope.app.lessons.script import (
     plural,
     prefilled,
 )
-from kvscope.engine.outputs import BLOCK_CACHED
+from kvscope.engine.outputs import BLOCK_CACHED, EventKind
 
 POOL_BLOCKS = 36
 SYSTEM_TOKENS = 130
@@ -99,7 +99,7 @@ def _cached(moment: Moment) -> tuple[int, ...]:
 
 
 def _evicted(moment: Moment) -> tuple[int, ...]:
-    return tuple(b for e in moment.result.events if e.kind == "evict" for b in e.blocks)
+    return tuple(b for e in moment.result.events if e.kind == EventKind.EVICT for b in e.blocks)
 
 
 def say_evicted(moment: Moment) -> str:
@@ -128,7 +128,7 @@ def say_again(moment: Moment) -> str:
 def say_figures(moment: Moment) -> str:
     stats = moment.stats
     steps = moment.run_steps()
-    evicted = sum(len(e.blocks) for record in steps for e in record.events if e.kind == "evict")
+    evicted = sum(len(e.blocks) for record in steps for e in record.events if e.kind == EventKind.EVICT)
     computed = sum(record.stats.num_prefill_tokens for record in steps)
     hits = f"{stats.prefix_cache_hits:,} ({percent(stats.prefix_cache_hits / stats.prefix_cache_queries)})"
     return figures([("prompt tokens asked", f"{stats.prefix_cache_queries:,}"), ("found in the cache", hits),
@@ -149,7 +149,7 @@ LESSON = Lesson(
              until=every(*(is_running(name) for name in SHARERS)), point=lambda m: Highlight("r3", _shared(m))),
         Beat("cached", "Free, but still cached", say_cached, until=all_done,
              point=lambda m: Highlight(blocks=_cached(m))),
-        Beat("evicted", "The pool needs room: LRU eviction", say_evicted, until=has_event("evict"),
+        Beat("evicted", "The pool needs room: LRU eviction", say_evicted, until=has_event(EventKind.EVICT),
              load=load_long, point=lambda m: Highlight(blocks=_evicted(m))),
         Beat("again", "What a later request still finds", say_again, until=is_running("r8"), load=load_again,
              point=lambda m: Highlight("r8")),

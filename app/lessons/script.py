@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvscope.app.load.presets import PlannedRequest, PresetContext
-from kvscope.engine.outputs import CacheSnapshot, EngineEvent, RequestView, StepResult, StepStats
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, RequestView, StepResult, StepStats
 
 Condition = Callable[[StepResult], bool]
 Plan = Callable[[PresetContext], list[PlannedRequest]]
@@ -110,7 +110,7 @@ def after_steps(count: int) -> Condition:
     return lambda result: result.stats.step >= count
 
 
-def has_event(kind: str, request_id: str | None = None) -> Condition:
+def has_event(kind: EventKind, request_id: str | None = None) -> Condition:
     return lambda result: any(e.kind == kind and (request_id is None or e.request_id == request_id)
                               for e in result.events)
 

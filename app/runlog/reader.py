@@ -18,10 +18,11 @@ import sqlite_utils
 from kvscope.app.runlog.liveness import process_alive
 from kvscope.app.runlog.schema import check_readable, connect
 from kvscope.app.runlog.snapshots import SnapshotDecoder
-from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepStats
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, StepStats
 
 EXPORT_TABLES = ("steps", "requests", "events")
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(StepStats))
+_KINDS = {kind.value: kind for kind in EventKind}
 
 
 class RunNotFound(LookupError):
@@ -60,7 +61,9 @@ def _stats(row: dict) -> StepStats:
 
 
 def _event(row: dict) -> EngineEvent:
-    return EngineEvent(kind=row["kind"], request_id=row["request_id"],
+    kind = row["kind"]
+    # A kind this version does not know (a newer kvscope's log) stays a plain string, still shown.
+    return EngineEvent(kind=_KINDS.get(kind, kind), request_id=row["request_id"],
                        blocks=tuple(json.loads(row["blocks"] or "[]")), detail=row["detail"] or "")
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import sqlite_utils
 
 from kvscope.app.runlog.records import ObservedStep, RequestAdded, RowBuilder, Rows
+from kvscope.engine.observer import EngineObserver
 from kvscope.engine.outputs import StepResult
 
 FLUSH_INTERVAL_S = 0.1
@@ -51,8 +52,9 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
-class RunLogger:
-    """Records one run. Disabled loggers (``enabled`` False) accept every call and do nothing."""
+class RunLogger(EngineObserver):
+    """Records one run, as an observer of the engine. Disabled loggers (``enabled`` False) accept every call
+    and do nothing."""
 
     def __init__(self, path: Path | None, *, db: sqlite_utils.Database | None = None,
                  run_id: int | None = None, warning: str | None = None,

@@ -16,10 +16,9 @@ from collections import defaultdict
 from textual.markup import escape
 
 from kvscope.app.widgets.line_panel import LinePanel
-from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepStats
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, StepStats
 
 MAX_NAMES = 4           # request ids listed per kind before "+N more"
-COPY_ON_WRITE = "copy_on_write"
 HINT = "Each step is narrated here once the engine runs."
 
 
@@ -74,26 +73,26 @@ def _work(stats: StepStats, snapshot: CacheSnapshot, previous: CacheSnapshot | N
 
 
 def _event_parts(events: tuple[EngineEvent, ...]) -> list[str]:
-    by_kind: dict[str, list[EngineEvent]] = defaultdict(list)
+    by_kind: dict[EventKind, list[EngineEvent]] = defaultdict(list)
     for event in events:
         by_kind[event.kind].append(event)
     parts = []
-    copies = [f"{e.blocks[0]}→{e.blocks[1]}" for e in by_kind[COPY_ON_WRITE] if len(e.blocks) == 2]
+    copies = [f"{e.blocks[0]}→{e.blocks[1]}" for e in by_kind[EventKind.COPY_ON_WRITE] if len(e.blocks) == 2]
     if copies:
         more = f" +{len(copies) - MAX_NAMES} more" if len(copies) > MAX_NAMES else ""
         parts.append("copy-on-write " + ", ".join(copies[:MAX_NAMES]) + more)
-    evicted = sum(len(e.blocks) for e in by_kind["evict"])
+    evicted = sum(len(e.blocks) for e in by_kind[EventKind.EVICT])
     if evicted:
         parts.append(f"evicted {_plural(evicted, 'cached block')}")
-    recomputed = [e.request_id for e in by_kind["preempt"] if not e.detail.startswith("swap")]
+    recomputed = [e.request_id for e in by_kind[EventKind.PREEMPT] if not e.detail.startswith("swap")]
     if recomputed:
         parts.append(f"preempted {_names(recomputed)} (recompute)")
-    for kind, words in (("swap_out", "swapped out"), ("swap_in", "swapped in"), ("abort", "aborted"),
-                        ("error", "failed")):
+    for kind, words in ((EventKind.SWAP_OUT, "swapped out"), (EventKind.SWAP_IN, "swapped in"),
+                        (EventKind.ABORT, "aborted"), (EventKind.ERROR, "failed")):
         if by_kind[kind]:
             parts.append(f"{words} {_names([e.request_id for e in by_kind[kind]])}")
-    if by_kind["finish"]:
-        parts.append(f"finished {_names([e.request_id for e in by_kind['finish']])}")
+    if by_kind[EventKind.FINISH]:
+        parts.append(f"finished {_names([e.request_id for e in by_kind[EventKind.FINISH]])}")
     return parts
 
 

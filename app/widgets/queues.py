@@ -26,7 +26,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from kvscope.app.messages import RequestSelected
-from kvscope.engine.outputs import CacheSnapshot, EngineEvent, RequestOutput, RequestView
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, RequestOutput, RequestView
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 QUEUE_ORDER = {"running": 0, "swapped": 1, "waiting": 2}
@@ -46,7 +46,7 @@ MIN_PROMPT_WIDTH = 8
 DROP_ORDER = tuple(next(i for i, (header, _, _) in enumerate(COLUMNS) if header == name)
                    for name in ("prompt", "cached", "preempt", "prefill"))
 # How a finished request's reason is read from a step's events.
-_EVENT_REASONS = {"abort": "abort", "error": "error"}
+_EVENT_REASONS = {EventKind.ABORT: "abort", EventKind.ERROR: "error"}
 
 
 def row_cells(view: RequestView) -> tuple[str, ...]:
@@ -70,7 +70,7 @@ def finished_reasons(events: tuple[EngineEvent, ...]) -> dict[str, str]:
     """request id -> finish reason, for the requests a step's events say ended."""
     reasons = {}
     for event in events:
-        if event.kind == "finish" and event.request_id:
+        if event.kind == EventKind.FINISH and event.request_id:
             reasons[event.request_id] = event.detail or "stop"
         elif event.kind in _EVENT_REASONS and event.request_id:
             reasons[event.request_id] = _EVENT_REASONS[event.kind]

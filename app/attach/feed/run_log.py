@@ -23,7 +23,7 @@ from kvscope.app.attach.feed.pool_view import PoolView
 from kvscope.app.attach.feed.rates import ServerRates
 from kvscope.app.attach.feed.server import ServerInfo
 from kvscope.app.runlog import open_observed_run_log
-from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepResult, StepStats
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, StepResult, StepStats
 
 SOURCE = "vllm"
 
@@ -78,7 +78,7 @@ class AttachRunLog:
         fresh = [n for n in frame.notices if n.time > self._notices_logged]
         if fresh:
             self._notices_logged = fresh[-1].time
-        return [EngineEvent("notice", None, (), n.text) for n in fresh]
+        return [EngineEvent(EventKind.NOTICE, None, (), n.text) for n in fresh]
 
 
 def _grew(now: float, before: float | None) -> int:
@@ -120,9 +120,10 @@ def journal_events(journals: list[tuple[str, Journal]], pools: tuple[PoolView, .
     for label, journal in journals:
         offset = offsets.get(label, 0)
         if journal.num_cleared:
-            events.append(EngineEvent("kv_cleared", None, (), f"{label}: AllBlocksCleared"))
-        for kind, slots, count, verb in (("kv_stored", journal.stored_slots, journal.num_stored, "announced"),
-                                         ("kv_removed", journal.removed_slots, journal.num_removed, "evicted")):
+            events.append(EngineEvent(EventKind.KV_CLEARED, None, (), f"{label}: AllBlocksCleared"))
+        for kind, slots, count, verb in (
+                (EventKind.KV_STORED, journal.stored_slots, journal.num_stored, "announced"),
+                (EventKind.KV_REMOVED, journal.removed_slots, journal.num_removed, "evicted")):
             if count:
                 named = "" if len(slots) == count else f" (the first {len(slots)} listed)"
                 events.append(EngineEvent(kind, None, tuple(offset + s for s in slots),
