@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,7 @@ class VllmSettings:
 
 def find_python(explicit: str | None) -> Path:
     if explicit:
-        path = Path(explicit).expanduser()
+        path = Path(explicit).expanduser().absolute()   # absolute, not resolved: a venv's python is a link
         if not path.is_file():
             raise SystemUnavailable(f"--vllm-python {explicit} does not exist; {HOW_TO_GET}")
         return path
@@ -91,7 +92,8 @@ class VllmRun:
     """One pass of a workload through vLLM in a subprocess; ``run()`` returns its RunRecord."""
 
     def __init__(self, model_dir: str, dtype: str, threads: int, settings: VllmSettings) -> None:
-        self.model_dir = model_dir
+        # vLLM runs elsewhere (see _execute): a local directory is named absolutely.
+        self.model_dir = str(Path(model_dir).resolve()) if Path(model_dir).exists() else model_dir
         self.dtype = dtype
         self.threads = threads
         self.settings = settings
@@ -102,19 +104,23 @@ class VllmRun:
         with tempfile.TemporaryDirectory(prefix="kvscope-vllm-") as scratch:
             job_path, result_path, log_path = (Path(scratch) / name for name in ("job.json", "result.json", "log"))
             job_path.write_text(json.dumps(job))
-            self._execute(python, job_path, result_path, log_path)
+            self._execute(python, Path(scratch), job_path, result_path, log_path)
             result = json.loads(result_path.read_text())
         return record_from_result(result, workload, self.threads)
 
-    def _execute(self, python: Path, job_path: Path, result_path: Path, log_path: Path) -> None:
+    def _execute(self, python: Path, scratch: Path, job_path: Path, result_path: Path, log_path: Path) -> None:
+        """Run the runner in ``scratch``, a directory outside the checkout, as vLLM's processes' working
+        directory and the runner's own: a Python started in the checkout has it on sys.path, and vLLM's
+        model-inspection child would then import our kernels/ as Hugging Face's ``kernels`` package."""
         print(f"  vllm: {python} (loading and compiling takes minutes on a first start)", file=sys.stderr,
               flush=True)
         env = os.environ | thread_environment(self.threads)
+        runner = shutil.copy(RUNNER, scratch / RUNNER.name)   # a script's own folder goes on sys.path too
         with open(log_path, "w") as log:
             try:
-                completed = subprocess.run([str(python), str(RUNNER), str(job_path), str(result_path)], env=env,
-                                           stdout=log, stderr=subprocess.STDOUT, timeout=self.settings.timeout_s,
-                                           check=False)
+                completed = subprocess.run([str(python), str(runner), str(job_path), str(result_path)], env=env,
+                                           cwd=scratch, stdout=log, stderr=subprocess.STDOUT,
+                                           timeout=self.settings.timeout_s, check=False)
             except subprocess.TimeoutExpired as exc:
                 raise SystemUnavailable(f"vLLM did not finish within {self.settings.timeout_s:.0f} s") from exc
         if completed.returncode != 0 or not result_path.exists():
