@@ -201,6 +201,7 @@ def run_workloads(args: argparse.Namespace) -> int:
     workloads = build_workloads(args.workload, args.requests, args.seed)
     device = _setup(args)
     print(f"kvscope bench: {environment_line()}", file=sys.stderr)
+    references = _references(args, workloads, device)
     rows, notes = [], {}
     for dtype in dtypes:
         model, tokenizer = _load(args, dtype, device)
@@ -213,7 +214,7 @@ def run_workloads(args: argparse.Namespace) -> int:
             vllm=VllmSettings(python=args.vllm_python),
         )
         open_log = None if args.no_log else _log_opener(args.db)
-        bench = Bench(model, tokenizer, options, open_log=open_log)
+        bench = Bench(model, tokenizer, options, open_log=open_log, references=references)
         rows += bench.run(workloads)
         notes |= bench.notes
         del bench, model
@@ -221,6 +222,28 @@ def run_workloads(args: argparse.Namespace) -> int:
     add_ratios(rows)
     print(json_lines(rows) if args.json else format_table(rows, notes))
     return 0
+
+
+def _references(args: argparse.Namespace, workloads, device: str) -> dict:
+    """transformers' fp32 greedy tokens (and its bf16 agreement with them) for each greedy workload's sample:
+    what every row's accuracy is scored against, made once for every dtype of the invocation."""
+    from time import perf_counter
+
+    from kvscope.app.bench.accuracy import build_reference
+    from kvscope.app.bench.harness import pad_token_id
+
+    greedy = [w for w in workloads if w.temperature <= 0]
+    if not greedy:
+        return {}
+    start = perf_counter()
+    fp32, tokenizer = _load(args, "float32", device)
+    bf16, _ = _load(args, "bfloat16", device)
+    references = {w.name: build_reference(fp32, bf16, w, pad_token_id(fp32, tokenizer)) for w in greedy}
+    del fp32, bf16
+    gc.collect()
+    print(f"  accuracy reference (transformers fp32 and bf16 generate, {len(greedy)} workloads): "
+          f"{perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    return references
 
 
 def run_logging(args: argparse.Namespace) -> int:

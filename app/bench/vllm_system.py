@@ -4,7 +4,8 @@ vLLM pins an older transformers than kvscope, so it cannot share this process: t
 as JSON, runs ``vllm_runner.py`` with vLLM's interpreter and reads the result back. vLLM gets the same number of
 compute threads as every other system (bound to cores 0..n-1, none reserved for its front end), the same model
 directory, dtype, max_model_len and KV budget, and its own defaults for everything else (block size, batch
-limits, torch.compile). Its load and compile time is reported apart from the timed run.
+limits, torch.compile). Its load and compile time is reported apart from the timed run. It returns each request's
+tokens, and those of the accuracy sample run alone afterwards, so its row carries the accuracy columns too.
 
 The interpreter is ``--vllm-python``, else ``.venv-vllm/bin/python`` in the working directory or the repository
 (``make bench-vllm`` creates it). Without one, the vllm row says how to get it.
@@ -21,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvscope.app.bench.accuracy import Sample
 from kvscope.app.bench.metrics import RunRecord
 from kvscope.app.bench.systems import VLLM
 from kvscope.app.bench.workloads import BenchRequest, Workload
@@ -68,11 +70,14 @@ def _request(request: BenchRequest, seed: int | None = None) -> dict:
 
 
 def build_job(workload: Workload, warm_up: BenchRequest, *, model_dir: str, dtype: str,
-              enable_prefix_caching: bool = True) -> dict:
+              enable_prefix_caching: bool = True, alone: Sample | None = None) -> dict:
+    """The runner's job; ``alone``: the requests to run once more, each by itself, after the timed run."""
     return {"model": model_dir, "dtype": dtype, "max_model_len": workload.max_model_len,
             "kv_cache_tokens": workload.kv_cache_tokens, "temperature": workload.temperature,
             "enable_prefix_caching": enable_prefix_caching, "warm_up": _request(warm_up, seed=0),
-            "requests": [_request(r, seed=i) for i, r in enumerate(workload.requests)]}
+            "requests": [_request(r, seed=i) for i, r in enumerate(workload.requests)],
+            "alone": [] if alone is None else [{"index": i, "max_tokens": n}
+                                               for i, n in zip(alone.indices, alone.tokens, strict=True)]}
 
 
 def record_from_result(result: dict, workload: Workload, threads: int) -> RunRecord:
@@ -85,6 +90,8 @@ def record_from_result(result: dict, workload: Workload, threads: int) -> RunRec
         num_output_tokens=sum(sum(o["num_tokens"]) for o in outputs),
         token_times=[[o["ttft_s"]] if o["ttft_s"] is not None else [] for o in outputs],
         peak_rss_mb=result["peak_rss_mb"], extra={"load_s": result["load_s"]},
+        outputs=[tuple(o["token_ids"]) for o in outputs] if all("token_ids" in o for o in outputs) else None,
+        alone_outputs={int(i): tokens for i, tokens in result["alone"].items()} if "alone" in result else None,
     )
 
 
@@ -98,9 +105,9 @@ class VllmRun:
         self.threads = threads
         self.settings = settings
 
-    def run(self, workload: Workload, warm_up: BenchRequest) -> RunRecord:
+    def run(self, workload: Workload, warm_up: BenchRequest, alone: Sample | None = None) -> RunRecord:
         python = find_python(self.settings.python)
-        job = build_job(workload, warm_up, model_dir=self.model_dir, dtype=self.dtype)
+        job = build_job(workload, warm_up, model_dir=self.model_dir, dtype=self.dtype, alone=alone)
         with tempfile.TemporaryDirectory(prefix="kvscope-vllm-") as scratch:
             job_path, result_path, log_path = (Path(scratch) / name for name in ("job.json", "result.json", "log"))
             job_path.write_text(json.dumps(job))
