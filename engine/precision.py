@@ -11,9 +11,12 @@ So in a reduced-precision model kvscope keeps, without any per-architecture code
 - the residual stream in fp32: the input embeddings' output is upcast, so every ``residual + sublayer`` add
   promotes to fp32 and every norm returns fp32 (its weight times an fp32 tensor);
 - the weights and the matmuls in the model's dtype: each linear layer casts its input down first, so memory
-  and the linears' speed stay those of bf16;
+  and the linears' speed stay those of bf16. Their outputs are rounded to bf16 too, as in transformers' bf16:
+  torch has no CPU matmul that takes bf16 and gives fp32 (one would cut the logits' error by another quarter:
+  docs/precision.md);
 - rotary in fp32 (its cos/sin take the hidden states' dtype), with q/k/v cast to the KV pool's dtype by the
-  attention (``model_runner.paged_attention_forward``);
+  attention (``model_runner.paged_attention_forward``), whose kernels compute in fp32 over the 16-bit pool and
+  round once, at their output (``kernels/reference.py``, ``kernels/paged_attention_cpu.cpp``);
 - the LM head in fp32, on an fp32 copy of its weight: the logits are never rounded, and the sampler works on
   them in fp32, as vLLM's does.
 
