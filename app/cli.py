@@ -1,4 +1,4 @@
-"""The `kvscope` command line. Engine flags are made from EngineConfig's fields and named as vLLM names them."""
+"""The `kvscope` command line: the one place every subcommand is registered (SUBCOMMANDS)."""
 
 from __future__ import annotations
 
@@ -7,57 +7,19 @@ import atexit
 import dataclasses
 import os
 import sys
-import typing
-from collections.abc import Iterable
-from types import UnionType
-from typing import TYPE_CHECKING, Literal, Union
 
 from kvscope import __version__
-from kvscope.engine.config import ConfigError, EngineConfig, RequestError, config_fields
+from kvscope.app import screenshots
+from kvscope.app.attach import cli as attach_cli
+from kvscope.app.bench import cli as bench_cli
+from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args, first_engine
+from kvscope.app.lessons import LESSONS
+from kvscope.app.runlog import cli as runs_cli
+from kvscope.app.serve import cli as serve_cli
+from kvscope.engine.config import ConfigError, EngineConfig, RequestError
 from kvscope.engine.loader import ModelError
 
-if TYPE_CHECKING:
-    from kvscope.engine import LLMEngine
-
 USER_ERRORS = (ConfigError, RequestError, ModelError)
-
-
-def add_engine_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
-    """One flag per EngineConfig field (or per field named), as vLLM names it: block_size is --block-size.
-
-    Defaults, types and choices come from the dataclass and the help text from each field's metadata, so
-    the command line cannot drift from the config; EngineConfig itself checks the values.
-    """
-    group = parser.add_argument_group("engine")
-    for spec in dataclasses.fields(EngineConfig):
-        if names is not None and spec.name not in names:
-            continue
-        group.add_argument(f"--{spec.name.replace('_', '-')}", default=spec.default,
-                           help=spec.metadata["help"].replace("%", "%%"), metavar=spec.metadata["metavar"],
-                           **_flag_kind(config_fields()[spec.name]))
-
-
-def _flag_kind(hint) -> dict:
-    """argparse's type, choices or action for a field's type; a size that takes units stays a string."""
-    options = set(typing.get_args(hint)) - {type(None)} if typing.get_origin(hint) in (Union, UnionType) else {hint}
-    if options == {bool}:
-        return {"action": argparse.BooleanOptionalAction}
-    if len(options) == 1 and typing.get_origin(hint) is Literal:
-        return {"choices": typing.get_args(hint)}
-    if options == {int}:
-        return {"type": int}
-    if options == {float}:
-        return {"type": float}
-    return {"type": str}
-
-
-def add_log_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
-    parser.add_argument("--no-log", action="store_true", help="do not log this run")
-
-
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{name: getattr(args, name) for name in config_fields()})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,15 +31,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--teach", action="store_true",
                         help="a pool for teaching: 64 blocks of 16 tokens (one map cell each, every shared "
                              "block's digit visible), max_model_len 256; flags given explicitly still win")
+    add_serve_flag(parser)
     add_engine_flags(parser)
     add_log_flags(parser)
     parser.set_defaults(func=_open_app)
     sub = parser.add_subparsers(title="subcommands", metavar="COMMAND")
+    for register in SUBCOMMANDS:
+        register(sub)
+    return parser
 
-    fetch = sub.add_parser("fetch-model", help="install and convert the default model (SmolLM2-135M-Instruct)")
+
+def _register_fetch_model(subparsers) -> None:
+    fetch = subparsers.add_parser("fetch-model", help="install and convert the default model (SmolLM2-135M-Instruct)")
     fetch.set_defaults(func=_fetch_model)
 
-    chat = sub.add_parser("chat", help="answer one prompt in the terminal, streaming, without the app")
+
+def _register_chat(subparsers) -> None:
+    chat = subparsers.add_parser("chat", help="answer one prompt in the terminal, streaming, without the app")
     chat.add_argument("prompt", help="the user message")
     chat.add_argument("--max-tokens", type=int, default=128, help="the longest reply, in tokens (default: 128)")
     chat.add_argument("--temperature", type=float, default=None,
@@ -87,34 +57,87 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_flags(chat)
     chat.set_defaults(func=_chat)
 
-    for module in ("kvscope.app.bench.cli", "kvscope.app.runs_cli", "kvscope.app.screenshots",
-                   "kvscope.app.attach.cli", "kvscope.app.lessons.cli"):
-        __import__(module, fromlist=["register"]).register(sub)
-    return parser
+
+def _register_lesson(subparsers) -> None:
+    """`kvscope lesson [NAME]` opens the App on a lesson, so it registers here with the App's own commands:
+    lessons/ is below the App and never imports it."""
+    parser = subparsers.add_parser(
+        "lesson", help="run a lesson: a scripted scenario on the real model that pauses where it matters",
+        description="Run a lesson on the teaching pool (--teach). Space moves to the next beat, Backspace goes "
+                    "back by replaying the run log, Esc leaves the lesson for the app. With no NAME, pick one "
+                    "from the list.")
+    parser.add_argument("name", nargs="?", choices=list(LESSONS), metavar="NAME",
+                        help=f"one of: {', '.join(LESSONS)}")
+    parser.add_argument("--list", action="store_true", help="print the lesson names, one per line, and exit")
+    parser.add_argument("--model", default="default", help="as for the app (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
+    parser.add_argument("--no-log", action="store_true",
+                        help="do not keep the lesson's runs (Backspace then replays from a temporary log)")
+    add_serve_flag(parser)
+    parser.set_defaults(func=_lesson)
+
+
+# Every subcommand, each added by one `register(subparsers)`: the App's own here, every other one in its
+# feature's room. This is the one list of them.
+SUBCOMMANDS = (
+    _register_fetch_model,
+    _register_chat,
+    _register_lesson,
+    bench_cli.register,          # kvscope bench
+    runs_cli.register,           # kvscope runs
+    screenshots.register,        # kvscope screenshots
+    attach_cli.register,         # kvscope attach
+    serve_cli.register,          # kvscope serve
+)
+
+
+def add_serve_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--serve", type=serve_cli.parse_address, default=None, metavar="[HOST:]PORT",
+                        help="also serve the engine as `kvscope serve` does (OpenAI API, /metrics, KV-cache events) "
+                             "on PORT, loopback unless HOST says otherwise; its requests show in the window as "
+                             f"http-N; the API key, if any, from ${serve_cli.API_KEY_ENV}")
+
+
+def _hosted_serve(args: argparse.Namespace):
+    """The server for --serve, listening before the model loads (a taken port is one line); None without it."""
+    if args.serve is None:
+        return None
+    from kvscope.app.serve.hosted import HostedServe
+    from kvscope.app.serve.server import ServeError, ServeOptions
+
+    host, port = args.serve
+    try:
+        return HostedServe(ServeOptions(host=host, port=port, api_key=os.environ.get(serve_cli.API_KEY_ENV) or None))
+    except ServeError as exc:
+        raise ConfigError(f"--serve: {exc}") from None
 
 
 def _open_app(args: argparse.Namespace) -> int:
-    from kvscope.app.tui import run_app
+    from kvscope.app.app import run_app
 
+    serve = _hosted_serve(args)
     engine = first_engine(teaching_pool(args) if args.teach else config_from_args(args))
     if engine is None:
         return 2
-    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine)
+    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine, serve=serve)
 
 
-def first_engine(config: EngineConfig) -> LLMEngine | None:
-    """Build the app's engine before its window opens, as `kvscope chat` does: a bad --model or a
-    pool that cannot be made fails here, in one line and exit status 2 (main catches USER_ERRORS),
-    instead of in a full-screen window that can only show it."""
-    from kvscope.engine import LLMEngine
+def _lesson(args: argparse.Namespace) -> int:
+    if args.list:
+        for name in LESSONS:
+            print(name)
+        return 0
+    from kvscope.app.app import run_app
+    from kvscope.app.lessons.load import teach_config
 
-    print(f"kvscope: loading {config.model} …", file=sys.stderr, flush=True)
-    try:
-        return LLMEngine(config)
-    except (RuntimeError, MemoryError) as exc:   # torch cannot allocate the pool (a huge --num-blocks)
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-        print(f"kvscope: error: cannot build the engine: {reason}", file=sys.stderr)
-        return None
+    serve = _hosted_serve(args)
+    engine = first_engine(teach_config(EngineConfig(model=args.model, device=args.device, dtype=args.dtype)))
+    if engine is None:
+        return 2
+    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine,
+                   lesson=args.name or "", serve=serve)
 
 
 def teaching_pool(args: argparse.Namespace) -> EngineConfig:

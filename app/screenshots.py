@@ -10,28 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvscope.app.headless import wait_until
 from kvscope.engine.config import EngineConfig
 
 DEFAULT_SIZE = (160, 48)
 SCENE_TIMEOUT_S = 600.0
 CHAT_MAX_TOKENS = 64
-
-
-async def wait_until(pilot, condition: Callable[[], bool], timeout: float = 30.0, poll: float = 0.05) -> bool:
-    """Let the app run until ``condition()`` holds; False when ``timeout`` passes first.
-
-    Sleeps rather than ``pilot.pause()``: a pause visits every widget, work a real terminal never does.
-    """
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(poll)
-    return True
 
 
 class SharedWeights:
@@ -41,7 +28,7 @@ class SharedWeights:
         self.first = None
 
     def __call__(self, config: EngineConfig, previous=None):
-        from kvscope.app.engine_factory import build_engine
+        from kvscope.app.worker.factory import build_engine
 
         engine = build_engine(config, previous or self.first)
         self.first = self.first or engine
@@ -161,7 +148,7 @@ SCENES = {
 
 async def _shoot(name: str, config: EngineConfig, factory: Callable, out: Path,
                  size: tuple[int, int]) -> Path:
-    from kvscope.app.tui import KVScopeApp
+    from kvscope.app.app import KVScopeApp
 
     scene, changes = SCENES[name]
     app = KVScopeApp(dataclasses.replace(config, **changes), log_enabled=False, engine_factory=factory,

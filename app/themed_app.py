@@ -1,4 +1,4 @@
-"""What both kvscope windows share: the engine's (app/tui.py) and the attached server's (app/attach/window.py).
+"""What both kvscope windows share: the engine's (app/app.py) and the attached server's (app/attach/window/app.py).
 
 They show the same map in the same colours, so the themes, the block-state colour defaults, the
 breakpoints, the theme toggle and the SVG screenshot live here once.

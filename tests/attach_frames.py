@@ -12,11 +12,11 @@ import dataclasses
 
 from vllm_fakes import SHARED, recorded_payloads, timeseries_pages
 
-from kvscope.app.attach.events import BatchDecoder
-from kvscope.app.attach.metrics import parse_metrics
-from kvscope.app.attach.server import EVENTS_FLAG, EventEndpoint, ServerInfo
-from kvscope.app.attach.source import AttachSource
-from kvscope.app.attach.subscriber import Delivery, StreamStatus
+from kvscope.app.attach.feed.events import BatchDecoder
+from kvscope.app.attach.feed.metrics import parse_metrics
+from kvscope.app.attach.feed.server import EVENTS_FLAG, EventEndpoint, ServerInfo
+from kvscope.app.attach.feed.source import AttachSource
+from kvscope.app.attach.feed.subscriber import Delivery, StreamStatus
 
 URL = "http://127.0.0.1:8011"
 ENDPOINT = EventEndpoint("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "kv-events", rank=0)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvscope.app.bench_ui import RecordingEngine
-from kvscope.app.screenshots import wait_until
-from kvscope.app.tui import KVScopeApp
+from kvscope.app.app import KVScopeApp
+from kvscope.app.bench.ui import RecordingEngine
+from kvscope.app.headless import wait_until
 from kvscope.app.widgets.system import SystemSample
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import fake_engine

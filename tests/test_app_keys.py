@@ -15,7 +15,7 @@ from kvscope.app.widgets.chat import ChatPane
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.key_bar import KeyBar
 from kvscope.app.widgets.queues import QueuesTable
-from kvscope.app.worker_commands import AddChatTurn
+from kvscope.app.worker.commands import AddChatTurn
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
 
-from kvscope.app.engine_factory import engine_info
-from kvscope.app.presets import PRESETS, PresetContext, build, fit_reply
+from kvscope.app.load.presets import PRESETS, PresetContext, build, fit_reply
 from kvscope.app.widgets.event_line import narrate
 from kvscope.app.widgets.queues import FINISHED_KEEP_STEPS, QueuesTable
 from kvscope.app.widgets.status_line import RateWindow, describe_status
+from kvscope.app.worker.factory import engine_info
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.outputs import EngineEvent

@@ -245,8 +245,8 @@ async def test_history_counts_every_generated_token_and_an_unfinished_run_is_int
 
 
 def test_the_empty_pool_shown_at_start_is_the_engines_own():
-    from kvscope.app.engine_factory import engine_info
     from kvscope.app.widgets.snapshot_view import empty_step
+    from kvscope.app.worker.factory import engine_info
 
     engine = fake_engine(EngineConfig(num_blocks=48, block_size=8, preemption_mode="swap"), num_host_blocks=6)
     info = engine_info(engine)

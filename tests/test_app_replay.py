@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_app_harness import FakeEngines, make_app, started, until
 
-from kvscope.app.presets import PresetContext, build
+from kvscope.app.load.presets import PresetContext, build
 from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.screens.replay import ReplayScreen

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
 
-from kvscope.app.engine_factory import engine_info
 from kvscope.app.lessons.play import play
-from kvscope.app.presets import PresetContext, build
+from kvscope.app.load.presets import PresetContext, build
 from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.app.screens.replay import ReplayScreen
+from kvscope.app.worker.factory import engine_info
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import fake_engine
 

@@ -8,8 +8,8 @@ import pytest
 from test_app_harness import FakeEngines, burst_steps, make_app, single_steps, started, until
 
 from kvscope.app import cli
+from kvscope.app.app import RATE_CAPS
 from kvscope.app.runlog import RunLogReader
-from kvscope.app.tui import RATE_CAPS
 from kvscope.app.widgets.queues import QueuesTable
 from kvscope.app.widgets.throughput import SERIES
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 from test_cli import assert_one_line_error, run_cli
 
-from kvscope.app import tui
-from kvscope.app.engine_factory import first_engine_then_build
+from kvscope.app import app as app_module
+from kvscope.app.worker.factory import first_engine_then_build
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.loader import ModelError
@@ -22,7 +22,7 @@ def no_window(monkeypatch):
     def run_app(*args, **kwargs):
         raise AssertionError("the window opened")
 
-    monkeypatch.setattr(tui, "run_app", run_app)
+    monkeypatch.setattr(app_module, "run_app", run_app)
 
 
 def test_a_missing_model_is_one_line_and_exit_2(capsys, tmp_path, no_window):
@@ -55,14 +55,15 @@ def test_the_window_runs_the_engine_that_was_checked(capsys, monkeypatch):
         built.append(fake_engine(config))
         return built[-1]
 
-    def run_app(config, *, db_path, log_enabled, engine):
-        opened.update(config=config, engine=engine)
+    def run_app(config, *, db_path, log_enabled, engine, serve):
+        opened.update(config=config, engine=engine, serve=serve)
         return 0
 
     monkeypatch.setattr("kvscope.engine.LLMEngine", llm_engine)
-    monkeypatch.setattr(tui, "run_app", run_app)
+    monkeypatch.setattr(app_module, "run_app", run_app)
     status, _, _ = run_cli(capsys, "--num-blocks", "32", "--no-log")
     assert status == 0 and opened["engine"] is built[0] and opened["config"].num_blocks == 32
+    assert opened["serve"] is None     # no --serve: no server
 
 
 def test_the_first_build_hands_out_the_checked_engine_and_later_ones_are_built():

@@ -7,14 +7,14 @@ import pytest
 from test_app_harness import replace
 from textual.content import Content
 
-from kvscope.app.bench_ui import synthetic_snapshot
-from kvscope.app.engine_factory import engine_info
-from kvscope.app.presets import PRESETS, PresetContext, build
+from kvscope.app.bench.ui import synthetic_snapshot
+from kvscope.app.load.presets import PRESETS, PresetContext, build
 from kvscope.app.widgets import block_cells as cells
 from kvscope.app.widgets.block_inspector import describe_block, describe_cell
 from kvscope.app.widgets.block_legend import GAP, ITEMS, legend_lines
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
 from kvscope.app.widgets.throughput import bar_levels
+from kvscope.app.worker.factory import engine_info
 from kvscope.engine.config import RequestError
 from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView
@@ -214,7 +214,7 @@ def test_system_sampler_reads_the_machine_and_says_quietly_when_there_is_no_gpu(
 
 
 def test_ui_bench_rate_is_generated_tokens_over_the_busy_span():
-    from kvscope.app.bench_ui import generation_rate
+    from kvscope.app.bench.ui import generation_rate
     from kvscope.engine.outputs import StepStats
 
     base = StepStats(step=0, time=0.0, duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_running=0,

@@ -8,7 +8,6 @@ import time
 import pytest
 from test_app_harness import FakeEngines
 
-from kvscope.app.engine_worker import ENGINE_REBUILT, ENGINE_STOPPED, EngineWorker
 from kvscope.app.messages import (
     CommandRejected,
     EngineBuildFailed,
@@ -20,7 +19,8 @@ from kvscope.app.messages import (
     RunStateChanged,
 )
 from kvscope.app.runlog import RunLogReader, record_run
-from kvscope.app.worker_commands import LaunchPreset, SetPaused
+from kvscope.app.worker.commands import LaunchPreset, SetPaused
+from kvscope.app.worker.thread import ENGINE_REBUILT, ENGINE_STOPPED, EngineWorker
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
 

@@ -9,7 +9,7 @@ from vllm_fakes import SHARED, FakePublisher, FakeServer, recorded_payloads
 
 from kvscope.app.attach import bench
 from kvscope.app.attach.cli import build_app
-from kvscope.app.attach.server import make_client, probe_server
+from kvscope.app.attach.feed.server import make_client, probe_server
 from kvscope.app.cli import build_parser, main
 from kvscope.app.runlog import RunLogReader
 

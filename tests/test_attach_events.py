@@ -6,7 +6,7 @@ import msgspec
 import pytest
 from vllm_fakes import SHARED, recorded_payloads
 
-from kvscope.app.attach.events import (
+from kvscope.app.attach.feed.events import (
     CLEARED,
     REMOVED,
     STORED,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 from attach_frames import RecordedSource, recorded_server
+from test_app_harness import FakeEngines, make_app, started, until
 from test_attach_recorded import timeline
 
-from kvscope.app.attach.replay_view import VllmReplayScreen, VllmReplayView
-from kvscope.app.attach.run_log import AttachRunLog
-from kvscope.app.attach.window import AttachApp
+from kvscope.app.attach.feed.run_log import AttachRunLog
+from kvscope.app.attach.window.app import AttachApp
+from kvscope.app.attach.window.replay_view import VllmReplayScreen, VllmReplayView
 from kvscope.app.cli import main
 from kvscope.app.runlog import RunLogReader
 from kvscope.app.screens.history import HistoryScreen
@@ -86,3 +87,27 @@ async def test_replay_steps_forward_and_back(tmp_path):
         await pilot.press("end")
         await pilot.pause()
         assert int((view.pool_map.snapshot.block_fill == 32).sum()) == 17
+
+
+@pytest.mark.anyio
+async def test_the_apps_own_history_replays_a_watched_run_with_the_attached_panels(tmp_path):
+    # History takes its replay from the App that opens it: the engine's App hands it the same choice as the
+    # attached window, so a "vllm" run in the shared log replays on the vLLM panels from either window.
+    db = tmp_path / "runs.db"
+    logged_session(db)
+    reader = RunLogReader(db)
+    (vllm_run,) = [run["id"] for run in reader.list_runs() if run["source"] == "vllm"]
+    reader.close()
+    app = make_app(FakeEngines(), db_path=db, log_enabled=True)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await started(pilot)
+        await pilot.press("f9")
+        history = app.screen
+        assert isinstance(history, HistoryScreen)
+        runs = history.query_one("#runs")
+        await until(pilot, lambda: runs.row_count == 2)     # the app's own run and the watched one
+        runs.move_cursor(row=runs.get_row_index(str(vllm_run)))
+        await until(pilot, lambda: history.run_id == vllm_run)
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, VllmReplayScreen))
+        assert "sample" in app.screen.query_one(VllmReplayView).sample.render().plain

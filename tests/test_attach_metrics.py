@@ -7,8 +7,8 @@ import re
 import pytest
 from vllm_fakes import SHARED, timeseries_pages
 
-from kvscope.app.attach.metrics import Histogram, parse_metrics
-from kvscope.app.attach.rates import LOG_INTERVAL_S, RateWindow
+from kvscope.app.attach.feed.metrics import Histogram, parse_metrics
+from kvscope.app.attach.feed.rates import LOG_INTERVAL_S, RateWindow
 
 PAGE = (SHARED / "metrics.txt").read_text()
 

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm_fakes import SHARED, recorded_payloads
 
-from kvscope.app.attach.events import BatchDecoder
-from kvscope.app.attach.pool import MAX_DIRTY_TREES, PoolModel
-from kvscope.app.attach.pool_view import PoolPicture, in_use_blocks
+from kvscope.app.attach.feed.events import BatchDecoder
+from kvscope.app.attach.feed.pool import MAX_DIRTY_TREES, PoolModel
+from kvscope.app.attach.feed.pool_view import PoolPicture, in_use_blocks
 from kvscope.engine.outputs import BLOCK_USED
 
 

@@ -9,10 +9,10 @@ import json
 from attach_frames import RecordedSource, recorded_server
 from vllm_fakes import DATA
 
-from kvscope.app.attach.events import BatchDecoder
-from kvscope.app.attach.metrics import parse_metrics
-from kvscope.app.attach.recording import live_messages, read_messages
-from kvscope.app.attach.subscriber import Delivery
+from kvscope.app.attach.feed.events import BatchDecoder
+from kvscope.app.attach.feed.metrics import parse_metrics
+from kvscope.app.attach.feed.recording import live_messages, read_messages
+from kvscope.app.attach.feed.subscriber import Delivery
 
 RECORDED = DATA / "recorded"
 

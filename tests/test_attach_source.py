@@ -11,12 +11,12 @@ import pytest
 import zmq
 from vllm_fakes import SHARED, FakePublisher, FakeServer, recorded_payloads, until
 
-from kvscope.app.attach import source as source_module
-from kvscope.app.attach.frame import CONNECTED, DISCONNECTED
-from kvscope.app.attach.metrics import parse_metrics
-from kvscope.app.attach.run_log import AttachRunLog
-from kvscope.app.attach.server import AttachError, EventEndpoint, make_client, probe_server
-from kvscope.app.attach.source import AttachSource
+from kvscope.app.attach.feed import source as source_module
+from kvscope.app.attach.feed.frame import CONNECTED, DISCONNECTED
+from kvscope.app.attach.feed.metrics import parse_metrics
+from kvscope.app.attach.feed.run_log import AttachRunLog
+from kvscope.app.attach.feed.server import AttachError, EventEndpoint, make_client, probe_server
+from kvscope.app.attach.feed.source import AttachSource
 from kvscope.app.runlog import RunLogReader
 
 PAGE = (SHARED / "metrics.txt").read_text()

@@ -7,10 +7,10 @@ import pytest
 import zmq
 from vllm_fakes import SHARED, FakePublisher, recorded_payloads, until
 
-from kvscope.app.attach.recording import read_messages
-from kvscope.app.attach.replay import request_replay
-from kvscope.app.attach.server import EventEndpoint
-from kvscope.app.attach.subscriber import Delivery, EventStream, Reset
+from kvscope.app.attach.feed.recording import read_messages
+from kvscope.app.attach.feed.replay import request_replay
+from kvscope.app.attach.feed.server import EventEndpoint
+from kvscope.app.attach.feed.subscriber import Delivery, EventStream, Reset
 
 PAYLOADS = recorded_payloads()
 

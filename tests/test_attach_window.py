@@ -13,13 +13,13 @@ import pytest
 from attach_frames import RecordedSource, busy_source, recorded_server, status
 from vllm_fakes import SHARED, recorded_payloads
 
-from kvscope.app.attach.frame import DISCONNECTED, Connection, Notice
-from kvscope.app.attach.metrics import parse_metrics
-from kvscope.app.attach.tokens import load_preview_text
-from kvscope.app.attach.widgets.events_panel import describe_events
-from kvscope.app.attach.widgets.prefix_trees import describe_prefixes
-from kvscope.app.attach.widgets.server_queues import describe_queues
-from kvscope.app.attach.window import AttachApp
+from kvscope.app.attach.feed.frame import DISCONNECTED, Connection, Notice
+from kvscope.app.attach.feed.metrics import parse_metrics
+from kvscope.app.attach.feed.tokens import load_preview_text
+from kvscope.app.attach.window.app import AttachApp
+from kvscope.app.attach.window.widgets.events_panel import describe_events
+from kvscope.app.attach.window.widgets.prefix_trees import describe_prefixes
+from kvscope.app.attach.window.widgets.server_queues import describe_queues
 from kvscope.settings import settings
 
 PAGE = (SHARED / "metrics.txt").read_text()

@@ -125,7 +125,7 @@ def test_a_vllm_row_reports_its_load_time_apart(fake_python):
     table = format_table(rows, bench.notes)
     assert "vllm load and compile: 12.5s (outside its timed run)" in table
     header, row = table.splitlines()[1:3]
-    assert header.split()[-8:-4] == ["MiB", "load", "paged", "x"] and row.split()[-5:-3] == ["12s", "-"]
+    assert header.split()[-8:-4] == ["MFU", "load", "paged", "x"] and row.split()[-5:-3] == ["12s", "-"]
 
 
 def test_vllm_returns_its_tokens_and_runs_the_sample_alone_for_the_accuracy_columns(fake_python):

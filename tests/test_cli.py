@@ -9,7 +9,8 @@ import sys
 import pytest
 from transformers import BertConfig, MambaConfig
 
-from kvscope.app.cli import build_parser, config_from_args, main
+from kvscope.app.cli import build_parser, main
+from kvscope.app.flags import config_from_args
 from kvscope.engine import EngineConfig, loader
 
 

@@ -107,7 +107,7 @@ def test_lesson_list_prints_one_name_per_line(capsys):
 
 def test_an_unknown_lesson_or_a_missing_model_is_one_clear_error_and_no_window(monkeypatch, capsys, tmp_path):
     opened = []
-    monkeypatch.setattr("kvscope.app.tui.run_app", lambda config, **kwargs: opened.append(config))
+    monkeypatch.setattr("kvscope.app.app.run_app", lambda config, **kwargs: opened.append(config))
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["lesson", "no-such-lesson"])
     assert exit_info.value.code == 2
@@ -121,7 +121,7 @@ def test_an_unknown_lesson_or_a_missing_model_is_one_clear_error_and_no_window(m
 
 def test_lesson_opens_the_app_on_the_teaching_pool(monkeypatch):
     opened = {}
-    monkeypatch.setattr("kvscope.app.tui.run_app", lambda config, **kwargs: opened.update(config=config, **kwargs))
+    monkeypatch.setattr("kvscope.app.app.run_app", lambda config, **kwargs: opened.update(config=config, **kwargs))
     cli.main(["lesson", "preemption", "--no-log"])
     assert opened["lesson"] == "preemption" and opened["log_enabled"] is False
     assert opened["config"].num_blocks == TEACH_POOL["num_blocks"]
@@ -131,7 +131,7 @@ def test_lesson_opens_the_app_on_the_teaching_pool(monkeypatch):
 
 def test_teach_picks_the_pool_unless_a_flag_says_otherwise(monkeypatch):
     opened = {}
-    monkeypatch.setattr("kvscope.app.tui.run_app", lambda config, **kwargs: opened.update(config=config))
+    monkeypatch.setattr("kvscope.app.app.run_app", lambda config, **kwargs: opened.update(config=config))
     cli.main(["--teach"])
     assert (opened["config"].num_blocks, opened["config"].max_model_len) == (64, 256)
     cli.main(["--teach", "--num-blocks", "96"])

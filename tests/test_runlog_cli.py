@@ -11,7 +11,7 @@ import sqlite3
 import pytest
 from test_runlog_synthetic import SyntheticEngine
 
-from kvscope.app import runs_cli
+from kvscope.app.runlog import cli as runs_cli
 from kvscope.app.runlog import open_run_log
 from kvscope.engine.config import EngineConfig
 

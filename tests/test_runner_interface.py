@@ -10,7 +10,7 @@ import pytest
 import torch
 from invariants import run_checked
 
-from kvscope.app.engine_factory import engine_info
+from kvscope.app.worker.factory import engine_info
 from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
 from kvscope.engine.fake_runner import FakeRunner
 from kvscope.engine.runner import Runner, RunnerInfo

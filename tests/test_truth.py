@@ -33,7 +33,8 @@ from closeness import closeness, greedy_with_logits
 from models import load_smollm2
 
 from kvscope.app.bench.accuracy import Agreement, agreement, transformers_greedy
-from kvscope.app.cli import build_parser, config_from_args
+from kvscope.app.cli import build_parser
+from kvscope.app.flags import config_from_args
 from kvscope.engine import LLMEngine, SamplingParams
 from kvscope.engine.model_runner import cpu_has_native_bf16
 from kvscope.kernels import cpu, reference
@@ -180,8 +181,8 @@ def test_the_questions_shown_get_the_answers_transformers_fp32_gives(references)
 @pytest.mark.anyio
 async def test_the_window_answers_paris(tmp_path):
     """Typed into the chat pane of the window `kvscope` opens with no flags, the answer is Paris."""
-    from kvscope.app.screenshots import wait_until
-    from kvscope.app.tui import KVScopeApp
+    from kvscope.app.app import KVScopeApp
+    from kvscope.app.headless import wait_until
 
     config = config_from_args(build_parser().parse_args([]))
     app = KVScopeApp(config, db_path=tmp_path / "runs.db")

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from invariants import check_invariants
 
-from kvscope.app.engine_worker import ENGINE_REBUILT, ENGINE_STOPPED, EngineWorker
+from kvscope.app.load.presets import PRESETS
 from kvscope.app.messages import (
     CommandRejected,
     EngineBuildFailed,
@@ -34,8 +34,7 @@ from kvscope.app.messages import (
     EngineStepped,
     RequestRejected,
 )
-from kvscope.app.presets import PRESETS
-from kvscope.app.worker_commands import (
+from kvscope.app.worker.commands import (
     AbortRequest,
     AddRequest,
     LaunchPreset,
@@ -44,6 +43,7 @@ from kvscope.app.worker_commands import (
     SetRateCap,
     StepOnce,
 )
+from kvscope.app.worker.thread import ENGINE_REBUILT, ENGINE_STOPPED, EngineWorker
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import zmq
 
-from kvscope.app.attach.recording import live_messages
+from kvscope.app.attach.feed.recording import live_messages
 
 DATA = Path(__file__).parent / "data" / "vllm"
 SHARED = DATA / "shared-run"

@@ -32,13 +32,13 @@ import msgspec
 import psutil
 import zmq
 
-from kvscope.app.attach.events import STORED, BatchDecoder
-from kvscope.app.attach.frame import AttachFrame
-from kvscope.app.attach.pool import MASK64, PoolModel
-from kvscope.app.attach.pool_view import PoolPicture
-from kvscope.app.attach.recording import live_messages
-from kvscope.app.attach.server import EventEndpoint, ServerInfo, make_client
-from kvscope.app.attach.source import AttachSource
+from kvscope.app.attach.feed.events import STORED, BatchDecoder
+from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.attach.feed.pool import MASK64, PoolModel
+from kvscope.app.attach.feed.pool_view import PoolPicture
+from kvscope.app.attach.feed.recording import live_messages
+from kvscope.app.attach.feed.server import EventEndpoint, ServerInfo, make_client
+from kvscope.app.attach.feed.source import AttachSource
 
 DATA = Path(__file__).with_name("data")
 RECORDED_EVENTS = DATA / "kv-events.frames.jsonl"     # vLLM 0.32 CPU, 96 blocks of 32 (tests/data/vllm)

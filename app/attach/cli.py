@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import sys
 
-from kvscope.app.attach.server import AttachError, make_client, probe_server, user_endpoints
+from kvscope.app.attach.feed.server import AttachError, make_client, probe_server, user_endpoints
 
 MIN_INTERVAL_S = 0.1
 
@@ -69,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
 
 def build_app(args: argparse.Namespace, client, server, sample):
     """The window over ``server``: its data source (run log, tokenizer) ready to start with the app."""
-    from kvscope.app.attach.run_log import AttachRunLog
-    from kvscope.app.attach.source import AttachSource
-    from kvscope.app.attach.tokens import load_preview_text
-    from kvscope.app.attach.window import AttachApp
+    from kvscope.app.attach.feed.run_log import AttachRunLog
+    from kvscope.app.attach.feed.source import AttachSource
+    from kvscope.app.attach.feed.tokens import load_preview_text
+    from kvscope.app.attach.window.app import AttachApp
 
     preview_text, note = load_preview_text(args.tokenizer, server.model_root)
     run_log = AttachRunLog.open(args.db, server, interval_s=args.interval, enabled=not args.no_log)

@@ -30,10 +30,10 @@ class LessonTiming:
 
 async def _play_all(config: EngineConfig, names: list[str], db_path, log_enabled: bool
                     ) -> tuple[float, list[LessonTiming]]:
+    from kvscope.app.app import KVScopeApp
+    from kvscope.app.headless import wait_until
     from kvscope.app.lessons.load import teach_config
     from kvscope.app.lessons.play import play
-    from kvscope.app.screenshots import wait_until
-    from kvscope.app.tui import KVScopeApp
 
     app = KVScopeApp(teach_config(config), db_path=db_path, log_enabled=log_enabled, paused=True)
     timings = []

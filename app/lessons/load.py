@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvscope.app.presets import PlannedRequest, PresetContext, fit_text, prompt_file, prompt_lines
+from kvscope.app.load.presets import PlannedRequest, PresetContext, fit_text, prompt_file, prompt_lines
 from kvscope.engine.config import EngineConfig, SamplingParams
 
 TEACH_POOL = {"block_size": 16, "num_blocks": 64, "max_model_len": 256, "swap_space": "16MiB"}

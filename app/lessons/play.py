@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from kvscope.app.headless import wait_until
 from kvscope.app.lessons import LESSONS
 from kvscope.app.lessons.runner import BeatRecord
 
@@ -29,8 +30,6 @@ class Played:
 async def play(pilot, name: str, on_beat: Callable[[int, BeatRecord], Awaitable[None]] | None = None,
                beat_timeout: float = BEAT_TIMEOUT_S, stop_at: int | None = None) -> Played:
     """Play lesson ``name`` to its end, or until beat ``stop_at`` (0-based) is on screen."""
-    from kvscope.app.screenshots import wait_until
-
     app = pilot.app
     lesson = LESSONS[name]
     start = time.monotonic()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, StepRecord
-from kvscope.app.worker_commands import LaunchPlan, Rebuild, RunUntil, WorkerCommand
+from kvscope.app.worker.commands import LaunchPlan, Rebuild, RunUntil, WorkerCommand
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.outputs import StepResult
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvscope.app.presets import PlannedRequest, PresetContext
+from kvscope.app.load.presets import PlannedRequest, PresetContext
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, RequestView, StepResult, StepStats
 
 Condition = Callable[[StepResult], bool]

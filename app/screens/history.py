@@ -26,14 +26,9 @@ from kvscope.app.widgets.key_bar import KeyBar
 T = TypeVar("T")
 
 
-def replay_screen_for(reader: RunLogReader, run_id: int) -> ReplayScreen:
-    """A watched vLLM server's run replays with the attached window's panels; every other run with the app's."""
-    if reader.run(run_id).get("source") == "vllm":
-        # Imported here: the attach package brings httpx and pyzmq, which the app needs for nothing else.
-        from kvscope.app.attach.replay_view import VllmReplayScreen
-
-        return VllmReplayScreen(reader, run_id)
-    return ReplayScreen(reader, run_id)
+# What a run replays on: ReplayScreen, or the App's choice by the run's source. The App hands it in, so this
+# screen never imports the attached window's replay (attach/ is a layer above the screens).
+ReplayFor = Callable[[RunLogReader, int], Screen]
 
 
 def describe_run(run: dict) -> str:
@@ -70,9 +65,10 @@ class HistoryScreen(Screen):
         Binding("r", "reload", "Reload"),
     ]
 
-    def __init__(self, db_path: str | Path | None) -> None:
+    def __init__(self, db_path: str | Path | None, replay_for: ReplayFor = ReplayScreen) -> None:
         super().__init__(id="history")
         self.db_path = db_path
+        self.replay_for = replay_for
         self.reader: RunLogReader | None = None
         self.run_id: int | None = None
 
@@ -156,7 +152,7 @@ class HistoryScreen(Screen):
 
     def action_replay(self) -> None:
         if self.reader is not None and self.run_id is not None:
-            screen = self._read(lambda: replay_screen_for(self.reader, self.run_id))
+            screen = self._read(lambda: self.replay_for(self.reader, self.run_id))
             if screen is not None:
                 self.app.push_screen(screen)
 

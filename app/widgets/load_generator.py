@@ -6,8 +6,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, Select, Static
 
+from kvscope.app.load.presets import PRESETS
 from kvscope.app.messages import PresetLaunched
-from kvscope.app.presets import PRESETS
 
 
 class LoadGenerator(Vertical):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
-PROMPTS = Path(__file__).resolve().parents[2] / "app" / "prompts"
+PROMPTS = Path(__file__).resolve().parents[2] / "app" / "load" / "prompts"
 SYSTEM_WORDS = 420      # about 560 tokens of the support prompt: 17 full blocks of 32
 MODEL = "smollm2"
 

@@ -9,7 +9,7 @@ preemptions), then ``POST /reset_prefix_cache`` (dev mode: ``AllBlocksCleared``)
 and one more request. Then asks for a replay of everything from seq 0, and
 stops the server. Writes, into OUT_DIR (default tests/data/vllm/recorded):
 
-    kv-events.frames.jsonl   every live message, as recorded by kvscope.app.attach.recording
+    kv-events.frames.jsonl   every live message, as recorded by kvscope.app.attach.feed.recording
     kv-replay.frames.jsonl   the replies to the replay request, end marker included
     metrics-timeseries.txt.gz  at each sample, a "# t=<time>" line, then the lines of the page that
                              carry a series kvscope reads (the whole page is 60 KB)
@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load  # noqa: E402 - the sibling module, found through the path set above
 from server import VllmServer  # noqa: E402
 
-from kvscope.app.attach import metrics  # noqa: E402
-from kvscope.app.attach.recording import write_messages  # noqa: E402
+from kvscope.app.attach.feed import metrics  # noqa: E402
+from kvscope.app.attach.feed.recording import write_messages  # noqa: E402
 from kvscope.engine.loader import fetch_default_model  # noqa: E402
 
 SAMPLE_EVERY_S = 0.5

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load  # noqa: E402 - the sibling module, found through the path set above
 from server import VllmServer  # noqa: E402
 
-from kvscope.app.attach.server import make_client, probe_server  # noqa: E402
-from kvscope.app.attach.source import IDLE_WAKE_S, AttachSource  # noqa: E402
-from kvscope.app.attach.tokens import load_preview_text  # noqa: E402
-from kvscope.app.attach.window import AttachApp  # noqa: E402
+from kvscope.app.attach.feed.server import make_client, probe_server  # noqa: E402
+from kvscope.app.attach.feed.source import IDLE_WAKE_S, AttachSource  # noqa: E402
+from kvscope.app.attach.feed.tokens import load_preview_text  # noqa: E402
+from kvscope.app.attach.window.app import AttachApp  # noqa: E402
 from kvscope.engine.loader import fetch_default_model  # noqa: E402
 
 SIZE = (160, 48)

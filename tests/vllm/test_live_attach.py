@@ -19,10 +19,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvscope.app.attach.events import STORED, BatchDecoder
-from kvscope.app.attach.replay import request_replay
-from kvscope.app.attach.server import make_client, probe_server
-from kvscope.app.attach.source import AttachSource
+from kvscope.app.attach.feed.events import STORED, BatchDecoder
+from kvscope.app.attach.feed.replay import request_replay
+from kvscope.app.attach.feed.server import make_client, probe_server
+from kvscope.app.attach.feed.source import AttachSource
 
 MAX_PROBES = 12
 EXTRA_TOKEN = 198   # a newline: a probe ends one token past the chain, so all of the chain can be a hit

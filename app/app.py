@@ -1,0 +1,415 @@
+"""The kvscope Textual app: starts the engine thread, routes its messages, holds the teaching controls."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+
+from textual.app import SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+from textual.worker import Worker, WorkerState
+
+from kvscope.app.actions import ACTIONS, REPLACED_SYSTEM_COMMANDS
+from kvscope.app.attach.window.replay_view import replay_screen_for
+from kvscope.app.lessons import LESSONS
+from kvscope.app.lessons.load import teach_config
+from kvscope.app.load import presets
+from kvscope.app.load.presets import PRESETS
+from kvscope.app.messages import (
+    ChatSubmitted,
+    CommandRejected,
+    EngineBuildFailed,
+    EngineDied,
+    EngineFailed,
+    EngineInfo,
+    EngineReady,
+    EngineStarting,
+    EngineStepped,
+    PresetLaunched,
+    QueueChanged,
+    RequestRejected,
+    RunLogFailed,
+    RunStateChanged,
+    RunUntilDone,
+)
+from kvscope.app.runlog import record_run
+from kvscope.app.screens.explain import ExplainScreen
+from kvscope.app.screens.history import HistoryScreen
+from kvscope.app.screens.lesson import LessonScreen
+from kvscope.app.screens.lesson_menu import LessonMenu
+from kvscope.app.screens.main import MainScreen
+from kvscope.app.screens.quit import ConfirmQuit, ShuttingDown
+from kvscope.app.themed_app import APP_CSS, ThemedApp
+from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
+from kvscope.app.widgets.load_generator import LoadGenerator
+from kvscope.app.widgets.system import SystemSampler
+from kvscope.app.worker.commands import AddChatTurn, RunOnEngine
+from kvscope.app.worker.factory import build_engine, first_engine_then_build
+from kvscope.app.worker.thread import EngineWorker
+from kvscope.engine.config import EngineConfig, model_sampling
+from kvscope.settings import settings
+from kvscope.themes import THEME_CSS_PATHS
+
+RATE_CAPS = (None, 50.0, 20.0, 10.0, 5.0, 2.0, 1.0, 0.5)  # steps per second, fastest first
+
+
+SHUTDOWN_POLL_S = 0.02
+REFUSALS_GATHER_S = 0.25
+
+
+def runnable_warning(info: EngineInfo) -> str | None:
+    """Why an engine can run no request at all (contiguous rows larger than the pool), with the fix."""
+    try:
+        presets.PresetContext(info.block_size, info.num_blocks, info.max_model_len,
+                              info.config.max_num_batched_tokens, len, allocator=info.config.allocator
+                              ).check_runnable()
+    except ValueError as exc:
+        return str(exc)[0].upper() + str(exc)[1:] + "."
+    return None
+
+
+class KVScopeApp(ThemedApp):
+    TITLE = "kvscope"
+    CSS_PATH = [APP_CSS, *THEME_CSS_PATHS]
+    BINDINGS = [Binding(a.keys, a.action, a.title, tooltip=a.help) for a in ACTIONS if a.keys]
+
+    def __init__(self, config: EngineConfig, *, db_path: str | Path | None = None, log_enabled: bool = True,
+                 engine_factory: Callable = build_engine, system_sampler: SystemSampler | None = None,
+                 paused: bool = False, steps_per_s_cap: float | None = None,
+                 screenshot_dir: str | Path | None = None, chat_max_tokens: int = DEFAULT_MAX_TOKENS,
+                 first_lesson: str | None = None, serve=None) -> None:
+        super().__init__()
+        self.config = config
+        self.log_enabled = log_enabled
+        self.db_path = (Path(db_path) if db_path else settings().db_path) if log_enabled else None
+        self.screenshot_dir = Path(screenshot_dir or os.getcwd())
+        self.main = MainScreen(system_sampler=system_sampler, chat_max_tokens=chat_max_tokens)
+        self.worker = EngineWorker(self, config, engine_factory=engine_factory, log_factory=self._record_run,
+                                   paused=paused, steps_per_s_cap=steps_per_s_cap)
+        self.engine_died: str | None = None     # why the engine thread ended, once it has
+        # The cap the user asked for, kept here: presses that arrive before the engine thread applied
+        # the previous one must each move it a notch.
+        self.rate_cap = steps_per_s_cap
+        self.engine_thread = None   # Textual's Worker running the engine thread
+        self.run_logger = None      # the run log of the engine now running (set on the engine thread)
+        self.lesson_screen: LessonScreen | None = None
+        self._lesson_log_dir: tempfile.TemporaryDirectory | None = None
+        self._first_lesson = first_lesson
+        self._refused: list[tuple[str, str]] = []
+        # kvscope --serve: the API in front of this window's engine (app/serve/hosted.py's HostedServe, made by
+        # the command line). Its requests are engine requests like chat turns ("http-N" in the queues); their
+        # adds and aborts run on the engine thread between steps.
+        self.serve = serve
+        if serve is not None:
+            serve.wake = lambda: self.worker.send(RunOnEngine(serve.run_pending))
+
+    def get_default_screen(self) -> Screen:
+        return self.main
+
+    def on_ready(self) -> None:
+        # Started once the live view is composed, so the first messages find their panels.
+        self.engine_thread = self.run_worker(self.worker.run, thread=True, name="engine", group="engine",
+                                             exit_on_error=False)
+        if self._first_lesson == "":
+            self.action_lessons()
+        elif self._first_lesson:
+            self.start_lesson(self._first_lesson)
+
+    def on_unmount(self) -> None:
+        if self.serve is not None:
+            self.serve.close()      # its requests end with "abort", stepped by the engine thread still running
+        self.worker.stop()
+        if self._lesson_log_dir is not None:
+            self._lesson_log_dir.cleanup()
+
+    def _record_run(self, engine):
+        if self.serve is not None:
+            self.serve.engine_installed(engine)
+        self.run_logger = record_run(engine, source="app", db_path=self.db_path, enabled=self.log_enabled,
+                                     on_failure=lambda warning: self.post_message(RunLogFailed(warning)))
+        return self.run_logger
+
+    # --- from the engine thread -------------------------------------------------------------------
+
+    def on_engine_starting(self, message: EngineStarting) -> None:
+        self.main.show_starting(message.config.model)
+
+    def on_engine_ready(self, message: EngineReady) -> None:
+        self.main.engine_ready(message.info)
+        if self.lesson_screen is not None:
+            self.lesson_screen.engine_ready(message.info)
+        if message.log_warning:
+            self.notify(message.log_warning, title="Run log", severity="warning", timeout=12)
+        warning = runnable_warning(message.info)
+        if warning:
+            self.notify(warning, title="No request can run", severity="warning", timeout=15)
+        if self.serve is not None and self.serve.url:
+            network = self.serve.network_warning()
+            self.notify(f"OpenAI API on {self.serve.url}/v1; watch it with kvscope attach {self.serve.url}"
+                        + (f". {network}" if network else ""), title="Serving",
+                        severity="warning" if network else "information", timeout=12)
+
+    def on_engine_stepped(self, message: EngineStepped) -> None:
+        self.worker.ack()
+        if self.main.is_attached:  # steps still arrive while the app shuts down
+            self.main.ingest(message.result)
+        if self.lesson_screen is not None:
+            self.lesson_screen.ingest(message.result)
+
+    def on_queue_changed(self, message: QueueChanged) -> None:
+        self.main.show_queue(message.snapshot)
+
+    def on_run_until_done(self, message: RunUntilDone) -> None:
+        if self.lesson_screen is not None:
+            self.lesson_screen.until_done(message.step, message.met)
+
+    def on_engine_failed(self, message: EngineFailed) -> None:
+        # The engine thread has paused; requests in flight (the chat reply too) go on after a resume.
+        self.notify(message.error, title="Engine", severity="error", timeout=15)
+
+    def on_engine_build_failed(self, message: EngineBuildFailed) -> None:
+        self.main.engine_not_ready(message.still_running, message.error)
+        kept = " The engine before it goes on." if message.still_running else ""
+        self.notify(message.error + kept, title="Engine", severity="error", timeout=15)
+
+    def on_engine_died(self, message: EngineDied) -> None:
+        self._say_engine_died(message.error)
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        # The engine thread ended without being told to (it posts EngineDied first when it can).
+        worker = event.worker
+        if worker.name == "engine" and event.state in (WorkerState.ERROR, WorkerState.SUCCESS) \
+                and not self.worker.stopping:
+            self._say_engine_died(f"{type(worker.error).__name__}: {worker.error}" if worker.error
+                                  else "the engine thread ended")
+
+    def _say_engine_died(self, error: str) -> None:
+        if self.engine_died is not None:
+            return
+        self.engine_died = error
+        self.main.engine_died(error)
+        self.notify(f"The engine thread stopped: {error}. Requests no longer run; restart kvscope.",
+                    title="Engine", severity="error", timeout=60)
+
+    def on_request_rejected(self, message: RequestRejected) -> None:
+        self.main.chat.on_rejected(message.request_id, message.error)
+        # Refusals come in bursts (a preset's requests, one after the other): gathered for a moment and
+        # told in one toast, never one toast each.
+        if not self._refused:
+            self.set_timer(REFUSALS_GATHER_S, self._tell_refusals)
+        self._refused.append((message.request_id, message.error))
+
+    def _tell_refusals(self) -> None:
+        refused, self._refused = self._refused, []
+        if len(refused) == 1:
+            request_id, error = refused[0]
+            self.notify(error, title=f"Request {request_id} refused", severity="error", timeout=10)
+        elif refused:
+            self.notify(f"first: {refused[0][1]}", title=f"{len(refused)} requests refused", severity="error",
+                        timeout=10)
+
+    def on_command_rejected(self, message: CommandRejected) -> None:
+        self.notify(message.error, title=f"{message.command} refused", severity="error", timeout=10)
+
+    def on_run_log_failed(self, message: RunLogFailed) -> None:
+        self.notify(message.warning, title="Run log", severity="warning", timeout=30)
+
+    def on_run_state_changed(self, message: RunStateChanged) -> None:
+        self.main.show_state(message.state)
+
+    # --- from the panels ----------------------------------------------------------------------------
+
+    def on_chat_submitted(self, message: ChatSubmitted) -> None:
+        # The model's own sampling defaults, as `kvscope chat` and vLLM use them: greedy for SmolLM2.
+        info = self.main.engine_info
+        params = model_sampling(info.sampling_defaults if info else (), max_tokens=message.max_tokens)
+        self.worker.send(AddChatTurn(message.request_id, message.messages, params))
+        self.main.view.block_map.set_chat_request(message.request_id)
+
+    def on_preset_launched(self, message: PresetLaunched) -> None:
+        self.worker.launch_preset(message.preset_key, message.count)
+        self.notify(f"{PRESETS[message.preset_key].title}: {message.count} sent", timeout=3)
+
+    # --- actions -----------------------------------------------------------------------------------------
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        for command in super().get_system_commands(screen):
+            if command.title not in REPLACED_SYSTEM_COMMANDS:
+                yield command
+        for action in ACTIONS:
+            key = f" ({action.keys.split(',')[0]})" if action.keys else ""
+            yield SystemCommand(action.title + key, action.help, partial(self.run_action, action.action))
+        for lesson in LESSONS.values():
+            yield SystemCommand(f"Lesson: {lesson.name}", lesson.summary, partial(self.start_lesson, lesson.name))
+
+    # --- lessons -------------------------------------------------------------------------------------
+
+    def action_lessons(self) -> None:
+        if not isinstance(self.screen, (LessonMenu, LessonScreen)):
+            self.push_screen(LessonMenu(), lambda name: name and self.start_lesson(name))
+
+    def start_lesson(self, name: str) -> None:
+        """Run a lesson on a fresh engine with the teaching pool; Esc in it comes back here."""
+        if self.lesson_screen is not None:
+            self.leave_lesson(rebuild=False)
+        lesson = LESSONS[name]
+        self._ensure_run_log()
+        self.lesson_screen = LessonScreen(lesson, teach_config(self.config, **lesson.config))
+        self.push_screen(self.lesson_screen)
+
+    def leave_lesson(self, rebuild: bool = True) -> None:
+        screen, self.lesson_screen = self.lesson_screen, None
+        if screen is not None and screen.is_attached:
+            self.pop_screen() if self.screen is screen else screen.dismiss()
+        if rebuild:
+            self.worker.rebuild(self.config)
+
+    def _ensure_run_log(self) -> None:
+        """Lessons go back by replaying the run log: with the log off, they keep one for this session only."""
+        if self.log_enabled:
+            return
+        self._lesson_log_dir = tempfile.TemporaryDirectory(prefix="kvscope-lesson-")
+        self.db_path = Path(self._lesson_log_dir.name) / "lessons.db"
+        self.log_enabled = True
+
+    # --- quitting ------------------------------------------------------------------------------------
+
+    def _in_flight(self) -> str | None:
+        """What quitting would abort, in words; None when nothing is in flight."""
+        snapshot = self.main.latest.snapshot if self.main.latest else None
+        count = len(snapshot.requests) if snapshot else 0
+        if self.main.chat.current_request is not None and count == 0:
+            count = 1
+        return f"{count} request{'s' if count != 1 else ''}" if count else None
+
+    async def action_quit(self) -> None:
+        if isinstance(self.screen, (ConfirmQuit, ShuttingDown)):
+            return
+        in_flight = self._in_flight()
+        if in_flight is None:
+            self.shut_down()
+            return
+
+        def answered(quit_now: bool | None) -> None:
+            if quit_now:
+                self.shut_down()
+
+        self.push_screen(ConfirmQuit(in_flight), answered)
+
+    def shut_down(self) -> None:
+        """Say so, stop the engine thread, and exit once it has ended (its step done, its run log closed)."""
+        self.push_screen(ShuttingDown())
+        self.worker.stop()
+
+        def exit_when_stopped() -> None:
+            if self.engine_thread is None or self.engine_thread.is_finished:
+                self.exit()
+
+        self.set_interval(SHUTDOWN_POLL_S, exit_when_stopped)
+
+    def action_show_keys(self) -> None:
+        if self.screen.query("HelpPanel"):
+            self.action_hide_help_panel()
+        else:
+            self.action_show_help_panel()
+
+    def action_focus_panel(self, widget_id: str) -> None:
+        found = self.screen.query(f"#{widget_id}")
+        if found:
+            found.first().focus()
+
+    def action_explain(self) -> None:
+        if not isinstance(self.screen, ExplainScreen):
+            self.push_screen(ExplainScreen())
+
+    def action_history(self) -> None:
+        if not isinstance(self.screen, HistoryScreen):
+            self.push_screen(HistoryScreen(self.db_path, replay_for=replay_screen_for))
+
+    def action_toggle_pause(self) -> None:
+        if self.worker.state.paused:
+            self.worker.resume()
+        else:
+            self.worker.pause()
+
+    def action_single_step(self) -> None:
+        self.worker.step_once()
+
+    def _set_cap(self, direction: int) -> None:
+        index = RATE_CAPS.index(self.rate_cap) if self.rate_cap in RATE_CAPS else 0
+        self.rate_cap = RATE_CAPS[min(max(index + direction, 0), len(RATE_CAPS) - 1)]
+        self.worker.set_rate_cap(self.rate_cap)
+        self.notify("no step cap" if self.rate_cap is None else f"at most {self.rate_cap:g} steps/s", timeout=2)
+
+    def action_slower(self) -> None:
+        self._set_cap(+1)
+
+    def action_faster(self) -> None:
+        self._set_cap(-1)
+
+    def action_launch_preset(self) -> None:
+        self.main.query_one(LoadGenerator).launch()
+
+    @property
+    def running_config(self) -> EngineConfig:
+        """The config of the engine now running (the requested one until it has started)."""
+        return self.main.engine_info.config if self.main.engine_info else self.config
+
+    def _rebuild(self, **changes) -> None:
+        config = dataclasses.replace(self.running_config, **changes)
+        self.config = config
+        self.worker.rebuild(config)
+        self.notify(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in changes.items()) or "restarting",
+                    title="Restarting the engine", timeout=4)
+
+    def action_toggle_preemption(self) -> None:
+        current = self.running_config.preemption_mode
+        self._rebuild(preemption_mode="swap" if current == "recompute" else "recompute")
+
+    def action_toggle_prefix_caching(self) -> None:
+        current = self.running_config.enable_prefix_caching
+        self._rebuild(enable_prefix_caching=not current)
+
+    def action_toggle_allocator(self) -> None:
+        current = self.running_config.allocator
+        self._rebuild(allocator="contiguous" if current == "paged" else "paged")
+
+    def action_restart_engine(self) -> None:
+        self._rebuild()
+
+    def action_abort_reply(self) -> None:
+        """Esc in the chat: abort the reply streaming, or, with none, leave the input for the map."""
+        request_id = self.main.chat.abort()
+        if request_id is None:
+            self.main.view.block_map.focus()
+            return
+        self.worker.abort(request_id)
+        self.main.view.block_map.set_chat_request(None)
+
+    def action_new_conversation(self) -> None:
+        request_id = self.main.chat.new_conversation()
+        if request_id is not None:
+            self.worker.abort(request_id)
+            self.main.view.block_map.set_chat_request(None)
+
+    def action_abort_all(self) -> None:
+        snapshot = self.main.latest.snapshot if self.main.latest else None
+        for view in snapshot.requests if snapshot else ():
+            self.worker.abort(view.request_id)
+
+
+
+def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool, engine=None,
+            lesson: str | None = None, serve=None) -> int:
+    """Open the window; ``engine``, when given, is the first engine (built, and so checked, before);
+    ``lesson`` opens a lesson at once ("" opens the list of lessons); ``serve`` serves the engine over HTTP."""
+    factory = build_engine if engine is None else first_engine_then_build(engine)
+    app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled, engine_factory=factory, first_lesson=lesson,
+                     serve=serve)
+    app.run()
+    return app.return_code or 0

@@ -1,0 +1,87 @@
+"""AttachApp: the kvscope window over a vLLM server. The data source thread feeds it frames.
+
+It is the app's window with another data source, so the themes, the run log's
+History (F9, where the session shows up as a "vllm" run while it is recorded)
+and screenshots (F10) work as they do in the app.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from textual.binding import Binding
+from textual.message import Message
+from textual.screen import Screen
+
+from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.attach.feed.source import AttachSource
+from kvscope.app.attach.window.replay_view import replay_screen_for
+from kvscope.app.attach.window.screen import AttachScreen
+from kvscope.app.screens.history import HistoryScreen
+from kvscope.app.themed_app import APP_CSS, ThemedApp
+from kvscope.settings import settings
+from kvscope.themes import THEME_CSS_PATHS
+
+CLOSE_TIMEOUT_S = 10.0
+ATTACH_CSS = Path(__file__).with_name("attach.tcss")
+
+
+@dataclass
+class FrameArrived(Message):
+    """A frame from the data source thread (posted, never waited on)."""
+
+    frame: AttachFrame
+
+
+class AttachApp(ThemedApp):
+    TITLE = "kvscope attach"
+    CSS_PATH = [APP_CSS, ATTACH_CSS, *THEME_CSS_PATHS]
+    BINDINGS = [
+        Binding("f9", "history", "History"),
+        Binding("f10", "screenshot_svg", "Screenshot"),
+        Binding("ctrl+t", "toggle_theme", "Theme"),
+    ]
+
+    def __init__(self, source: AttachSource, first_sample=None, *, db_path: str | Path | None = None,
+                 screenshot_dir: str | Path | None = None, run_thread: bool = True,
+                 log_warning: str | None = None) -> None:
+        super().__init__()
+        self.log_warning = log_warning  # why the run log is off, when it is
+        self._source_started = False
+        self.source = source
+        self.first_sample = first_sample
+        self.db_path = Path(db_path) if db_path else settings().db_path
+        self.screenshot_dir = Path(screenshot_dir or os.getcwd())
+        self.run_thread = run_thread
+        source.publish = self._from_source
+        self.view = AttachScreen(source.server.url, len(source.pools.views(0, None)))
+
+    def get_default_screen(self) -> Screen:
+        return self.view
+
+    def on_ready(self) -> None:
+        if self.log_warning:
+            self.notify(self.log_warning, title="Run log", severity="warning", timeout=12)
+        if self.run_thread:
+            self._source_started = True
+            self.run_worker(lambda: self.source.run(self.first_sample), thread=True, name="attach",
+                            exit_on_error=False)
+
+    def on_unmount(self) -> None:
+        self.source.stop()
+        if self._source_started:
+            # The session's run is marked finished only once the thread has flushed and closed the log.
+            self.source.finished.wait(CLOSE_TIMEOUT_S)
+
+    def _from_source(self, frame: AttachFrame) -> None:
+        self.post_message(FrameArrived(frame))
+
+    def on_frame_arrived(self, message: FrameArrived) -> None:
+        self.view.show_frame(message.frame)
+
+    def action_history(self) -> None:
+        if not isinstance(self.screen, HistoryScreen):
+            self.push_screen(HistoryScreen(self.db_path, replay_for=replay_screen_for))
+

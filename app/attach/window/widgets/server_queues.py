@@ -1,0 +1,46 @@
+"""Running and waiting, by reason, with their recent history; and in words what vLLM does not expose."""
+
+from __future__ import annotations
+
+from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.widgets.line_panel import LinePanel
+from kvscope.app.widgets.throughput import BARS, bar_levels
+
+SPARK_WIDTH = 40
+NOT_EXPOSED = ("[dim]vLLM publishes counts, not requests: per-request rows (prompt, progress, block table) "
+               "are not exposed. Its V1 scheduler recomputes a preempted request instead of swapping it out, "
+               "so there is no swapped queue.[/]")
+
+
+def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
+    return "".join(BARS[level] for level in bar_levels(values, width))
+
+
+def describe_queues(frame: AttachFrame) -> str:
+    history = frame.queue_history
+    if not history:
+        return "waiting for the first /metrics sample…\n" + NOT_EXPOSED
+    now = history[-1]
+    reasons = " · ".join(f"{reason} {count}" for reason, count in now.waiting_by_reason) or "no reasons published"
+    lines = [
+        f"running {now.num_running:>4}  [$success]{sparkline([p.num_running for p in history])}[/]",
+        f"waiting {now.num_waiting:>4}  [$warning]{sparkline([p.num_waiting for p in history])}[/]",
+        f"[dim]waiting by reason:[/] {reasons}",
+    ]
+    if frame.metrics is not None:
+        finished = frame.metrics.totals().finished_by_reason
+        if finished:
+            lines.append("[dim]finished since start:[/] " + " · ".join(f"{r} {n:,}" for r, n in finished))
+    lines.append(f"[dim]last {len(history)} samples, {history[-1].time - history[0].time:.0f} s[/]")
+    return "\n".join(lines + [NOT_EXPOSED])
+
+
+class ServerQueues(LinePanel):
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__("waiting for the server…", id=id, classes=classes)
+
+    def show_frame(self, frame: AttachFrame) -> None:
+        if frame.queue_history:
+            now = frame.queue_history[-1]
+            self.border_title = f"Queues · running {now.num_running} · waiting {now.num_waiting}"
+        self.show(describe_queues(frame))

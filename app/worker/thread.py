@@ -1,0 +1,465 @@
+"""The engine thread: owns the LLMEngine, takes commands from a queue, posts one message per step.
+
+Everything the UI asks for (add, abort, pause, single step, rate cap, preset,
+rebuild) is a command (app/worker/commands.py) put on a queue and applied
+between steps, so the engine is only ever touched by this thread. Results go
+back with ``post_message``, which never waits for the UI; a semaphore bounds
+how far the engine may run ahead of a UI that has stopped draining messages.
+The run log is not the worker's business: ``log_factory`` attaches a logger to
+each engine it builds as an engine observer, as every other caller does.
+
+Nothing a command does may end the thread: a command that raises is refused
+with a message and the thread goes on. Every request the engine accepted gets
+exactly one final output, even when its engine goes away: a rebuild or quitting
+aborts the requests in flight and hands on their final outputs, each saying why
+in ``error`` (RequestOutput has no field of its own for an abort's reason).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvscope.app.load import presets
+from kvscope.app.messages import (
+    CommandRejected,
+    EngineBuildFailed,
+    EngineDied,
+    EngineFailed,
+    EngineInfo,
+    EngineReady,
+    EngineStarting,
+    EngineStepped,
+    QueueChanged,
+    RequestRejected,
+    RunState,
+    RunStateChanged,
+    RunUntilDone,
+)
+from kvscope.app.worker.commands import (
+    AbortRequest,
+    AddChatTurn,
+    AddRequest,
+    LaunchPlan,
+    LaunchPreset,
+    Rebuild,
+    RunOnEngine,
+    RunUntil,
+    SetPaused,
+    SetRateCap,
+    StepOnce,
+    Stop,
+    WorkerCommand,
+)
+from kvscope.app.worker.delayed import DelayedRequests
+from kvscope.app.worker.factory import build_engine, engine_info
+from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
+
+MAX_STEPS_AHEAD_OF_UI = 256
+ENGINE_REBUILT = "the engine was restarted"
+ENGINE_STOPPED = "kvscope quit while the request was in flight"
+
+
+def describe_error(exc: BaseException) -> str:
+    """A refusal (RequestError) in its own words; anything else, which is a bug, with its type."""
+    return str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
+
+
+class EngineWorker:
+    """``run`` is the thread body (the app starts it as a thread worker); ``send`` and the methods
+    that call it are for the UI. ``start``, ``run_once`` and ``shutdown`` are the thread body's
+    parts, for a caller that drives the worker on its own thread (the tests).
+
+    ``log_factory(engine)`` is called for each engine built and returns its run logger (which it has
+    attached as an engine observer, as ``runlog.record_run`` does) or None; the worker closes it when
+    the engine is replaced or the thread ends. ``clock`` times the rate cap.
+    """
+
+    def __init__(self, target, config: EngineConfig, *, engine_factory: Callable = build_engine,
+                 log_factory: Callable[[Any], Any] | None = None,
+                 paused: bool = False, steps_per_s_cap: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.target = target
+        self.config = config
+        self.engine = None
+        self.info: EngineInfo | None = None
+        self._engine_factory = engine_factory
+        self._log_factory = log_factory
+        self._clock = clock
+        self._logger = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight = threading.BoundedSemaphore(MAX_STEPS_AHEAD_OF_UI)
+        self._paused = paused
+        self._steps_per_s_cap = steps_per_s_cap
+        self._pending_steps = 0
+        self._abort_unreported = False
+        self._next_step_at = 0.0
+        self._delayed = DelayedRequests()
+        self._accepted: set[str] = set()     # added to the engine, final output not yet seen
+        self._ids = itertools.count()
+        self._steps_done = 0
+        self._last_step = 0
+        self._until: tuple[Callable, int] | None = None   # a RunUntil's condition and its last step
+        self._queued = False    # requests added since the UI last saw the queues
+        self._stopping = threading.Event()
+        self._died: BaseException | None = None
+
+    # --- the UI's side: every call only queues a command --------------------------------
+
+    def send(self, command: WorkerCommand) -> None:
+        """Queue a command for the engine thread. TypeError for anything that is not one."""
+        if not isinstance(command, WorkerCommand):
+            raise TypeError(f"not an engine worker command: {command!r} (see app/worker/commands.py)")
+        if isinstance(command, Stop):
+            self._stopping.set()    # a step in progress stops waiting for the UI at once
+        self._commands.put(command)
+
+    def submit(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        self.send(AddRequest(request_id, prompt, params))
+
+    def abort(self, request_id: str) -> None:
+        self.send(AbortRequest(request_id))
+
+    def pause(self) -> None:
+        self.send(SetPaused(True))
+
+    def resume(self) -> None:
+        self.send(SetPaused(False))
+
+    def step_once(self) -> None:
+        """Pause (if running) and advance exactly one step."""
+        self.send(StepOnce())
+
+    def set_rate_cap(self, steps_per_s: float | None) -> None:
+        self.send(SetRateCap(steps_per_s))
+
+    def launch_preset(self, key: str, count: int) -> None:
+        self.send(LaunchPreset(key, count))
+
+    def rebuild(self, config: EngineConfig) -> None:
+        self.send(Rebuild(config))
+
+    def stop(self) -> None:
+        self.send(Stop())
+
+    def ack(self) -> None:
+        """The UI handled one EngineStepped message."""
+        try:
+            self._in_flight.release()
+        except ValueError:
+            pass
+
+    @property
+    def state(self) -> RunState:
+        return RunState(self._paused, self._steps_per_s_cap)
+
+    @property
+    def stopping(self) -> bool:
+        """Stop was sent: the thread ending now is expected."""
+        return self._stopping.is_set()
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step is due now or later (paused with nothing to step: False)."""
+        return self._has_work()
+
+    # --- the engine thread -------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self.start()
+            while not self._stopping.is_set():
+                self.run_once(self._wait_time())
+        except BaseException as exc:    # the window must say the engine is gone, not look idle
+            self._died = exc
+            self.target.post_message(EngineDied(describe_error(exc)))
+            raise
+        finally:
+            self.shutdown()
+
+    def start(self) -> None:
+        """Build the first engine."""
+        built = self._build(self.config)
+        if built is not None:
+            self._install(*built)
+
+    def run_once(self, timeout: float | None = 0.0) -> None:
+        """Apply the queued commands (waiting up to ``timeout`` for the first, None: for ever), then
+        take one step if one is due."""
+        if self._until is not None and not self._has_work():
+            self._end_until(met=False)
+        self._take_commands(timeout)
+        if not self._stopping.is_set() and self._step_due():
+            self._step()
+
+    def shutdown(self) -> None:
+        """The thread is ending: end the requests in flight and close the run log."""
+        self._retire(ENGINE_STOPPED)
+
+    def _wait_time(self) -> float | None:
+        """How long to block for a command: forever when idle, until the next step when rate-capped."""
+        if not self._has_work():
+            return None
+        return max(0.0, self._next_step_at - self._clock())
+
+    def _has_work(self) -> bool:
+        if self.engine is None:
+            return False
+        if self._pending_steps:
+            return True
+        if self._paused:
+            return False
+        return self._abort_unreported or bool(self._delayed) or self.engine.has_unfinished_requests()
+
+    def _step_due(self) -> bool:
+        return self._has_work() and self._clock() >= self._next_step_at
+
+    def _take_commands(self, timeout: float | None) -> None:
+        try:
+            command = self._commands.get(timeout=timeout) if timeout != 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        self._apply(command)
+        while True:
+            try:
+                self._apply(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        if self._queued and self.engine is not None and not self._step_due():
+            # Requests were added and no step is about to show them (paused, or rate-capped): show them now.
+            self._queued = False
+            self.target.post_message(QueueChanged(self.engine.snapshot()))
+
+    def _apply(self, command: WorkerCommand) -> None:
+        """Apply one command; one that raises is refused with a message and changes nothing else."""
+        try:
+            self._dispatch(command)
+        except Exception as exc:
+            if isinstance(command, AddRequest):
+                self._reject(command.request_id, exc)
+            else:
+                self.target.post_message(CommandRejected(type(command).__name__, describe_error(exc)))
+
+    def _dispatch(self, command: WorkerCommand) -> None:
+        match command:
+            case AddRequest():
+                self._add(command)
+            case AddChatTurn(request_id, messages, params):
+                self._add_chat_turn(request_id, messages, params)
+            case AbortRequest(request_id):
+                self._abort(request_id)
+            case SetPaused(paused):
+                self._set_paused(paused)
+            case StepOnce():
+                self._pending_steps += 1
+                self._set_paused(True)
+            case SetRateCap(steps_per_s):
+                self._steps_per_s_cap = steps_per_s
+                self._next_step_at = 0.0
+                self._post_state()
+            case LaunchPreset(key, count):
+                self._launch_preset(key, count)
+            case LaunchPlan(plan):
+                self._launch_plan(plan)
+            case RunUntil(condition, max_steps):
+                self._until = (condition, self._steps_done + max_steps)
+                self._set_paused(False)
+            case Rebuild(config):
+                self._rebuild(config)
+            case RunOnEngine(call):
+                call()
+            case Stop():
+                self._stopping.set()
+            case _:     # send() refuses these; reaching here means something bypassed it
+                raise TypeError(f"not an engine worker command: {command!r}")
+
+    def _set_paused(self, paused: bool) -> None:
+        if paused != self._paused:
+            self._paused = paused
+            self._post_state()
+
+    def _post_state(self) -> None:
+        self.target.post_message(RunStateChanged(self.state))
+
+    def _add(self, request: AddRequest) -> None:
+        if self.engine is None:
+            self.target.post_message(RequestRejected(request.request_id, "the engine is not running"))
+            return
+        try:
+            request_id = self.engine.add_request(request.prompt, request.params, request_id=request.request_id)
+        except Exception as exc:    # a refusal, or an engine bug: either way this request only
+            self._reject(request.request_id, exc)
+            return
+        self._accepted.add(request_id)
+        self._queued = True
+
+    def _reject(self, request_id: str, exc: BaseException) -> None:
+        self.target.post_message(RequestRejected(request_id, describe_error(exc)))
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine is None:
+            return
+        self._delayed.drop(request_id)
+        # The engine reports an abort with its next step: make sure one runs, even with nothing
+        # else left to do (a paused engine reports it when the user steps or resumes).
+        self._abort_unreported |= self.engine.abort_request(request_id)
+
+    def _add_chat_turn(self, request_id: str, messages: tuple[dict, ...], params: SamplingParams) -> None:
+        if self.engine is not None:
+            context = presets.PresetContext.from_engine(self.engine, self.info)
+            params = dataclasses.replace(params, max_tokens=presets.fit_reply(context, list(messages),
+                                                                              params.max_tokens))
+        self._add(AddRequest(request_id, list(messages), params))
+
+    def _launch_preset(self, key: str, count: int) -> None:
+        self._launch("LaunchPreset", lambda context: presets.build(key, count, context),
+                     lambda item: f"{key}-{next(self._ids)}")
+
+    def _launch_plan(self, plan: Callable) -> None:
+        self._launch("LaunchPlan", plan, lambda item: item.name or f"load-{next(self._ids)}")
+
+    def _launch(self, command_name: str, make_plan: Callable, name: Callable) -> None:
+        if self.engine is None:
+            return
+        try:
+            planned = make_plan(presets.PresetContext.from_engine(self.engine, self.info))
+        except ValueError as exc:   # the load cannot fit this pool: a refusal in its own words, with the fix
+            self.target.post_message(CommandRejected(command_name, str(exc)))
+            return
+        for item in planned:
+            request = AddRequest(name(item), item.prompt, item.params)
+            if item.delay_steps:
+                self._delayed.push(self._steps_done + item.delay_steps, request)
+            else:
+                self._add(request)
+
+    def _step(self) -> None:
+        for request in self._delayed.pop_due(self._steps_done):
+            self._add(request)
+        self._queued = False
+        self._pending_steps = max(0, self._pending_steps - 1)
+        self._abort_unreported = False
+        if self._steps_per_s_cap:
+            self._next_step_at = self._clock() + 1.0 / self._steps_per_s_cap
+        try:
+            result = self.engine.step()
+        except Exception as exc:  # the UI must survive any engine bug: show it, pause, wait for the user
+            self._paused = True
+            self._pending_steps = 0
+            self.target.post_message(EngineFailed(f"engine step failed: {describe_error(exc)}"))
+            self._post_state()
+            return
+        self._steps_done += 1
+        self._last_step = result.stats.step
+        self._forget_finished(result)
+        self._post_step(result)
+        if self._until is not None:
+            self._check_until(result)
+
+    def _forget_finished(self, result) -> None:
+        for output in result.outputs:
+            if output.finished:
+                self._accepted.discard(output.request_id)
+
+    def _post_step(self, result) -> None:
+        while not self._in_flight.acquire(timeout=0.1):
+            if self._stopping.is_set():
+                return
+        self.target.post_message(EngineStepped(result))
+
+    def _check_until(self, result) -> None:
+        condition, last = self._until
+        try:
+            met = bool(condition(result))
+        except Exception as exc:  # a bad condition ends the run where it is; the engine is fine
+            self.target.post_message(EngineFailed(f"run-until condition failed: {type(exc).__name__}: {exc}"))
+            met = False
+            last = self._steps_done
+        if met or self._steps_done >= last:
+            self._end_until(met)
+
+    def _end_until(self, met: bool) -> None:
+        """A RunUntil is over: pause where it stopped and say at which step."""
+        self._until = None
+        self._pending_steps = 0
+        self._set_paused(True)
+        self.target.post_message(RunUntilDone(self._last_step, met))
+
+    # --- building and retiring engines ---------------------------------------------------------
+
+    def _rebuild(self, config: EngineConfig) -> None:
+        """Build first: if that fails, the engine in use goes on as it was."""
+        built = self._build(config)
+        if built is not None:
+            self._retire(ENGINE_REBUILT)
+            self._install(*built)
+
+    def _build(self, config: EngineConfig) -> tuple[Any, EngineInfo, EngineConfig] | None:
+        self.target.post_message(EngineStarting(config))
+        try:
+            engine = self._engine_factory(config, self.engine)
+            return engine, engine_info(engine), config
+        except Exception as exc:  # a bad model path or an impossible pool must not kill the app
+            self.target.post_message(EngineBuildFailed(f"could not start the engine: {exc}", self.info))
+            return None
+
+    def _install(self, engine, info: EngineInfo, config: EngineConfig) -> None:
+        self.engine, self.info, self.config = engine, info, config
+        self._steps_done = self._last_step = 0
+        self._abort_unreported = False
+        warning = None
+        try:
+            self._logger = self._log_factory(engine) if self._log_factory else None
+        except Exception as exc:    # the run log is never worth the engine
+            self._logger, warning = None, f"run log off: {describe_error(exc)}"
+        if self._logger is not None:
+            warning = self._logger.warning
+        self.target.post_message(EngineReady(info, engine.banner, warning))
+        self._post_state()
+
+    def _retire(self, reason: str) -> None:
+        """The engine is being replaced or left: every request in flight gets its final output,
+        saying ``reason``; the run log records them and is closed."""
+        engine, logger = self.engine, self._logger
+        self.engine, self._logger = None, None
+        self._delayed.clear()     # never accepted by the engine: nothing to end
+        if engine is None:
+            return
+        aborted: list[str] = []
+        try:
+            aborted = [rid for rid in sorted(self._accepted) if engine.abort_request(rid)]
+            if aborted or self._abort_unreported:
+                self._final_step(engine, logger, set(aborted), reason)
+        except Exception as exc:    # a broken engine: say so for each request, close the log anyway
+            for request_id in sorted(self._accepted):
+                self.target.post_message(RequestRejected(
+                    request_id, f"{reason}; its final output was lost ({describe_error(exc)})"))
+        finally:
+            self._accepted.clear()
+            self._abort_unreported = False
+            if logger is not None:
+                logger.close(*self._closing_status(len(aborted), reason))
+
+    def _final_step(self, engine, logger, aborted: set[str], reason: str) -> None:
+        """One last step hands out the aborted requests' final outputs, with the reason added."""
+        if logger is not None and logger in engine.observers:
+            engine.observers.remove(logger)     # it hears this step below, with the reasons
+        result = engine.step()
+        outputs = [output._replace(error=reason) if output.request_id in aborted and output.finished
+                   else output for output in result.outputs]
+        result = dataclasses.replace(result, outputs=outputs)
+        if logger is not None:
+            logger.step(result)
+        self._post_step(result)
+
+    def _closing_status(self, num_aborted: int, reason: str) -> tuple[str, str | None]:
+        if self._died is not None:
+            return "crashed", f"the engine thread died: {describe_error(self._died)}"
+        if num_aborted:
+            return "interrupted", f"{num_aborted} request(s) in flight aborted: {reason}"
+        return "finished", None
