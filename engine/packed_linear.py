@@ -97,6 +97,18 @@ def rounds_its_input(module: nn.Module) -> bool:
     return is_packed(module) and cpu_kernels.is_packed_linear_weight(getattr(module, _PACKED))
 
 
+def fp32_output(module: nn.Linear):
+    """A forward for a module on kvscope's C++ linear (``rounds_its_input``) that returns its fp32 sums as they
+    are, not rounded to bf16: the input is still rounded as a bf16 linear's is, the output costs 2 more bytes a
+    value (engine/precision.py)."""
+    packed = getattr(module, _PACKED)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.linear(x, packed, self.out_features, self.bias, out_dtype=torch.float32)
+
+    return forward
+
+
 def exact_head(head: nn.Linear):
     """A forward for a bf16 LM head whose logits are the fp32 product of its bf16 weights and the fp32 hidden
     states, reading the 2-byte weights (half an fp32 copy's bytes per decode step); None where kvscope's C++

@@ -10,12 +10,19 @@ So in a reduced-precision model kvscope keeps, without any per-architecture code
 
 - the residual stream in fp32: the input embeddings' output is upcast, so every ``residual + sublayer`` add
   promotes to fp32 and every norm returns fp32 (its weight times an fp32 tensor);
-- the weights and the matmuls in the model's dtype: each linear layer casts its input down first, so memory
-  and the linears' speed stay those of bf16;
+- the weights and the matmuls in the model's dtype: each linear layer's input is rounded to it (kvscope's C++
+  linear does that itself; on oneDNN's the layer casts it first), so memory and the linears' speed stay those
+  of bf16;
+- the linears' outputs in fp32 where kvscope's C++ linear serves (``packed_linear.fp32_output``): its fp32 sums
+  as they are, where a bf16 linear (transformers', or oneDNN's) rounds them. So the MLP's ``act(gate) * up`` is
+  fp32 too, rounded once where the down projection takes it, and every sublayer reaches the residual stream
+  unrounded. On SmolLM2 this took the logits' error against fp32 from 0.079 to 0.059 (docs/precision.md) for
+  two more bytes per output value; torch has no CPU matmul that gives fp32 from bf16, so oneDNN's stay bf16;
 - rotary in fp32 (its cos/sin take the hidden states' dtype), with q/k/v cast to the KV pool's dtype by the
-  attention (``model_runner.paged_attention_forward``);
-- the LM head in fp32, on an fp32 copy of its weight: the logits are never rounded, and the sampler works on
-  them in fp32, as vLLM's does.
+  attention (``model_runner.paged_attention_forward``), whose kernels compute in fp32 over the 16-bit pool and
+  round once, at their output (``kernels/reference.py``, ``kernels/paged_attention_cpu.cpp``);
+- the LM head in fp32 (the fp32 product of its bf16 weights): the logits are never rounded, and the sampler
+  works on them in fp32, as vLLM's does.
 
 ``tests/test_truth.py`` holds the default path to agreeing with transformers' fp32 ``generate`` at least as
 well as transformers' own bf16 does, on real chat prompts; ``kvscope bench`` prints that agreement beside
@@ -51,7 +58,11 @@ def keep_fp32(model: nn.Module, dtype: torch.dtype) -> None:
     setattr(model, _EMBEDDING_HOOK, embeddings.register_forward_hook(_upcast_output))
     head = model.get_output_embeddings()
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module is not head and not packed_linear.rounds_its_input(module):
+        if not isinstance(module, nn.Linear) or module is head:
+            continue
+        if packed_linear.rounds_its_input(module):
+            _replace_forward(module, packed_linear.fp32_output(module))
+        else:
             _cast_input(module, dtype)
     if isinstance(head, nn.Linear):
         _fp32_head(head)

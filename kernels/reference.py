@@ -11,7 +11,11 @@ On CPU attention is bound by moving K/V out of the scattered blocks, not by arit
   costs more in page faults than the copy itself);
 - no slot past a context enters the arithmetic (decode points padding at the context's last token and masks
   it out; prefill slices each context out of its gathered blocks), so whatever the pool holds there (stale
-  data, even NaN) never reaches the output.
+  data, even NaN) never reaches the output;
+- a 16-bit pool attends in float32 (``_compute_dtype``): scores, softmax and the weighted sum of values, with
+  the output rounded once, as the C++ kernels do. SDPA on bf16 inputs rounds the softmax weights to bf16
+  before summing the values (so did embedding_bag's bf16 weights here): against a float64 oracle that was
+  1.2-1.5x the error of a correctly rounded output, and a bf16 model's tokens drift from fp32's sooner.
 """
 
 from __future__ import annotations
@@ -147,16 +151,17 @@ class _PaddedDecode:
         slots = kv_layer.view(-1, num_kv_heads * head_dim)
         kv = _workspace.take("padded", (self.rows.numel(), slots.shape[1]), kv_layer.dtype, kv_layer.device)
         torch.index_select(slots, 0, self.rows, out=kv)
-        kv = kv.view(2, num_seqs, self.span, num_kv_heads, head_dim).transpose(2, 3)  # [2, B, Hkv, span, D]
+        kv = _upcast("padded_upcast", kv).view(2, num_seqs, self.span, num_kv_heads, head_dim).transpose(2, 3)
         # The query heads sharing a kv head act as a short query sequence over the same keys: plain MHA shapes,
-        # so SDPA needs neither enable_gqa (slow in bf16 on CPU) nor a repeat_interleave copy of K/V.
-        grouped = query.reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        # so SDPA needs neither enable_gqa nor a repeat_interleave copy of K/V.
+        grouped = query.to(kv.dtype).reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=self.mask, scale=scale)
-        return out.reshape(num_seqs, num_q_heads, head_dim)
+        return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
 
 
 class _TiledDecode:
-    """Row indices of every tile's keys and every bag's values, and the mask of the padded tile tails."""
+    """Row indices of every tile's keys (its values' follow them in the pool), and the mask of the padded
+    tile tails."""
 
     def __init__(self, lens: torch.Tensor, tables: torch.Tensor, kv_layer: torch.Tensor, num_q_heads: int):
         _, num_blocks, block_size, num_kv_heads, _ = kv_layer.shape
@@ -168,55 +173,57 @@ class _TiledDecode:
         tile_in_seq = torch.arange(self.seq_of_tile.numel(), device=device) - first_tile[self.seq_of_tile]
         positions = tile_in_seq[:, None] * _TILE + torch.arange(_TILE, device=device)
         last = (lens - 1)[self.seq_of_tile, None]
-        key_mask = torch.zeros(positions.shape, dtype=_score_dtype(kv_layer.dtype), device=device)
+        key_mask = torch.zeros(positions.shape, dtype=_compute_dtype(kv_layer.dtype), device=device)
         key_mask.masked_fill_(positions > last, float("-inf"))
         self.key_mask = key_mask.repeat_interleave(num_kv_heads, 0)[:, None]  # [tiles * Hkv, 1, _TILE]
         slot_rows = _slots(tables, self.seq_of_tile, torch.minimum(positions, last), block_size) * num_kv_heads
         heads = torch.arange(num_kv_heads, device=device)
         self.key_rows = (slot_rows[:, None, :] + heads[:, None]).view(-1)  # tile by tile, head-major
-        # Bags run over (sequence, query head), each through its sequence's tiles in order: score_rows picks,
-        # for each bag in turn, the rows of the [tiles * Hq, _TILE] scores that make it up.
-        q_heads = torch.arange(num_q_heads, device=device)
-        bag_order = (first_tile[self.seq_of_tile, None] * num_q_heads + tile_in_seq[:, None]
-                     + q_heads * tiles_per_seq[self.seq_of_tile, None]).view(-1)
-        self.score_rows = torch.empty_like(bag_order)
-        self.score_rows[bag_order] = torch.arange(bag_order.numel(), device=device)
-        value_rows = slot_rows[:, None, :] + (q_heads // (num_q_heads // num_kv_heads))[:, None]
-        value_rows += num_blocks * block_size * num_kv_heads  # values follow the keys in the pool's rows
-        self.value_rows = value_rows.view(-1, _TILE)[self.score_rows].view(-1)
-        bag_lens = (tiles_per_seq * _TILE).repeat_interleave(num_q_heads)
-        self.bag_offsets = bag_lens.cumsum(0) - bag_lens
+        self.values_offset = num_blocks * block_size * num_kv_heads  # values follow the keys in the pool's rows
 
     def attend(self, query: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
         head_dim = query.shape[2]
         rows = kv_layer.view(-1, head_dim)  # one row per (slot, kv head), keys first
         scores = self._scores(query, rows, kv_layer.shape[3], scale)
         self._softmax(scores)
-        weights = _workspace.take("weights", (self.score_rows.numel(), _TILE), scores.dtype, scores.device)
-        torch.index_select(scores.view(-1, _TILE), 0, self.score_rows, out=weights)
-        out = F.embedding_bag(self.value_rows, rows, self.bag_offsets, mode="sum",
-                              per_sample_weights=weights.view(-1).to(rows.dtype))
-        return out.view(self.num_seqs, self.num_q_heads, head_dim).to(query.dtype)
+        return self._weighted_values(scores, rows, kv_layer.shape[3]).to(query.dtype)
 
     def _scores(self, query: torch.Tensor, rows: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Tensor:
         """Scaled query-key products, ``-inf`` past each context: ``[tiles, Hq, _TILE]``, in the workspace."""
         head_dim = query.shape[2]
-        dtype = _score_dtype(rows.dtype)
+        dtype = _compute_dtype(rows.dtype)
         num_rows = self.seq_of_tile.numel() * num_kv_heads  # (tile, kv head) pairs
         queries = query.to(dtype).index_select(0, self.seq_of_tile).view(num_rows, -1, head_dim)
         scores = _workspace.take("scores", (num_rows, queries.shape[1], _TILE), dtype, rows.device)
+        for start, end, keys in self._tiles(rows, self.key_rows, num_kv_heads):
+            torch.baddbmm(self.key_mask[start:end], queries[start:end], keys.transpose(1, 2), alpha=scale,
+                          out=scores[start:end])
+        return scores.view(self.seq_of_tile.numel(), self.num_q_heads, _TILE)
+
+    def _weighted_values(self, weights: torch.Tensor, rows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        """Each sequence's values summed with its softmax weights (``[tiles, Hq, _TILE]``): ``[B, Hq, D]``."""
+        head_dim = rows.shape[1]
+        num_rows = self.seq_of_tile.numel() * num_kv_heads
+        weights = weights.view(num_rows, -1, _TILE)
+        partial = _workspace.take("partial", (num_rows, weights.shape[1], head_dim), weights.dtype, rows.device)
+        for start, end, values in self._tiles(rows, self.key_rows + self.values_offset, num_kv_heads):
+            torch.bmm(weights[start:end], values, out=partial[start:end])
+        out = partial.new_zeros((self.num_seqs, self.num_q_heads, head_dim))
+        return out.index_add_(0, self.seq_of_tile, partial.view(-1, self.num_q_heads, head_dim))
+
+    @staticmethod
+    def _tiles(rows: torch.Tensor, tile_rows: torch.Tensor, num_kv_heads: int):
+        """(start, end, rows) for chunks of about _CHUNK_KEYS of the (tile, kv head) pairs' rows: gathered,
+        in the compute dtype, ``[end - start, _TILE, D]``, in the workspace (the last chunk's stay there)."""
+        head_dim = rows.shape[1]
+        num_rows = tile_rows.numel() // _TILE
         step = max(1, _CHUNK_KEYS // _TILE) * num_kv_heads
         for start in range(0, num_rows, step):
             end = min(start + step, num_rows)
-            key_rows = self.key_rows[start * _TILE:end * _TILE]
-            keys = _workspace.take("keys", (key_rows.numel(), head_dim), rows.dtype, rows.device)
-            torch.index_select(rows, 0, key_rows, out=keys)
-            if dtype != rows.dtype:
-                keys = _workspace.take("keys_upcast", keys.shape, dtype, rows.device).copy_(keys)
-            torch.baddbmm(self.key_mask[start:end], queries[start:end],
-                          keys.view(end - start, _TILE, head_dim).transpose(1, 2), alpha=scale,
-                          out=scores[start:end])
-        return scores.view(self.seq_of_tile.numel(), self.num_q_heads, _TILE)
+            picked = tile_rows[start * _TILE:end * _TILE]
+            gathered = _workspace.take("tile_rows", (picked.numel(), head_dim), rows.dtype, rows.device)
+            torch.index_select(rows, 0, picked, out=gathered)
+            yield start, end, _upcast("tile_rows_upcast", gathered).view(end - start, _TILE, head_dim)
 
     def _softmax(self, scores: torch.Tensor) -> None:
         """Softmax in place over all the tiles of each sequence, per query head."""
@@ -228,9 +235,17 @@ class _TiledDecode:
         scores.div_(seq_sum[seq_of_tile, :, None])
 
 
-def _score_dtype(dtype: torch.dtype) -> torch.dtype:
-    # 16-bit caches get float32 scores, as inside SDPA: scores rounded to bf16 visibly shift the softmax.
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What attention over a pool of ``dtype`` computes in: float32 for 16-bit pools (see the module's doc)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _upcast(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in its compute dtype: itself if already there, else a copy in the workspace."""
+    dtype = _compute_dtype(tensor.dtype)
+    if tensor.dtype == dtype:
+        return tensor
+    return _workspace.take(name, tensor.shape, dtype, tensor.device).copy_(tensor)
 
 
 def paged_prefill_attention(
@@ -248,16 +263,16 @@ def paged_prefill_attention(
     ``context_lens[s] - q_len + i`` and sees keys ``0 ..`` that position, all already in the pool.
     ``max_query_len`` is unused here (the Triton path takes it to avoid a device sync).
     """
-    key = (tuple(kv_layer.shape[1:]), query.dtype, kv_layer.device)
+    key = (tuple(kv_layer.shape[1:]), kv_layer.dtype, kv_layer.device)
     plan = _plans.get("prefill", key, (block_tables, cu_seqlens_q, context_lens),
-                      lambda: _PrefillPlan(block_tables, cu_seqlens_q, context_lens, kv_layer, query.dtype))
+                      lambda: _PrefillPlan(block_tables, cu_seqlens_q, context_lens, kv_layer))
     return plan.attend(query, kv_layer, scale)
 
 
 class _PrefillPlan:
     """One gather of every sequence's blocks; per sequence, its query rows, keys and mask."""
 
-    def __init__(self, block_tables, cu_seqlens_q, context_lens, kv_layer, dtype) -> None:
+    def __init__(self, block_tables, cu_seqlens_q, context_lens, kv_layer) -> None:
         block_size, device = kv_layer.shape[2], kv_layer.device
         starts = cu_seqlens_q.tolist()
         self.seqs: list[tuple[int, int, int, int, torch.Tensor | None]] = []
@@ -268,7 +283,7 @@ class _PrefillPlan:
                 continue
             seq_blocks = -(-context_len // block_size)
             blocks.append(block_tables[seq, :seq_blocks])
-            mask = _prefix_causal_mask(q_end - q_start, context_len, dtype, device)
+            mask = _prefix_causal_mask(q_end - q_start, context_len, _compute_dtype(kv_layer.dtype), device)
             self.seqs.append((q_start, q_end, num_gathered * block_size, context_len, mask))
             num_gathered += seq_blocks
         block_ids = torch.cat(blocks).to(device=device, dtype=torch.long) if blocks else None
@@ -282,16 +297,17 @@ class _PrefillPlan:
         blocks = kv_layer.view(2 * num_blocks, -1)
         gathered = _workspace.take("blocks", (self.rows.numel(), blocks.shape[1]), kv_layer.dtype, kv_layer.device)
         torch.index_select(blocks, 0, self.rows, out=gathered)
-        tokens = gathered.view(2, -1, num_kv_heads, head_dim)  # [2, gathered slots, Hkv, D]
+        tokens = _upcast("blocks_upcast", gathered).view(2, -1, num_kv_heads, head_dim)  # [2, slots, Hkv, D]
+        queries = query.to(tokens.dtype)
         outs = []
         for q_start, q_end, key_start, context_len, mask in self.seqs:
             keys, values = tokens[:, key_start:key_start + context_len].transpose(1, 2)  # [Hkv, ctx, D] each
             out = F.scaled_dot_product_attention(
-                query[q_start:q_end].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                queries[q_start:q_end].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
                 is_causal=mask is None, scale=scale, enable_gqa=True,
             )
             outs.append(out[0].transpose(0, 1))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(query.dtype)
 
 
 def _prefix_causal_mask(query_len: int, context_len: int, dtype: torch.dtype, device: torch.device):

@@ -40,13 +40,14 @@ def load_smollm2(dtype=torch.float32):
     return model.eval(), tokenizer()
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32):
-    """A fresh random-weight model; each call builds a new one, so an engine can't alter another's."""
+def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, initializer_range: float = 0.2):
+    """A fresh random-weight model; each call builds a new one, so an engine can't alter another's. A small
+    ``initializer_range`` gives near ties between the best logits, as a trained model's are, for accuracy tests."""
     tok = tokenizer()
     spec = dict(TINY_ARCHS[arch])
     config = AutoConfig.for_model(
         spec.pop("model_type"), vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.2,
+        num_hidden_layers=2, head_dim=16, max_position_embeddings=1024, initializer_range=initializer_range,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         tie_word_embeddings=True, attn_implementation="sdpa", **spec,
     )

@@ -43,7 +43,7 @@ def test_a_pool_torch_cannot_allocate_is_one_line_and_exit_2(capsys, no_window):
 def test_a_real_process_with_stdin_from_dev_null_exits_2_at_once(tmp_path):
     result = subprocess.run([sys.executable, "-m", "kvscope.app.cli", "--model", str(tmp_path / "x")],
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("kvscope: error:")
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from models import tiny_model
 
+from kvscope.app.bench.accuracy import build_reference, equal_alone
 from kvscope.app.bench.harness import Bench, BenchOptions
 from kvscope.app.bench.hf_cb import ContinuousBatchRun, ContinuousSettings
 from kvscope.app.bench.hf_static import StaticBatchRun, StaticSettings
@@ -123,7 +124,64 @@ def test_cli_runs_the_workloads_end_to_end(tiny, tmp_path, capsys, monkeypatch):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["workload"], r["system"]) for r in lines] == [("tiny", "kvscope-paged"), ("tiny", "hf-static")]
     assert lines[1]["paged_ratio"] > 0 and lines[0]["requests"] == 3
+    # Accuracy beside speed, against transformers fp32 on the tiny model's own weights, in every JSON line too.
+    assert all((r["first_token_agreement"], r["accuracy_sample"], r["equal_alone"]) == (3, 3, 3) for r in lines)
     with sqlite3.connect(tmp_path / "runs.db") as db:
         # The runner's name for the model, as the app and kvscope chat record it, not the --model path.
         assert db.execute("SELECT source, status, model FROM runs").fetchall() == [("bench", "finished", "tiny")]
         assert db.execute("SELECT count(*) FROM requests").fetchone() == (3,)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny):
+    """transformers' fp32 and bf16 generate on the tiny workload: what the rows' accuracy is scored against."""
+    model, tok = tiny
+    bf16 = tiny_model("llama", dtype=torch.bfloat16)[0]
+    return build_reference(model, bf16, _workload(), tok.pad_token_id)
+
+
+def test_every_system_that_produces_tokens_gets_its_accuracy_beside_its_speed(tiny, tiny_reference):
+    model, tok = tiny
+    systems = ("kvscope-paged", "kvscope-contiguous", "hf-static", "hf-cb")
+    options = BenchOptions(model="tiny", device="cpu", dtype="float32", systems=systems, continuous=SMALL_CB,
+                           forward_floor=False)
+    bench = Bench(model, tok, options, progress=lambda line: None, references={"tiny": tiny_reference})
+    rows = add_ratios(bench.run([_workload()]))
+    assert tiny_reference.sample.indices == (0, 1, 2) and tiny_reference.sample.tokens == OUTPUT_LENGTHS
+    for row in rows:   # fp32 on a model without near ties: every system is transformers fp32, batched or alone
+        assert (row["first_token_agreement"], row["accuracy_sample"], row["equal_alone"]) == (3, 3, 3), row
+        assert row["mean_leading_agreement"] == sum(OUTPUT_LENGTHS) / 3
+        assert row["below_transformers_bf16"] is False
+    table = format_table(rows, bench.notes)
+    header, first_row = table.splitlines()[1:3]
+    assert header.split()[-4:] == ["first", "lead", "=", "alone"] and first_row.split()[-3:] == ["3/3", "3.3", "3/3"]
+    assert f"transformers bf16 scores {tiny_reference.bf16.text()}" in table
+
+
+def test_a_row_below_transformers_bf16_is_marked(tiny_reference):
+    fp32 = {i: list(tokens) for i, tokens in zip(tiny_reference.sample.indices, tiny_reference.fp32_tokens)}
+    wrong_first = {i: [tokens[0] + 1, *tokens[1:]] for i, tokens in fp32.items()}
+    fields = tiny_reference.row_fields(wrong_first, fp32)
+    assert fields["first_token_agreement"] == 0 and fields["mean_leading_agreement"] == 0
+    assert fields["below_transformers_bf16"] is True and fields["equal_alone"] == 0
+    row = {"workload": "tiny", "dtype": "bfloat16", "system": "kvscope-paged", "requests": 3, "output_tokens": 10,
+           "output_tokens_per_s": 1.0, **fields}
+    assert format_table([row]).splitlines()[2].split()[-3:] == ["0/3!", "0.0!", "0/3"]
+    assert tiny_reference.row_fields(fp32, fp32)["below_transformers_bf16"] is False
+
+
+def test_batch_dependence_counts_requests_whose_tokens_differ_from_running_alone(tiny_reference):
+    fp32 = {i: list(tokens) for i, tokens in zip(tiny_reference.sample.indices, tiny_reference.fp32_tokens)}
+    late = fp32 | {2: [*fp32[2][:-1], fp32[2][-1] + 1]}   # request 2 differs in its last token
+    assert equal_alone(tiny_reference.sample, fp32, late) == 2
+    assert tiny_reference.row_fields(fp32, late)["equal_alone"] == 2
+
+
+def test_a_sampled_workload_says_why_it_has_no_accuracy(tiny, tiny_reference):
+    model, tok = tiny
+    options = BenchOptions(model="tiny", device="cpu", dtype="float32", systems=("kvscope-paged",),
+                           forward_floor=False)
+    bench = Bench(model, tok, options, progress=lambda line: None, references={"other": tiny_reference})
+    [row] = bench.run([_workload(temperature=0.8)])
+    assert row.get("first_token_agreement") is None
+    assert "accuracy: not measured (sampled at temperature 0.8" in format_table([row], bench.notes)

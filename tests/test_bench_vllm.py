@@ -18,6 +18,7 @@ import pytest
 from models import tiny_model
 
 from kvscope.app.bench import vllm_runner, vllm_system
+from kvscope.app.bench.accuracy import Reference, Sample, agreement
 from kvscope.app.bench.harness import Bench, BenchOptions
 from kvscope.app.bench.report import add_ratios, format_table
 from kvscope.app.bench.vllm_system import SystemUnavailable, VllmRun, VllmSettings, find_python
@@ -32,10 +33,15 @@ json.dump(job, open(result_path + ".job", "w"))
 if job["requests"][0]["max_tokens"] == 13:
     print("boom: the engine core died")
     sys.exit(3)
-outputs = [{{"num_tokens": [r["max_tokens"]] * r["n"], "ttft_s": 0.5 + i}} for i, r in enumerate(job["requests"])]
+outputs = [{{"num_tokens": [r["max_tokens"]] * r["n"], "ttft_s": 0.5 + i,
+             "token_ids": list(range(i, i + r["max_tokens"]))}} for i, r in enumerate(job["requests"])]
+# Alone, request 1 answers differently from its 3rd token on: a batch-dependent system.
+alone = {{str(a["index"]): list(range(a["index"], a["index"] + a["max_tokens"])) for a in job["alone"]}}
+if "1" in alone:
+    alone["1"][2:] = [0] * (len(alone["1"]) - 2)
 env = {{k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "HF_HUB_OFFLINE")}}
 json.dump({{"vllm_version": "0.0-fake", "load_s": 12.5, "wall_s": 2.0, "peak_rss_mb": 321.0,
-           "settings": {{"block_size": 128, **env}}, "outputs": outputs}}, open(result_path, "w"))
+           "settings": {{"block_size": 128, **env}}, "outputs": outputs, "alone": alone}}, open(result_path, "w"))
 """
 
 
@@ -79,10 +85,12 @@ def test_a_run_sends_the_workload_and_threads_and_reads_the_record_back(tmp_path
 
 def test_the_job_is_the_workload_exactly():
     workload = mixed(5, seed=3)
-    job = vllm_system.build_job(workload, warm_up_request(), model_dir="/m", dtype="float32")
+    job = vllm_system.build_job(workload, warm_up_request(), model_dir="/m", dtype="float32",
+                                alone=Sample.of(workload))
     assert [tuple(r["prompt_token_ids"]) for r in job["requests"]] == [r.prompt_token_ids for r in workload.requests]
     assert [r["max_tokens"] for r in job["requests"]] == [r.max_tokens for r in workload.requests]
     assert (job["max_model_len"], job["kv_cache_tokens"], job["dtype"]) == (768, 32768, "float32")
+    assert job["alone"] == [{"index": i, "max_tokens": min(32, workload.requests[i].max_tokens)} for i in range(5)]
     assert json.loads(json.dumps(job)) == job
 
 
@@ -117,7 +125,20 @@ def test_a_vllm_row_reports_its_load_time_apart(fake_python):
     table = format_table(rows, bench.notes)
     assert "vllm load and compile: 12.5s (outside its timed run)" in table
     header, row = table.splitlines()[1:3]
-    assert header.split()[-4:] == ["MFU", "load", "paged", "x"] and row.split()[-2:] == ["12s", "-"]
+    assert header.split()[-8:-4] == ["MFU", "load", "paged", "x"] and row.split()[-5:-3] == ["12s", "-"]
+
+
+def test_vllm_returns_its_tokens_and_runs_the_sample_alone_for_the_accuracy_columns(fake_python):
+    workload = _workload()
+    sample = Sample.of(workload)
+    record = VllmRun("/models/tiny", "bfloat16", 2, VllmSettings(python=str(fake_python))).run(
+        workload, warm_up_request(), sample)
+    assert record.outputs == [(0, 1, 2, 3), (1, 2, 3, 4, 5, 6)]
+    assert record.alone_outputs == {0: [0, 1, 2, 3], 1: [1, 2, 0, 0, 0, 0]}
+    reference = Reference(sample, ((0, 1, 9, 9), (1, 2, 3, 4, 5, 6)), agreement([(0, 1), (1,)], [(0, 1), (1, 2)]))
+    fields = reference.row_fields(record.outputs, record.alone_outputs)
+    assert (fields["first_token_agreement"], fields["mean_leading_agreement"], fields["equal_alone"]) == (2, 4.0, 1)
+    assert fields["below_transformers_bf16"] is False     # the bar: first 2/2, lead 1.5
 
 
 def test_the_runner_counts_the_memory_of_the_processes_it_started():

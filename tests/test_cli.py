@@ -123,7 +123,7 @@ def test_bad_block_size(capsys):
 
 def test_real_process_prints_no_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "kvscope.app.cli", "chat", "hi", "--model", str(tmp_path / "x")],
-                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0

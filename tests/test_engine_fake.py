@@ -37,9 +37,10 @@ def test_public_attributes():
     assert not engine.has_unfinished_requests()
 
 
-def test_importing_the_engine_does_not_load_torch_or_transformers():
+def test_importing_the_engine_does_not_load_torch_or_transformers(tmp_path):
     code = "import sys, kvscope.engine; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=tmp_path).stdout
     assert out.strip() == "[]"
 
 

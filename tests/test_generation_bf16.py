@@ -1,13 +1,15 @@
-"""bf16 generation stays within a documented distance of fp32: as close as transformers' own bf16 is.
+"""bf16 generation stays closer to fp32 than transformers' own bf16 does, by a margin.
 
 bf16 cannot be token-identical to fp32 (nor is transformers' own bf16): greedy picks may differ wherever fp32's
-two best logits are nearly tied. The tolerance, checked on SmolLM2 with the logits kvscope sampled from, each
-against fp32 transformers on the same tokens (teacher forcing on kvscope's own output):
+two best logits are nearly tied. kvscope keeps in fp32 what transformers' bf16 rounds (the residual stream,
+rotary, the activation, attention's softmax and sums, the logits: engine/precision.py), so, checked on SmolLM2
+with the logits kvscope sampled from, each against fp32 transformers on the same tokens (teacher forcing on
+kvscope's own output):
 
 - the root-mean-square logit error is at most ``RMS_RATIO`` times that of transformers' bf16 forward on the same
-  tokens (measured 1.0-1.5x per prompt: the packed oneDNN linears and the C++ attention round differently);
-- no logit is off by more than ``MAX_ABS_ERROR`` (logits here are 10-20 in magnitude; measured up to 2.1,
-  transformers' bf16 up to 1.4);
+  tokens (measured 0.40-0.73 per prompt, 0.5 overall; before precision.py, 1.0-1.5);
+- no logit is off by more than transformers' bf16 worst one (logits here are 10-20 in magnitude; measured 0.31
+  against 0.78; before precision.py, up to 2.1);
 - a greedy pick differs from fp32's only where fp32's two best logits are within ``NEAR_TIE`` of each other.
 """
 
@@ -20,8 +22,7 @@ from models import load_smollm2
 
 from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
 
-RMS_RATIO = 1.6
-MAX_ABS_ERROR = 3.0
+RMS_RATIO = 0.75
 NEAR_TIE = 0.5
 NUM_TOKENS = 10
 
@@ -71,4 +72,4 @@ def test_bf16_logits_stay_as_close_to_fp32_as_transformers_bf16():
         assert (margins < NEAR_TIE).all(), f"a greedy pick differs from fp32's at margins {margins.tolist()}"
     ours, theirs = torch.cat(ours), torch.cat(theirs)
     assert rms(ours) <= RMS_RATIO * rms(theirs), (rms(ours), rms(theirs))
-    assert ours.abs().max().item() < MAX_ABS_ERROR
+    assert ours.abs().max().item() <= theirs.abs().max().item()

@@ -141,7 +141,7 @@ def test_without_the_cpp_kernels_the_torch_path_serves(tmp_path, setting):
     """No compiler: one line on stderr says so, and attention is still right. Forced off: no line at all."""
     env = os.environ | {"KVSCOPE_CACHE": str(tmp_path)} | setting
     result = subprocess.run([sys.executable, "-c", _FALLBACK_PROBE], env=env, capture_output=True, text=True,
-                            timeout=300, check=True)
+                            timeout=300, check=True, cwd=tmp_path)
     status, correct = result.stdout.split("\n")[:2]
     assert status.startswith("torch kernels") and correct == "True"
     warnings = [line for line in result.stderr.splitlines() if line.startswith("kvscope:")]

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SI
 
 def start_child(path: Path, mode: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", CHILD, str(TESTS_DIR), str(path), mode],
-                            cwd=TESTS_DIR.parent, stderr=subprocess.PIPE, text=True)
+                            cwd=path.parent, stderr=subprocess.PIPE, text=True)
 
 
 def committed_steps(path: Path) -> int:

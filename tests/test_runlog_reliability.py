@@ -8,9 +8,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import sqlite_utils
@@ -24,12 +24,13 @@ from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
 
 CONFIG = EngineConfig(num_blocks=64, max_model_len=256)
-REPOSITORY = Path(__file__).resolve().parents[1]
+# Children start outside the checkout: `python -c` puts the working directory on sys.path.
+OUTSIDE = tempfile.gettempdir()
 
 
 def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPOSITORY)
+                          timeout=timeout, cwd=OUTSIDE)
 
 
 # --- a full disk ------------------------------------------------------------------------------
@@ -188,7 +189,7 @@ def test_runs_reads_a_wal_log_on_a_read_only_mount(tmp_path):
     script = (f"mount --bind -o ro {source} {mount} && exec {sys.executable} -c '{textwrap.dedent(READ_ONLY_LIST)}'"
               f" {mount / 'runs.db'}")
     done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=REPOSITORY)
+                          cwd=OUTSIDE)
     if "Operation not permitted" in done.stderr or "cannot" in done.stderr and "mount" in done.stderr:
         pytest.skip(f"no read-only bind mount here: {done.stderr.strip()}")
     assert done.returncode == 0, done.stderr

@@ -4,9 +4,15 @@ The engine here is built exactly as `kvscope` and `kvscope chat` build it with n
 auto, whatever kernels and linear layers the machine selects, prefix caching on). Each of 40 ordinary chat
 questions goes through the chat template; greedy, 32 tokens, EOS ignored. For each question we count the
 leading tokens equal to transformers' fp32 ``generate`` on the same weights. kvscope must agree at least as
-well as transformers' own bf16 ``generate`` does: no fewer first tokens right, and a mean agreement no shorter.
-The same holds on every CPU kernel path the machine can select (the C++ kernels and the torch reference); the
-Triton kernels get the same comparison under the interpreter, on a tiny model (tests/triton/).
+well as transformers' own bf16 ``generate`` does: no fewer first tokens right, and a mean agreement no shorter,
+batched as the window runs them and one at a time as `kvscope chat` does. The same holds on every CPU kernel
+path the machine can select (the C++ kernels and the torch reference); the Triton kernels get the same
+comparison under the interpreter, on a tiny model (tests/triton/test_triton_truth.py).
+
+Leading agreement turns on a few near ties (France's first token leads by 0.08), so the batched run is also
+held to closeness on every position (tests/closeness.py): its logits' error against fp32 at most
+``CLOSER`` times transformers' bf16 error, and no more greedy decisions unlike fp32's. That is the margin that
+makes the agreement hold by accuracy rather than by luck.
 
 A question whose fp32 top two first-token logits lie within ``DEAD_TIE`` of each other is a coin toss at any
 precision under fp32 and measures tie-breaking, not accuracy ("What language is spoken in Brazil?" scored
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from closeness import closeness, greedy_with_logits
 from models import load_smollm2
 
 from kvscope.app.bench.accuracy import Agreement, agreement, transformers_greedy
@@ -38,6 +45,7 @@ QUESTIONS = [line.strip() for line in (Path(__file__).parent / "data" / "chat_qu
              .splitlines() if line.strip()]
 TOKENS = 32
 DEAD_TIE = 1e-3
+CLOSER = 0.75   # measured 0.51-0.58 on both paths; kvscope before the fix: above 1
 
 
 def chat_prompt(tokenizer, question: str) -> list[int]:
@@ -47,17 +55,31 @@ def chat_prompt(tokenizer, question: str) -> list[int]:
 
 
 class References:
-    """The questions' prompts, transformers' fp32 tokens for them, and how well transformers' bf16 agrees."""
+    """The questions' prompts, transformers' fp32 tokens for them (and its first-token logits), and how well
+    transformers' bf16 agrees; both models stay, for the tests that compare logits."""
 
     def __init__(self) -> None:
-        fp32, self.tokenizer = load_smollm2(torch.float32)
-        bf16, _ = load_smollm2(torch.bfloat16)
-        pad = self.tokenizer.pad_token_id
+        self.fp32_model, self.tokenizer = load_smollm2(torch.float32)
+        self.bf16_model, _ = load_smollm2(torch.bfloat16)
         self.prompts = [chat_prompt(self.tokenizer, q) for q in QUESTIONS]
-        self.fp32 = [transformers_greedy(fp32, p, TOKENS, pad) for p in self.prompts]
-        self.bf16 = agreement([transformers_greedy(bf16, p, TOKENS, pad) for p in self.prompts], self.fp32, TOKENS)
+        self.fp32, self.first_logits = [], []
+        for prompt in self.prompts:
+            tokens, first = self._fp32_greedy(prompt)
+            self.fp32.append(tokens)
+            self.first_logits.append(first)
+        pad = self.tokenizer.pad_token_id
+        self.bf16 = agreement([transformers_greedy(self.bf16_model, p, TOKENS, pad) for p in self.prompts],
+                              self.fp32, TOKENS)
+
+    def _fp32_greedy(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+        """transformers' fp32 greedy tokens (as accuracy.transformers_greedy) and the logits of the first."""
         with torch.inference_mode():
-            self.first_logits = [fp32(torch.tensor([p])).logits[0, -1] for p in self.prompts]
+            ids = torch.tensor([prompt])
+            out = self.fp32_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=TOKENS,
+                                           min_new_tokens=TOKENS, do_sample=False,
+                                           pad_token_id=self.tokenizer.pad_token_id, output_logits=True,
+                                           return_dict_in_generate=True)
+        return out.sequences[0, len(prompt):].tolist(), out.logits[0][0].float()
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +124,13 @@ def test_the_default_path_agrees_with_fp32_at_least_as_well_as_transformers_bf16
     engine = user_engine()
     expected_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     assert engine.info.dtype == expected_dtype and engine.config.enable_prefix_caching
-    outputs = engine.generate(references.prompts, greedy())
+    outputs, logits = greedy_with_logits(engine, references.prompts, TOKENS)
     ours = agreement([o.token_ids for o in outputs], references.fp32, TOKENS)
     assert ours.at_least_as_good_as(references.bf16), _report(ours, references.bf16)
+    if expected_dtype == "bfloat16":
+        mine, theirs = closeness(references.prompts, outputs, logits, references.fp32_model, references.bf16_model)
+        assert mine.rms <= CLOSER * theirs.rms and mine.flips <= theirs.flips, \
+            f"kvscope {mine.text()}; transformers bf16 {theirs.text()}"
 
 
 def test_each_question_alone_agrees_as_well(references, kernel_path):
@@ -121,8 +147,9 @@ def _report(ours: Agreement, bf16: Agreement) -> str:
 
 
 def test_the_readme_question_is_answered_paris_by_the_readme_command(tmp_path):
-    """`kvscope chat "What is the capital of France?"`, exactly as the README has it, from outside the checkout."""
-    command = [sys.executable, "-m", "kvscope.app.cli", "chat", "What is the capital of France?", "--no-log"]
+    """`kvscope chat "What is the capital of France?"`: the installed command, from outside the checkout."""
+    kvscope = Path(sys.executable).parent / "kvscope"
+    command = [str(kvscope), "chat", "What is the capital of France?", "--no-log"]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=True)
     assert result.stdout.strip().startswith("The capital of France is Paris"), result.stdout[:300]
 
@@ -143,11 +170,10 @@ def test_the_questions_shown_get_the_answers_transformers_fp32_gives(references)
     """Until EOS, as a user gets them: each reply's first sentence is transformers' fp32 one, and right."""
     engine = user_engine()
     tokenizer = references.tokenizer
-    fp32, _ = load_smollm2(torch.float32)
     for question, words in SHOWN.items():
         prompt = chat_prompt(tokenizer, question)
         [output] = engine.generate([prompt], SamplingParams(max_tokens=64, temperature=0.0))
-        expected = tokenizer.decode(transformers_greedy(fp32, prompt, 64, tokenizer.pad_token_id))
+        expected = tokenizer.decode(transformers_greedy(references.fp32_model, prompt, 64, tokenizer.pad_token_id))
         assert first_sentence(output.text) == first_sentence(expected), (question, output.text, expected)
         assert words in output.text, (question, output.text)
 

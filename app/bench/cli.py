@@ -256,6 +256,7 @@ def run_workloads(args: argparse.Namespace) -> int:
     workloads = build_workloads(args.workload, args.requests, args.seed)
     device = _setup(args)
     print(f"kvscope bench: {environment_line()}", file=sys.stderr)
+    references = _references(args, workloads, device)
     block_size, step_budget = engine_settings(args)
     peaks = matmul_peaks(device)
     print(f"kvscope bench: matmul peak {', '.join(f'{d} {g:,.0f} GFLOP/s' for d, g in peaks.items())}",
@@ -274,7 +275,7 @@ def run_workloads(args: argparse.Namespace) -> int:
             cpu_threads_bind=args.cpu_threads_bind,
         )
         open_log = None if args.no_log else _log_opener(args.db)
-        bench = Bench(model, tokenizer, options, open_log=open_log)
+        bench = Bench(model, tokenizer, options, open_log=open_log, references=references)
         rows += bench.run(workloads)
         notes |= bench.notes
         del bench, model
@@ -282,6 +283,28 @@ def run_workloads(args: argparse.Namespace) -> int:
     add_ratios(rows)
     print(json_lines(rows) if args.json else format_table(rows, notes))
     return 0
+
+
+def _references(args: argparse.Namespace, workloads, device: str) -> dict:
+    """transformers' fp32 greedy tokens (and its bf16 agreement with them) for each greedy workload's sample:
+    what every row's accuracy is scored against, made once for every dtype of the invocation."""
+    from time import perf_counter
+
+    from kvscope.app.bench.accuracy import build_reference
+    from kvscope.app.bench.harness import pad_token_id
+
+    greedy = [w for w in workloads if w.temperature <= 0]
+    if not greedy:
+        return {}
+    start = perf_counter()
+    fp32, tokenizer = _load(args, "float32", device)
+    bf16, _ = _load(args, "bfloat16", device)
+    references = {w.name: build_reference(fp32, bf16, w, pad_token_id(fp32, tokenizer)) for w in greedy}
+    del fp32, bf16
+    gc.collect()
+    print(f"  accuracy reference (transformers fp32 and bf16 generate, {len(greedy)} workloads): "
+          f"{perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    return references
 
 
 def engine_settings(args: argparse.Namespace) -> tuple[int | None, int | None]:

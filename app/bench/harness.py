@@ -2,7 +2,9 @@
 
 Every system of an invocation sees the same model weights, dtype, torch threads,
 prompts and output lengths. Each gets one small untimed generation first (warm-up),
-then the workload's requests all at once, timed until the last token.
+then the workload's requests all at once, timed until the last token. On a greedy workload each row then
+gets its accuracy (app/bench/accuracy.py): its tokens against transformers' fp32 ``generate`` on a sample of
+the requests, and how many of those it answers as it does the same request run alone (untimed).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvscope.app.bench.accuracy import BELOW_BAR, TOKENS, Reference, Sample, greedy_alone
 from kvscope.app.bench.floor import ForwardFloor
 from kvscope.app.bench.hf_cb import ContinuousBatchRun, ContinuousSettings
 from kvscope.app.bench.hf_static import StaticBatchRun, StaticSettings
-from kvscope.app.bench.kvscope_system import OVERHEAD_BATCH, VARIANTS, KvscopeRun, engine_config
+from kvscope.app.bench.kvscope_system import OVERHEAD_BATCH, VARIANTS, KvscopeRun, engine_config, run_alone
 from kvscope.app.bench.metrics import PeakRss, RunRecord, summarise
 from kvscope.app.bench.peak import model_flops, utilisation
 from kvscope.app.bench.systems import HF_CB, HF_STATIC, PAGED, SYSTEMS, VLLM, systems_for
@@ -50,27 +53,33 @@ class Bench:
     """Runs every (workload, system) pair for one dtype and returns report rows and notes.
 
     ``open_log(engine)`` records each kvscope run (``runlog.record_run``), or is None;
-    ``progress`` receives one line per finished system.
+    ``progress`` receives one line per finished system; ``references`` holds, by workload name, the fp32
+    reference its rows' accuracy is scored against (none: no accuracy columns for that workload).
     """
 
     def __init__(self, model, tokenizer, options: BenchOptions, open_log: Callable | None = None,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None,
+                 references: dict[str, Reference] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.options = options
         self.open_log = open_log
         self.progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.pad_token_id = _pad_token_id(model, tokenizer)
+        self.pad_token_id = pad_token_id(model, tokenizer)
         self.floor = ForwardFloor(model) if options.forward_floor else None
         self.flops = model_flops(model)
         self.notes: dict[tuple[str, str], list[str]] = {}
+        self.references = references or {}
+        self._transformers_alone: dict[str, dict[int, list[int]]] = {}
 
     def run(self, workloads: list[Workload]) -> list[dict]:
         rows = []
         for workload in workloads:
+            reference = self.references.get(workload.name)
+            self._note(workload, accuracy_note(workload, reference))
             for system in systems_for(workload.name, self.options.systems):
                 try:
-                    record = self.run_system(system, workload)
+                    record = self.run_system(system, workload, reference.sample if reference else None)
                 except SystemUnavailable as exc:
                     rows.append(self._unavailable_row(system, workload, str(exc)))
                     continue
@@ -78,6 +87,10 @@ class Bench:
                 row["settings"] = record.settings
                 row["mfu"] = utilisation(self.flops, workload.num_prompt_tokens, record.num_output_tokens,
                                          record.wall_s, self.options.peak_gflops)
+                if reference is not None:
+                    if record.alone_outputs is None and record.outputs is not None:
+                        record.alone_outputs = self._alone(system, workload, reference.sample)
+                    row |= reference.row_fields(record.outputs, record.alone_outputs)
                 if system == FLOOR_SYSTEM and self.floor is not None:
                     self._add_floor(row, record, workload)
                 rows.append(row)
@@ -87,12 +100,13 @@ class Bench:
                 self._note_findings(workload, row)
         return rows
 
-    def run_system(self, system: str, workload: Workload) -> RunRecord:
+    def run_system(self, system: str, workload: Workload, sample: Sample | None = None) -> RunRecord:
+        """One timed run; ``sample``: the requests vLLM also runs alone (it cannot be restarted cheaply)."""
         warm_up = warm_up_request(workload.requests[0].n)
         if system not in SYSTEMS:
             raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
         with PeakRss() as rss:
-            record = self._dispatch(system, workload, warm_up)
+            record = self._dispatch(system, workload, warm_up, sample)
             gc.collect()
         if record.peak_rss_mb is None:  # a system in another process measures its own
             record.peak_rss_mb = rss.peak_mb
@@ -101,7 +115,7 @@ class Bench:
                                f"{workload.name}, expected {workload.num_output_tokens}")
         return record
 
-    def _dispatch(self, system: str, workload: Workload, warm_up: BenchRequest) -> RunRecord:
+    def _dispatch(self, system: str, workload: Workload, warm_up: BenchRequest, sample: Sample | None) -> RunRecord:
         if system not in VARIANTS:
             restore_stock(self.model)  # stock transformers for its systems; a kvscope engine prepares it again
         if system == HF_STATIC:
@@ -115,13 +129,26 @@ class Bench:
             run = VllmRun(resolve_model_path(self.options.model), self.options.dtype, torch.get_num_threads(),
                           self.options.vllm, block_size=self.options.block_size,
                           max_num_batched_tokens=self.options.max_num_batched_tokens)
-            return run.run(workload, warm_up)
-        config = engine_config(VARIANTS[system], workload, model=self.options.model,
-                               device=self.options.device, dtype=self.options.dtype,
-                               block_size=self.options.block_size,
-                               max_num_batched_tokens=self.options.max_num_batched_tokens,
-                               cpu_threads_bind=self.options.cpu_threads_bind)
-        return KvscopeRun(VARIANTS[system], self.make_engine, self.open_log).run(workload, warm_up, config)
+            return run.run(workload, warm_up, sample)
+        return KvscopeRun(VARIANTS[system], self.make_engine, self.open_log).run(
+            workload, warm_up, self._engine_config(system, workload))
+
+    def _engine_config(self, system: str, workload: Workload):
+        return engine_config(VARIANTS[system], workload, model=self.options.model, device=self.options.device,
+                             dtype=self.options.dtype, block_size=self.options.block_size,
+                             max_num_batched_tokens=self.options.max_num_batched_tokens,
+                             cpu_threads_bind=self.options.cpu_threads_bind)
+
+    def _alone(self, system: str, workload: Workload, sample: Sample) -> dict[int, list[int]]:
+        """The sampled requests' tokens, each run alone by ``system``: a fresh kvscope engine, or transformers'
+        ``generate`` one request at a time (both of its systems are that, run alone)."""
+        if system in VARIANTS:
+            return run_alone(self.make_engine(self._engine_config(system, workload)), workload, sample)
+        if workload.name not in self._transformers_alone:
+            restore_stock(self.model)
+            self.model.set_attn_implementation("sdpa")   # a kvscope engine may have switched it
+            self._transformers_alone[workload.name] = greedy_alone(self.model, sample, workload, self.pad_token_id)
+        return self._transformers_alone[workload.name]
 
     def make_engine(self, config):
         from kvscope.engine import LLMEngine
@@ -163,7 +190,18 @@ class Bench:
         self.notes.setdefault((workload.name, self.options.dtype), []).append(text)
 
 
-def _pad_token_id(model, tokenizer) -> int:
+def accuracy_note(workload: Workload, reference: Reference | None) -> str:
+    """The line under a table that says what its accuracy columns measured."""
+    if reference is None:
+        why = f"sampled at temperature {workload.temperature}" if workload.temperature > 0 else "no reference"
+        return f"accuracy: not measured ({why}; it needs greedy tokens)"
+    return (f"accuracy on {len(reference.sample.indices)} sampled requests, their first {TOKENS} tokens at most, "
+            f"against transformers fp32 generate: first = first token equal, lead = mean leading tokens equal; "
+            f"transformers bf16 scores {reference.bf16.text()}, and {BELOW_BAR} marks a row below it. "
+            f"= alone: requests whose tokens equal the same request run alone by the same system")
+
+
+def pad_token_id(model, tokenizer) -> int:
     for candidate in (getattr(tokenizer, "pad_token_id", None), model.generation_config.pad_token_id,
                       getattr(tokenizer, "eos_token_id", None)):
         if isinstance(candidate, int):

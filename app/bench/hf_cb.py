@@ -72,6 +72,7 @@ class ContinuousBatchRun:
         return RunRecord(
             system=SYSTEM, settings=settings, wall_s=wall, num_prompt_tokens=workload.num_prompt_tokens,
             num_output_tokens=sum(len(r.generated_tokens) for r in results.values()), token_times=token_times,
+            outputs=[tuple(results[rid].generated_tokens) for rid in ids],
         )
 
     def _generation_config(self, workload: Workload, n: int) -> GenerationConfig:

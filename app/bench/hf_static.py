@@ -76,15 +76,17 @@ class StaticBatchRun:
         size = self.settings.batch_size
         batches = [workload.requests[i:i + size] for i in range(0, len(workload.requests), size)]
         token_times: list[list[float]] = []
+        outputs: list[tuple[int, ...]] = []
         batch_sizes: list[int] = []
         used = reserved = useful = generated = prefill = 0
         start = perf_counter()
         for batch in batches:
             clock = _StepClock()
-            self._generate(batch, workload.temperature, clock)
+            new_tokens = self._generate(batch, workload.temperature, clock)
             prompt_lens = [len(r.prompt_token_ids) for r in batch]
             output_lens = [r.max_tokens for r in batch]
             n = batch[0].n
+            outputs.extend(tuple(new_tokens[row * n, :length].tolist()) for row, length in enumerate(output_lens))
             token_times.extend([t - start for t in clock.times[:o]] for o in output_lens)
             batch_sizes.extend([len(batch)] * len(clock.times))  # requests, as kvscope counts num_running
             held, slots = static_batch_kv_slots(prompt_lens, output_lens, n)
@@ -97,12 +99,13 @@ class StaticBatchRun:
             system=SYSTEM, settings=asdict(self.settings) | {"padding": "left", "attention": "sdpa"},
             wall_s=wall, num_prompt_tokens=workload.num_prompt_tokens, num_output_tokens=useful,
             token_times=token_times, batch_sizes=batch_sizes, kv_used_slots=used, kv_reserved_slots=reserved,
-            preemptions=0, prefill_tokens_computed=prefill,
+            preemptions=0, prefill_tokens_computed=prefill, outputs=outputs,
             extra={"generated_tokens": generated, "wasted_token_fraction": 1.0 - useful / generated},
         )
 
     @torch.inference_mode()
-    def _generate(self, batch, temperature: float, clock: _StepClock) -> None:
+    def _generate(self, batch, temperature: float, clock: _StepClock) -> torch.Tensor:
+        """The batch's new tokens, ``[requests * n, steps]`` (sample j of request r in row r * n + j)."""
         if len({r.n for r in batch}) != 1:
             raise ValueError("a static batch needs one sample count for all its requests")
         longest = max(len(r.prompt_token_ids) for r in batch)
@@ -124,3 +127,4 @@ class StaticBatchRun:
             generation_config=config, stopping_criteria=StoppingCriteriaList([clock]))
         if output.shape[1] != longest + steps:
             raise RuntimeError(f"generate stopped after {output.shape[1] - longest} of {steps} steps")
+        return output[:, longest:].cpu()

@@ -64,6 +64,7 @@ class _StepTally:
         self.start = start
         self.token_times: dict[str, list[float]] = {}
         self.tokens_so_far: dict[str, int] = {}
+        self.token_ids: dict[str, tuple[int, ...]] = {}   # sample 0's tokens so far
         self.batch_sizes: list[int] = []
         self.step_shapes: list[tuple[int, int]] = []
         self.used_slots = self.reserved_slots = self.prefill_tokens = 0
@@ -92,6 +93,7 @@ class _StepTally:
         total = sum(len(s.token_ids) for s in output.samples) if output.samples else len(output.token_ids)
         new = total - self.tokens_so_far.get(output.request_id, 0)
         self.tokens_so_far[output.request_id] = total
+        self.token_ids[output.request_id] = output.token_ids
         self.token_times.setdefault(output.request_id, []).extend([elapsed] * len(output.new_token_ids))
         return new
 
@@ -153,7 +155,18 @@ class KvscopeRun:
             kv_used_slots=tally.used_slots, kv_reserved_slots=tally.reserved_slots,
             prefill_tokens_computed=tally.prefill_tokens, step_shapes=tally.step_shapes,
             step_s=tally.step_s, forward_s=tally.forward_s,
+            outputs=[tally.token_ids.get(rid, ()) for rid in order],
             extra={f"engine_overhead_at_{OVERHEAD_BATCH}": engine_overhead(tally.full_batch_forward_s,
                                                                           tally.full_batch_step_s)},
         )
         return record, (result.stats if result is not None else engine.step().stats)
+
+
+def run_alone(engine, workload, sample) -> dict[int, list[int]]:
+    """Greedy tokens of each sampled request run by itself through ``engine`` (a fresh one: nothing cached)."""
+    alone = {}
+    for index, tokens in zip(sample.indices, sample.tokens, strict=True):
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        [output] = engine.generate([list(workload.requests[index].prompt_token_ids)], params)
+        alone[index] = list(output.token_ids)
+    return alone

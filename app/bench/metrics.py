@@ -42,6 +42,8 @@ class RunRecord:
     step_s: float | None = None                 # time inside the engine's step()
     forward_s: float | None = None              # of which in the model forward
     extra: dict = field(default_factory=dict)   # system-specific figures, reported as they are
+    outputs: list[tuple[int, ...]] | None = None            # per request, sample 0's tokens; None if unknown
+    alone_outputs: dict[int, list[int]] | None = None       # by request index: its tokens when run alone
 
 
 def percentile(values, q: float) -> float | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from kvscope.app.bench.accuracy import BELOW_BAR
 from kvscope.app.bench.metrics import REPORT_KEYS, ratio
 from kvscope.app.bench.systems import PAGED
 
@@ -37,7 +38,23 @@ def _finite(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-# (header, key, format) per column.
+def _first(row: dict) -> str:
+    return f"{row['first_token_agreement']}/{row['accuracy_sample']}{_mark(row)}"
+
+
+def _lead(row: dict) -> str:
+    return f"{row['mean_leading_agreement']:.1f}{_mark(row)}"
+
+
+def _alone(row: dict) -> str:
+    return f"{row['equal_alone']}/{row['accuracy_sample']}"
+
+
+def _mark(row: dict) -> str:
+    return BELOW_BAR if row.get("below_transformers_bf16") else ""
+
+
+# (header, key, format) per column; a format is a str.format pattern or a function of the row.
 _COLUMNS = (
     ("system", "system", "{}"),
     ("out tok/s", "output_tokens_per_s", "{:.1f}"),
@@ -55,6 +72,9 @@ _COLUMNS = (
     ("MFU", "mfu", "{:.0%}"),      # model FLOPs over wall time, against the measured matmul peak
     ("load", "load_s", "{:.0f}s"),   # outside the timed run: vLLM's load and compile
     ("paged x", RATIO_KEY, "{:.2f}x"),
+    ("first", "first_token_agreement", _first),     # accuracy against transformers fp32 (app/bench/accuracy.py)
+    ("lead", "mean_leading_agreement", _lead),
+    ("= alone", "equal_alone", _alone),
 )
 
 
@@ -62,6 +82,8 @@ def _cell(row: dict, column: tuple) -> str:
     value = row.get(column[1])
     if value is None:
         return "-"
+    if callable(column[2]):
+        return column[2](row)
     scale = column[3] if len(column) > 3 else 1
     return column[2].format(value * scale)
 

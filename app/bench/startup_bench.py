@@ -13,7 +13,9 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 # Run in the child. Peak RSS is the kernel's high-water mark for the child alone (KiB on Linux).
 _CHILD = """
@@ -47,10 +49,16 @@ class StartupTiming:
 
 
 def time_startups(model: str, device: str, dtype: str, threads: int | None, repeats: int) -> list[StartupTiming]:
+    if Path(model).exists():    # a local model directory, named from where the user stands
+        model = str(Path(model).resolve())
     code = _CHILD.format(model=model, device=device, dtype=dtype, threads=threads or 0)
     timings = []
     for _ in range(repeats):
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+        # Not from the checkout: `python -c` puts the working directory on sys.path, and transformers would
+        # take the checkout's kernels/ folder for Hugging Face's `kernels` package.
+        with tempfile.TemporaryDirectory(prefix="kvscope-startup-") as outside:
+            result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                                    cwd=outside)
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"the startup child failed: {last}")

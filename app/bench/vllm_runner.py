@@ -3,7 +3,10 @@
 vLLM pins an older transformers than kvscope, so it lives in its own venv and this file runs there as a
 script: it imports nothing from kvscope (only the standard library and vllm). ``kvscope bench`` writes the job
 as JSON (model directory, dtype, threads, the requests as token ids) and reads the result back as JSON from the
-path given on the command line. Thread binding is set by the caller in the environment, before vLLM starts.
+path given on the command line: timings, and each request's tokens (sample 0), which the bench scores against
+transformers' fp32 ``generate``. The requests the job lists as ``alone`` are run once more after the timed run,
+each by itself on an empty prefix cache, for the bench's batch-dependence figure. Thread binding is set by the
+caller in the environment, before vLLM starts.
 
     python vllm_runner.py JOB.json RESULT.json
 """
@@ -97,6 +100,17 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+def _alone(llm, vllm, job: dict) -> dict[str, list[int]]:
+    """Greedy tokens of each listed request run by itself, nothing cached from the batch."""
+    tokens = {}
+    for item in job.get("alone", []):
+        llm.reset_prefix_cache()
+        request = dict(job["requests"][item["index"]], max_tokens=item["max_tokens"], n=1)
+        [output] = _generate(llm, vllm, [request], 0.0)
+        tokens[str(item["index"])] = list(output.outputs[0].token_ids)
+    return tokens
+
+
 def run(job: dict) -> dict:
     start = time.perf_counter()
     import vllm
@@ -111,15 +125,16 @@ def run(job: dict) -> dict:
     begin = time.perf_counter()
     outputs, token_times = _stepped(llm, vllm, job["requests"], job["temperature"], begin)
     wall_s = time.perf_counter() - begin
+    alone = _alone(llm, vllm, job)
     config = llm.llm_engine.vllm_config
     settings |= {"block_size": config.cache_config.block_size,
                  "max_num_seqs": config.scheduler_config.max_num_seqs,
                  "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens}
     return {
         "vllm_version": vllm.__version__, "load_s": load_s, "wall_s": wall_s, "settings": settings,
-        "outputs": [{"num_tokens": [len(c.token_ids) for c in o.outputs], "ttft_s": _ttft(o), "token_times": times}
-                    for o, times in zip(outputs, token_times)],
-        "peak_rss_mb": _peak_rss_mb(),
+        "outputs": [{"num_tokens": [len(c.token_ids) for c in o.outputs], "ttft_s": _ttft(o), "token_times": times,
+                     "token_ids": list(o.outputs[0].token_ids)} for o, times in zip(outputs, token_times)],
+        "alone": alone, "peak_rss_mb": _peak_rss_mb(),
     }
 
 
