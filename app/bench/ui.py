@@ -198,7 +198,7 @@ async def _map_repaints(snapshots: list[CacheSnapshot], repaints: int,
             for y in range(block_map.size.height):
                 block_map.render_line(y)
             drawn = time.perf_counter()
-            block_map._styles_cache.clear()     # every line through Textual's pass, as in a full repaint
+            block_map.refresh()     # every line through Textual's pass, as in a full repaint
             block_map.render_lines(region)
             widget.append(drawn - start)
             full.append(time.perf_counter() - start)
