@@ -2,6 +2,10 @@
 
 Per-block state lives in numpy arrays so a snapshot is four array copies.
 
+Every change to the prefix-cache map is queued as a KV-cache event (BlockStored, BlockRemoved,
+AllBlocksCleared) until take_events() hands the queue over, as vLLM's BlockPool hands out its
+kv_event_queue; the KV cache manager queues its copy-on-writes there too.
+
 The free queue is ordered by eviction priority. Blocks that hold nothing worth
 keeping sit at the front; a freed block that still holds a cached prefix goes to
 the back, so cached blocks are evicted least recently used first, and only
@@ -15,7 +19,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
+from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, AllBlocksCleared, BlockRemoved, BlockStored
+
+_NO_EVENTS = ()
 
 
 class BlockPool:
@@ -29,8 +35,8 @@ class BlockPool:
         self.free_block_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[int, int] = {}     # prefix hash -> block holding it
         self.num_cached_free_blocks = 0
-        self.evicted: list[int] = []    # blocks whose cached prefix was dropped; the caller drains it
         self.num_evicted_blocks = 0     # cumulative: cached prefixes dropped to make room
+        self.kv_event_queue: list = []  # since the last take_events(), oldest first
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,10 +62,11 @@ class BlockPool:
         return blocks
 
     def _evict(self, block: int) -> None:
-        del self.cached_blocks[int(self.hashes[block])]
+        block_hash = int(self.hashes[block])
+        del self.cached_blocks[block_hash]
         self.hashes[block] = 0
         self.num_cached_free_blocks -= 1
-        self.evicted.append(block)
+        self.kv_event_queue.append(BlockRemoved(block_hash, block))
         self.num_evicted_blocks += 1
 
     def touch(self, blocks: list[int]) -> None:
@@ -96,16 +103,36 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         return self.cached_blocks.get(block_hash)
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Record that a full, computed, in-use block holds the prefix with this hash."""
+    def register(self, block: int, block_hash: int, parent_hash: int | None, token_ids) -> None:
+        """Record that a full, computed, in-use block holds the prefix with this hash: ``token_ids`` after
+        the chain ending in ``parent_hash`` (None for a first block)."""
         if block_hash in self.cached_blocks or self.hashes[block]:
             return  # the same prefix already has a block, or this block is registered
         self.cached_blocks[block_hash] = block
         self.hashes[block] = block_hash
+        self.kv_event_queue.append(BlockStored(block_hash, parent_hash, tuple(token_ids), self.block_size, block))
 
-    def drain_evicted(self) -> list[int]:
-        evicted, self.evicted = self.evicted, []
-        return evicted
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix, as vLLM's does: only while no block is in use (False, changing nothing,
+        otherwise), so no running request holds a block the cache no longer knows."""
+        if self.num_used_blocks:
+            return False
+        if self.cached_blocks:
+            self.cached_blocks = {}
+            self.hashes[:] = 0
+            self.state[:] = BLOCK_FREE
+            self.fill[:] = 0
+            self.num_cached_free_blocks = 0
+        self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list:
+        """The queued events, oldest first, leaving the queue empty; an empty tuple when there are none."""
+        events = self.kv_event_queue
+        if not events:
+            return _NO_EVENTS
+        self.kv_event_queue = []
+        return events
 
     def rebuild(self, tables, forget) -> None:
         """Make the pool agree with ``tables`` (the block tables still in use) after a step failed part-way.
@@ -119,7 +146,8 @@ class BlockPool:
         self.ref_counts[:] = np.bincount(entries, minlength=self.num_blocks)
         unreferenced = self.ref_counts == 0
         for block in forget:
-            if unreferenced[block]:
+            if unreferenced[block] and self.hashes[block]:
+                self.kv_event_queue.append(BlockRemoved(int(self.hashes[block]), block))
                 self.hashes[block] = 0
         hashed = self.hashes != 0
         self.cached_blocks = {int(self.hashes[block]): int(block) for block in np.flatnonzero(hashed)}
@@ -133,4 +161,3 @@ class BlockPool:
         self.free_block_queue = OrderedDict.fromkeys([b for b in order if not hashed[b]] +
                                                      [b for b in order if hashed[b]])
         self.num_cached_free_blocks = int((unreferenced & hashed).sum())
-        self.evicted.clear()

@@ -5,9 +5,13 @@ needs, returns False if the pool is short, and only then changes anything.
 
 The cache moves it decides (copy-on-write, swap out, swap in) are queued here
 and drained into the next ScheduledBatch; the model runner performs them.
+What it did that the scheduler reports (prefix-cache changes, copy-on-writes)
+comes out of one call, take_events().
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,6 +30,14 @@ def hash_block(parent_hash: int, token_ids) -> int:
     return (hash((parent_hash, *token_ids)) & _HASH_MASK) or 1
 
 
+class CopyOnWrite(NamedTuple):
+    """A sample was about to write into a block another sample shares, so it got a copy of it."""
+
+    sample_index: int
+    src: int
+    dst: int
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, *,
                  enable_prefix_caching: bool = True, allocator: str = "paged", max_model_len: int) -> None:
@@ -41,8 +53,6 @@ class KVCacheManager:
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.num_copy_on_write_blocks = 0   # cumulative
-        # (sample index, source, copy) of each copy-on-write since the scheduler last took them for its events.
-        self.copied_on_write: list[tuple[int, int, int]] = []
         self.blocks_to_copy: list[tuple[int, int]] = []
         self.blocks_to_swap_out: list[tuple[int, int]] = []
         self.blocks_to_swap_in: list[tuple[int, int]] = []
@@ -166,7 +176,7 @@ class KVCacheManager:
         seq.block_table = (*table[:index], dst, *table[index + 1:])
         pool.free([src])
         self.blocks_to_copy.append((src, dst))
-        self.copied_on_write.append((seq.index, src, dst))
+        pool.kv_event_queue.append(CopyOnWrite(seq.index, src, dst))
         self.num_copy_on_write_blocks += 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -196,8 +206,13 @@ class KVCacheManager:
                 fill[table[i]] = min(bs, new - i * bs)
         if self.enable_prefix_caching and new // bs > old // bs:
             self._extend_hashes(seq, new // bs)
-            for i in range(old // bs, new // bs):
-                self.block_pool.register(table[i], seq.block_hashes[i])
+            self._register(seq, old // bs, new // bs)
+
+    def _register(self, seq: Sequence, first: int, end: int) -> None:
+        """Offer the sample's full blocks ``first .. end - 1`` to the prefix cache."""
+        bs, hashes, tokens, table = self.block_size, seq.block_hashes, seq.token_ids, seq.block_table
+        for i in range(first, end):
+            self.block_pool.register(table[i], hashes[i], hashes[i - 1] if i else None, tokens[i * bs:(i + 1) * bs])
 
     # ---- freeing --------------------------------------------------------------------------------
 
@@ -226,7 +241,9 @@ class KVCacheManager:
         self.block_pool.rebuild([seq.block_table for seq in keep], forget)
         self.host_pool.rebuild([seq.host_block_table for seq in keep], ())
         self.take_cache_moves()
-        self.copied_on_write.clear()    # copies of a step that did not happen (the counter keeps them)
+        # Copies of a step that did not happen (the counter keeps them); the prefix cache's changes did happen.
+        pool = self.block_pool
+        pool.kv_event_queue = [event for event in pool.kv_event_queue if type(event) is not CopyOnWrite]
 
     # ---- swap -----------------------------------------------------------------------------------
 
@@ -252,8 +269,7 @@ class KVCacheManager:
         self.num_swapped_in_blocks += len(moved)
         if self.enable_prefix_caching:
             for seq in seqs:
-                for i in range(min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))):
-                    self.block_pool.register(seq.block_table[i], seq.block_hashes[i])
+                self._register(seq, 0, min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes)))
         allocated = self.allocate_slots(request, plan)
         assert allocated, "swap_in counted its blocks"
         return True
@@ -283,9 +299,13 @@ class KVCacheManager:
 
     # ---- per-step drains and gauges -------------------------------------------------------------
 
-    def drain_copies(self) -> list[tuple[int, int, int]]:
-        copies, self.copied_on_write = self.copied_on_write, []
-        return copies
+    def take_events(self) -> list:
+        """What the cache did since the last call, oldest first: the device pool's KV-cache events (BlockStored,
+        BlockRemoved, AllBlocksCleared) and CopyOnWrite records. Empty on most calls, and cheap then."""
+        return self.block_pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
 
     def take_cache_moves(self) -> tuple[tuple, tuple, tuple]:
         moves = (tuple(self.blocks_to_swap_out), tuple(self.blocks_to_swap_in), tuple(self.blocks_to_copy))

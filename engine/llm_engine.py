@@ -218,6 +218,12 @@ class LLMEngine:
         """True while a request runs or waits, or a final output has yet to be returned by step()."""
         return bool(self._pending) or self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix, as vLLM's reset_prefix_cache does: only while no request holds a block
+        (False, changing nothing, otherwise). The next step reports it as AllBlocksCleared in kv_events."""
+        with self._lock:
+            return self.scheduler.reset_prefix_cache()
+
     def snapshot(self) -> CacheSnapshot:
         """The pool and the queues as they are now, between steps: a request added since the last step
         shows as waiting (what a paused window shows when a load is launched)."""
@@ -302,7 +308,8 @@ class LLMEngine:
             outputs = [*self._pending.values(), *outputs]
             self._pending.clear()
         stats = build_stats(scheduler, self.step_counter, time.time(), output.batch, times, update.num_generated)
-        return StepResult(outputs=outputs, stats=stats, snapshot=snapshot, events=scheduler.take_events())
+        events, kv_events = scheduler.take_events()
+        return StepResult(outputs=outputs, stats=stats, snapshot=snapshot, events=events, kv_events=kv_events)
 
     def _execute(self, batch) -> RunnerOutput:
         if batch.items or batch.blocks_to_swap_out or batch.blocks_to_swap_in or batch.blocks_to_copy:

@@ -167,12 +167,44 @@ class CacheSnapshot:
         return owner
 
 
+class BlockStored(NamedTuple):
+    """A full block entered the prefix cache: a request whose tokens start with the same chain of blocks can
+    now reuse it. One event per block, in the order the blocks were cached; a block whose prefix another
+    block already holds is not cached, and gets no event."""
+
+    block_hash: int                     # non-zero; hash_block(parent_block_hash or 0, token_ids)
+    parent_block_hash: int | None       # the previous block's hash in the chain; None for a first block
+    token_ids: tuple[int, ...]          # the block's block_size tokens
+    block_size: int
+    block_id: int                       # the device block holding it (vLLM's events name no physical block)
+
+
+class BlockRemoved(NamedTuple):
+    """A block's prefix left the prefix cache: its block was taken for new tokens (an eviction), or a failed
+    step dropped it because it may be half written."""
+
+    block_hash: int
+    block_id: int
+
+
+class AllBlocksCleared(NamedTuple):
+    """Every cached prefix was dropped at once (LLMEngine.reset_prefix_cache)."""
+
+
+# The prefix cache's changes, as vLLM's KV-cache events (vllm.distributed.kv_events) describe them: replayed in
+# order from an empty cache, they give exactly the (block_hash, block_id) pairs cached after the step.
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
 @dataclass(frozen=True)
 class StepResult:
     outputs: list[RequestOutput]
     stats: StepStats
     snapshot: CacheSnapshot
     events: tuple[EngineEvent, ...] = ()
+    # What happened to the prefix cache since the previous StepResult, oldest first; with the events of a step
+    # that raised, and of reset_prefix_cache() calls between steps. Empty without prefix caching.
+    kv_events: tuple[KVCacheEvent, ...] = ()
 
 
 class EngineEvent(NamedTuple):

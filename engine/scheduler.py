@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.kv_cache_manager import KVCacheManager
-from kvscope.engine.outputs import EngineEvent, FinishReason, RequestStatus
+from kvscope.engine.kv_cache_manager import CopyOnWrite, KVCacheManager
+from kvscope.engine.outputs import BlockRemoved, EngineEvent, FinishReason, KVCacheEvent, RequestStatus
 from kvscope.engine.request import Request, Sequence
 from kvscope.engine.runner import RunnerOutput
 
@@ -40,6 +40,13 @@ class SchedulerOutput(NamedTuple):
     batch: ScheduledBatch
     scheduled: list[tuple[Request, Sequence, int]]  # parallel to batch.items: (request, sample, tokens computed)
     preempted: list[Request]
+
+
+class StepEvents(NamedTuple):
+    """What a step reports beyond its outputs: the scheduler's events, and the prefix cache's changes."""
+
+    events: tuple[EngineEvent, ...]
+    kv_events: tuple[KVCacheEvent, ...]
 
 
 class StepUpdate(NamedTuple):
@@ -67,6 +74,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_fallbacks = 0         # swap preemptions that recomputed because the host pool was full
         self.events: list[EngineEvent] = []
+        self.kv_events: list[KVCacheEvent] = []
         # What one schedule() pass builds up: its token budget, what it scheduled and the batch items for it,
         # what it preempted, and the request it is working on (what a failed step has touched: fail_step).
         self._budget = 0
@@ -92,10 +100,16 @@ class Scheduler:
     def max_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
         return self.kv.max_blocks_needed(num_prompt_tokens, max_tokens, n)
 
-    def take_events(self) -> tuple[EngineEvent, ...]:
-        events = tuple(self.events)
+    def take_events(self) -> StepEvents:
+        """Everything to report since the last call, leaving nothing queued."""
+        self._record_cache_events(None, self.kv.take_events())
+        taken = StepEvents(tuple(self.events), tuple(self.kv_events))
         self.events.clear()
-        return events
+        self.kv_events.clear()
+        return taken
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
 
     # ---- one step: schedule -----------------------------------------------------------------------
 
@@ -147,6 +161,7 @@ class Scheduler:
         seq = seqs[0]
         start = seq.num_computed_tokens
         token_ids = seq.token_ids
+        table = seq.block_table
         if len(token_ids) - start != 1 or not self.kv.append_slot(seq):
             return False
         self._scheduled.append((request, seq, 1))
@@ -158,8 +173,8 @@ class Scheduler:
         else:
             self._num_prefill_tokens += 1   # a prompt's last token, alone in its chunk
         self._budget -= 1
-        if self.kv.block_pool.evicted:
-            self._record_evictions(request)
+        if seq.block_table is not table:    # it took a block, which may have evicted a cached prefix
+            self._record_cache_events(request, self.kv.take_events())
         return True
 
     def _schedule_swapped(self) -> None:
@@ -212,11 +227,9 @@ class Scheduler:
             self._scheduled.append((request, seq, num_new))
             self._items.append(self._item(request, seq, num_new))
             self._budget -= num_new
-        if self.kv.block_pool.evicted:
-            self._record_evictions(request)
-        if self.kv.copied_on_write:
-            for sample, src, dst in self.kv.drain_copies():
-                self.events.append(EngineEvent("copy_on_write", request.request_id, (src, dst), f"sample {sample}"))
+        cache_events = self.kv.take_events()
+        if cache_events:
+            self._record_cache_events(request, cache_events)
 
     def _item(self, request: Request, seq: Sequence, num_new: int) -> BatchItem:
         start = seq.num_computed_tokens
@@ -234,9 +247,24 @@ class Scheduler:
         return BatchItem(seq.seq_id, request.request_id, tuple(seq.token_ids[start:end]), start, seq.block_table,
                          samples, request.params)
 
-    def _record_evictions(self, request: Request) -> None:
-        evicted = self.kv.block_pool.drain_evicted()
-        self.events.append(EngineEvent("evict", request.request_id, tuple(evicted)))
+    def _record_cache_events(self, request: Request | None, cache_events) -> None:
+        """Report what the KV cache manager did: its KV-cache events as they are, and as events the blocks
+        that ``request``'s allocation evicted and copied (None: no allocation, so a removal is no eviction)."""
+        request_id = request.request_id if request is not None else None
+        evicted = []
+        copies = []
+        for event in cache_events:
+            kind = type(event)
+            if kind is CopyOnWrite:
+                copies.append(EngineEvent("copy_on_write", request_id, (event.src, event.dst),
+                                          f"sample {event.sample_index}"))
+                continue
+            self.kv_events.append(event)
+            if kind is BlockRemoved and request is not None:
+                evicted.append(event.block_id)
+        if evicted:
+            self.events.append(EngineEvent("evict", request_id, tuple(evicted)))
+        self.events.extend(copies)
 
     def _enter_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
@@ -394,6 +422,7 @@ class Scheduler:
                 seq.finish(FinishReason.ERROR)
         self.kv.recover(keep=[seq for r in self.requests.values() for seq in r.seqs],
                         drop=[seq for r in failed for seq in r.seqs])
+        self._record_cache_events(None, self.kv.take_events())  # what it cached, and dropped as half written
         self._scheduled, self._preempted, self._current = [], [], None
         return [request for request in touched if request.status == RequestStatus.FINISHED]
 

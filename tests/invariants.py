@@ -3,15 +3,17 @@
 Call it after every step (pass the StepResult to also check the stats and the
 snapshot against the engine). Works with the fake runner and the real one.
 run_checked steps to the end checking them; record_batches keeps what the runner
-was asked to do.
+was asked to do. KVEventReplica rebuilds the prefix cache from the steps'
+kv_events alone, as a subscriber to vLLM's KV-cache events does, and checks it
+against each step's snapshot.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvscope.engine.kv_cache_manager import cdiv
-from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED
+from kvscope.engine.kv_cache_manager import cdiv, hash_block
+from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, AllBlocksCleared, BlockRemoved, BlockStored
 from kvscope.engine.request import RequestStatus
 
 
@@ -167,3 +169,36 @@ def record_batches(engine) -> list:
 
     engine.runner.execute = recording_execute
     return batches
+
+
+class KVEventReplica:
+    """The prefix cache as a subscriber sees it: block id -> hash, from BlockStored/BlockRemoved/AllBlocksCleared.
+
+    ``step(result)`` applies one step's kv_events and asserts the replica equals the cached blocks of that
+    step's snapshot. Start it with the engine (or with a snapshot whose events have all been reported)."""
+
+    def __init__(self) -> None:
+        self.cached: dict[int, int] = {}
+        self.counts = {BlockStored: 0, BlockRemoved: 0, AllBlocksCleared: 0}
+
+    def step(self, result) -> None:
+        self.apply(result.kv_events)
+        hashes = result.snapshot.block_hashes
+        assert self.cached == {int(b): int(hashes[b]) for b in np.flatnonzero(hashes)}, \
+            "replaying kv_events does not give the snapshot's cached blocks"
+
+    def apply(self, events) -> None:
+        assert isinstance(events, tuple)
+        for event in events:
+            self.counts[type(event)] += 1
+            if type(event) is BlockStored:
+                assert event.block_id not in self.cached, "a block stored twice without a removal"
+                assert event.block_hash not in self.cached.values(), "a prefix stored in two blocks"
+                assert len(event.token_ids) == event.block_size and isinstance(event.token_ids, tuple)
+                assert event.block_hash == hash_block(event.parent_block_hash or 0, event.token_ids)
+                self.cached[event.block_id] = event.block_hash
+            elif type(event) is BlockRemoved:
+                assert self.cached.pop(event.block_id, None) == event.block_hash, "removed what was not stored"
+            else:
+                assert type(event) is AllBlocksCleared
+                self.cached.clear()

@@ -13,7 +13,7 @@ import types
 import pytest
 from invariants import check_invariants, run_checked
 
-from kvscope.engine import EngineConfig, LLMEngine, RequestError, SamplingParams, llm_engine
+from kvscope.engine import EngineConfig, LLMEngine, RequestError, SamplingParams, llm_engine, scheduler
 from kvscope.engine.fake_runner import FakeRunner, fake_engine
 from kvscope.engine.outputs import FinishReason, RequestStatus
 
@@ -322,4 +322,10 @@ def test_step_stats_time_each_phase_of_the_step():
 def test_the_engine_leaves_blocks_and_events_to_the_scheduler():
     source = inspect.getsource(llm_engine)
     for reach_in in (".kv.", ".kv\n", "block_pool", ".events", "free_sequence", "commit("):
+        assert reach_in not in source, reach_in
+
+
+def test_the_scheduler_hears_of_the_cache_s_doings_through_take_events_only():
+    source = inspect.getsource(scheduler)
+    for reach_in in ("block_pool", "host_pool", ".evicted", ".copied_on_write"):
         assert reach_in not in source, reach_in

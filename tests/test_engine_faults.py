@@ -12,10 +12,10 @@ from collections import Counter
 
 import pytest
 from bad_inputs import all_cases
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from invariants import check_invariants, record_batches, run_checked
+from invariants import KVEventReplica, check_invariants, record_batches, run_checked
 
 from kvscope.engine import EngineConfig, RequestError, SamplingParams
 from kvscope.engine.fake_runner import InjectedFault, fake_engine
@@ -161,8 +161,9 @@ def test_a_keyboard_interrupt_mid_step_also_leaves_the_cache_consistent():
 
 
 class EngineWithFaults(RuleBasedStateMachine):
-    """Random requests, bad inputs, aborts, re-added ids and steps with faults anywhere; the pool invariants
-    hold after every rule, and every accepted request gets exactly one final output."""
+    """Random requests, bad inputs, aborts, re-added ids, prefix-cache resets and steps with faults anywhere;
+    the pool invariants hold after every rule, every accepted request gets exactly one final output, and the
+    kv_events of the steps that returned replay to each one's cached blocks (a failed step's come later)."""
 
     @initialize(mode=st.sampled_from(["swap", "recompute"]), caching=st.booleans(),
                 allocator=st.sampled_from(["paged", "paged", "contiguous"]), blocks=st.integers(8, 14))
@@ -173,6 +174,7 @@ class EngineWithFaults(RuleBasedStateMachine):
         self.finals: Counter = Counter()
         self.pending_abort: set[str] = set()    # aborted, final output not reported yet
         self.next_id = 0
+        self.replica = KVEventReplica()
 
     @rule(requests=st.lists(st.tuples(
         st.sampled_from([[], [40, 41, 42, 43], [40, 41, 42, 43, 44, 45]]),
@@ -215,7 +217,16 @@ class EngineWithFaults(RuleBasedStateMachine):
         result = step_with(self.engine, injected, fault if isinstance(fault, str) else None)
         if result is not None:
             check_invariants(self.engine, result)
+            self.replica.step(result)
             self._count(result.outputs)
+
+    @rule()
+    def reset_prefix_cache(self):
+        idle = self.engine.scheduler.kv.block_pool.num_used_blocks == 0
+        cached = dict(self.engine.scheduler.kv.block_pool.cached_blocks)
+        assert self.engine.reset_prefix_cache() == idle
+        event(f"reset_prefix_cache: {'done' if idle else 'refused'}")
+        assert self.engine.scheduler.kv.block_pool.cached_blocks == ({} if idle else cached)
 
     def _count(self, outputs):
         for output in outputs:
@@ -233,7 +244,7 @@ class EngineWithFaults(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "engine"):
             return
-        self._count(run_checked(self.engine))
+        self._count(run_checked(self.engine, on_step=self.replica.step))
         assert not self.pending_abort
         assert set(self.finals) == self.accepted and all(c == 1 for c in self.finals.values())
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from invariants import check_invariants
+from invariants import KVEventReplica, check_invariants
 
 from kvscope.engine import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -65,13 +65,15 @@ def scenarios(draw) -> Scenario:
 
 
 def run(scenario: Scenario) -> tuple[dict, set, object]:
-    """Step the scenario, checking invariants after every step. Returns final outputs by arrival index."""
+    """Step the scenario, checking invariants and replaying kv_events after every step. Returns final outputs
+    by arrival index, the aborted arrivals and the engine."""
     engine = fake_engine(scenario.config, num_blocks=scenario.num_blocks,
                          num_host_blocks=scenario.num_host_blocks, max_model_len=MAX_MODEL_LEN,
                          eos_period=scenario.eos_period)
     request_ids: dict[int, str] = {}
     final: dict[str, object] = {}
     aborted: set[str] = set()
+    replica = KVEventReplica()
     step = 0
     while len(request_ids) < len(scenario.arrivals) or engine.has_unfinished_requests():
         for index, arrival in enumerate(scenario.arrivals):
@@ -82,11 +84,15 @@ def run(scenario: Scenario) -> tuple[dict, set, object]:
                     aborted.add(request_ids[index])
         result = engine.step()
         check_invariants(engine, result)
+        replica.step(result)
         final.update((o.request_id, o) for o in result.outputs if o.finished)
         step += 1
         assert step < MAX_STEPS, "the engine stopped making progress"
     check_invariants(engine)
     assert set(final) == set(request_ids.values()), "every request gets a final output"
+    for kind, count in replica.counts.items():
+        event(f"{kind.__name__} events: {'some' if count else 'none'}")
+    event(f"preempted ({scenario.config.preemption_mode}): {'yes' if engine.scheduler.num_preemptions else 'no'}")
     return {index: final[rid] for index, rid in request_ids.items()}, {
         index for index, rid in request_ids.items() if rid in aborted}, engine
 
