@@ -48,7 +48,17 @@ from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
-from kvscope.app.worker.commands import AddChatTurn, RunOnEngine
+from kvscope.app.worker.commands import (
+    AbortRequest,
+    AddChatTurn,
+    LaunchPreset,
+    Rebuild,
+    RunOnEngine,
+    SetPaused,
+    SetRateCap,
+    StepOnce,
+    Stop,
+)
 from kvscope.app.worker.factory import build_engine, first_engine_then_build
 from kvscope.app.worker.thread import EngineWorker
 from kvscope.engine.config import EngineConfig, model_sampling
@@ -65,7 +75,8 @@ REFUSALS_GATHER_S = 0.25
 def runnable_warning(info: EngineInfo) -> str | None:
     """Why an engine can run no request at all (contiguous rows larger than the pool), with the fix."""
     try:
-        presets.PresetContext(info.block_size, info.num_blocks, info.max_model_len,
+        runner = info.runner
+        presets.PresetContext(runner.block_size, runner.num_device_blocks, runner.max_model_len,
                               info.config.max_num_batched_tokens, len, allocator=info.config.allocator
                               ).check_runnable()
     except ValueError as exc:
@@ -123,7 +134,7 @@ class KVScopeApp(ThemedApp):
     def on_unmount(self) -> None:
         if self.serve is not None:
             self.serve.close()      # its requests end with "abort", stepped by the engine thread still running
-        self.worker.stop()
+        self.worker.send(Stop())
         if self._lesson_log_dir is not None:
             self._lesson_log_dir.cleanup()
 
@@ -197,7 +208,7 @@ class KVScopeApp(ThemedApp):
                     title="Engine", severity="error", timeout=60)
 
     def on_request_rejected(self, message: RequestRejected) -> None:
-        self.main.chat.on_rejected(message.request_id, message.error)
+        self.main.chat_refused(message.request_id, message.error)
         # Refusals come in bursts (a preset's requests, one after the other): gathered for a moment and
         # told in one toast, never one toast each.
         if not self._refused:
@@ -227,12 +238,12 @@ class KVScopeApp(ThemedApp):
     def on_chat_submitted(self, message: ChatSubmitted) -> None:
         # The model's own sampling defaults, as `kvscope chat` and vLLM use them: greedy for SmolLM2.
         info = self.main.engine_info
-        params = model_sampling(info.sampling_defaults if info else (), max_tokens=message.max_tokens)
+        params = model_sampling(info.runner.sampling_defaults if info else (), max_tokens=message.max_tokens)
         self.worker.send(AddChatTurn(message.request_id, message.messages, params))
-        self.main.view.block_map.set_chat_request(message.request_id)
+        self.main.chat_sent(message.request_id)
 
     def on_preset_launched(self, message: PresetLaunched) -> None:
-        self.worker.launch_preset(message.preset_key, message.count)
+        self.worker.send(LaunchPreset(message.preset_key, message.count))
         self.notify(f"{PRESETS[message.preset_key].title}: {message.count} sent", timeout=3)
 
     # --- actions -----------------------------------------------------------------------------------------
@@ -267,7 +278,7 @@ class KVScopeApp(ThemedApp):
         if screen is not None and screen.is_attached:
             self.pop_screen() if self.screen is screen else screen.dismiss()
         if rebuild:
-            self.worker.rebuild(self.config)
+            self.worker.send(Rebuild(self.config))
 
     def _ensure_run_log(self) -> None:
         """Lessons go back by replaying the run log: with the log off, they keep one for this session only."""
@@ -281,10 +292,7 @@ class KVScopeApp(ThemedApp):
 
     def _in_flight(self) -> str | None:
         """What quitting would abort, in words; None when nothing is in flight."""
-        snapshot = self.main.latest.snapshot if self.main.latest else None
-        count = len(snapshot.requests) if snapshot else 0
-        if self.main.chat.current_request is not None and count == 0:
-            count = 1
+        count = len(self.main.requests_in_flight())
         return f"{count} request{'s' if count != 1 else ''}" if count else None
 
     async def action_quit(self) -> None:
@@ -304,7 +312,7 @@ class KVScopeApp(ThemedApp):
     def shut_down(self) -> None:
         """Say so, stop the engine thread, and exit once it has ended (its step done, its run log closed)."""
         self.push_screen(ShuttingDown())
-        self.worker.stop()
+        self.worker.send(Stop())
 
         def exit_when_stopped() -> None:
             if self.engine_thread is None or self.engine_thread.is_finished:
@@ -333,17 +341,17 @@ class KVScopeApp(ThemedApp):
 
     def action_toggle_pause(self) -> None:
         if self.worker.state.paused:
-            self.worker.resume()
+            self.worker.send(SetPaused(False))
         else:
-            self.worker.pause()
+            self.worker.send(SetPaused(True))
 
     def action_single_step(self) -> None:
-        self.worker.step_once()
+        self.worker.send(StepOnce())
 
     def _set_cap(self, direction: int) -> None:
         index = RATE_CAPS.index(self.rate_cap) if self.rate_cap in RATE_CAPS else 0
         self.rate_cap = RATE_CAPS[min(max(index + direction, 0), len(RATE_CAPS) - 1)]
-        self.worker.set_rate_cap(self.rate_cap)
+        self.worker.send(SetRateCap(self.rate_cap))
         self.notify("no step cap" if self.rate_cap is None else f"at most {self.rate_cap:g} steps/s", timeout=2)
 
     def action_slower(self) -> None:
@@ -363,7 +371,7 @@ class KVScopeApp(ThemedApp):
     def _rebuild(self, **changes) -> None:
         config = dataclasses.replace(self.running_config, **changes)
         self.config = config
-        self.worker.rebuild(config)
+        self.worker.send(Rebuild(config))
         self.notify(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in changes.items()) or "restarting",
                     title="Restarting the engine", timeout=4)
 
@@ -384,23 +392,18 @@ class KVScopeApp(ThemedApp):
 
     def action_abort_reply(self) -> None:
         """Esc in the chat: abort the reply streaming, or, with none, leave the input for the map."""
-        request_id = self.main.chat.abort()
-        if request_id is None:
-            self.main.view.block_map.focus()
-            return
-        self.worker.abort(request_id)
-        self.main.view.block_map.set_chat_request(None)
+        request_id = self.main.abort_chat()
+        if request_id is not None:
+            self.worker.send(AbortRequest(request_id))
 
     def action_new_conversation(self) -> None:
-        request_id = self.main.chat.new_conversation()
+        request_id = self.main.new_conversation()
         if request_id is not None:
-            self.worker.abort(request_id)
-            self.main.view.block_map.set_chat_request(None)
+            self.worker.send(AbortRequest(request_id))
 
     def action_abort_all(self) -> None:
-        snapshot = self.main.latest.snapshot if self.main.latest else None
-        for view in snapshot.requests if snapshot else ():
-            self.worker.abort(view.request_id)
+        for request_id in self.main.requests_in_flight():
+            self.worker.send(AbortRequest(request_id))
 
 
 

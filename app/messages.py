@@ -13,34 +13,29 @@ from textual.message import Message
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.outputs import CacheSnapshot, StepResult
+from kvscope.engine.runner import RunnerInfo
 
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What the header shows about an engine, read once after it is built."""
+    """What the header shows about an engine: its runner's facts (read once after it is built) and the config
+    it was built from."""
 
-    model_name: str
-    device: str
-    dtype: str
-    block_size: int
-    num_blocks: int
-    num_host_blocks: int
-    max_model_len: int
-    kv_cache_bytes: int | None
+    runner: RunnerInfo
     config: EngineConfig
-    sampling_defaults: tuple[tuple[str, float | int], ...] = ()   # the model's (RunnerInfo.sampling_defaults)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.runner.num_device_blocks * self.runner.block_size
 
     @property
     def max_concurrency(self) -> float:
         """How many max_model_len requests fit at once (contiguous: whole reserved rows)."""
+        runner = self.runner
         if self.config.allocator == "contiguous":
-            blocks_per_request = -(-self.max_model_len // self.block_size)
-            return float(self.num_blocks // blocks_per_request)
-        return self.num_tokens / self.max_model_len
+            blocks_per_request = -(-runner.max_model_len // runner.block_size)
+            return float(runner.num_device_blocks // blocks_per_request)
+        return self.num_tokens / runner.max_model_len
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvscope.app.headless import wait_until
+from kvscope.app.worker.commands import LaunchPreset, SetPaused, StepOnce
 from kvscope.engine.config import EngineConfig
 
 DEFAULT_SIZE = (160, 48)
@@ -59,7 +60,7 @@ async def step_through(pilot, count: int) -> None:
     app = pilot.app
     for _ in range(count):
         target = _step(app) + 1
-        app.worker.step_once()
+        app.worker.send(StepOnce())
         await _require(pilot, lambda target=target: _step(app) >= target, f"step {target}")
 
 
@@ -67,8 +68,8 @@ async def _scene_main(pilot) -> None:
     """A shared system prompt plus a chat burst; one request selected, the cursor on a shared block."""
     app = pilot.app
     await _ready(pilot)
-    app.worker.launch_preset("shared", 10)
-    app.worker.launch_preset("burst", 10)
+    app.worker.send(LaunchPreset("shared", 10))
+    app.worker.send(LaunchPreset("burst", 10))
     await step_through(pilot, 24)
     app.main.paint(force=True)
     _select_shared(app)
@@ -79,9 +80,9 @@ async def _scene_chat(pilot) -> None:
     app = pilot.app
     await _ready(pilot)
     await _ask(pilot, "What is a KV cache, in two sentences?")
-    app.worker.resume()
+    app.worker.send(SetPaused(False))
     await _require(pilot, lambda: app.main.chat.current_request is None, "the first reply")
-    app.worker.pause()
+    app.worker.send(SetPaused(True))
     await _ask(pilot, "And why does paging it help?")
     await step_through(pilot, 24)
 
@@ -90,16 +91,16 @@ async def _scene_overload(pilot) -> None:
     """More demand than a small pool holds, in swap mode: preempted, swapped and waiting requests."""
     app = pilot.app
     await _ready(pilot)
-    app.worker.launch_preset("overload", 8)
-    app.worker.resume()
+    app.worker.send(LaunchPreset("overload", 8))
+    app.worker.send(SetPaused(False))
     await _require(pilot, lambda: _step(app) >= 0 and _stats(app).num_preemptions >= 3, "three preemptions")
-    app.worker.pause()
+    app.worker.send(SetPaused(True))
 
 
 async def _scene_contiguous(pilot) -> None:
     """The contiguous allocator: whole max_model_len rows per request, most of them empty."""
     await _ready(pilot)
-    pilot.app.worker.launch_preset("burst", 16)
+    pilot.app.worker.send(LaunchPreset("burst", 16))
     await step_through(pilot, 16)
 
 

@@ -14,6 +14,7 @@ from kvscope.app.widgets.chat import ChatPane
 from kvscope.app.widgets.counters import Counters, describe_stats
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.queues import QueuesTable
+from kvscope.app.worker.commands import LaunchPreset
 from kvscope.engine.config import EngineConfig
 
 pytestmark = pytest.mark.anyio
@@ -94,7 +95,7 @@ async def test_pause_and_single_step_advance_exactly_one_step():
     app = make_app(engines, paused=False, steps_per_s_cap=50)
     async with app.run_test(size=(120, 36)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("burst", 4)
+        app.worker.send(LaunchPreset("burst", 4))
         await until(pilot, lambda: step_number(app) >= 3)
         await pilot.press("f2")
         await until(pilot, lambda: app.worker.state.paused)

@@ -10,7 +10,9 @@ import dataclasses
 from kvscope.app.app import KVScopeApp
 from kvscope.app.bench.ui import RecordingEngine
 from kvscope.app.headless import wait_until
+from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.widgets.system import SystemSample
+from kvscope.app.worker.commands import LaunchPreset
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.loader import ModelError
@@ -105,6 +107,18 @@ async def started(pilot) -> None:
     await until(pilot, lambda: pilot.app.main.engine_info is not None)
 
 
+async def history_on(pilot, run_id: int, num_runs: int):
+    """F9, then History's cursor on run ``run_id`` once ``num_runs`` runs are listed: the History screen."""
+    await pilot.press("f9")
+    history = pilot.app.screen
+    assert isinstance(history, HistoryScreen)
+    runs = history.query_one("#runs")
+    await until(pilot, lambda: runs.row_count == num_runs)
+    runs.move_cursor(row=runs.get_row_index(str(run_id)))
+    await until(pilot, lambda: history.run_id == run_id)
+    return history
+
+
 def step_number(app) -> int:
     return app.main.latest.stats.step if app.main.latest else 0
 
@@ -122,7 +136,7 @@ async def single_steps(pilot, count: int) -> None:
 
 async def burst_steps(pilot, num_requests: int, steps: int) -> None:
     """Launch the burst preset with ``num_requests`` chat prompts, then single-step ``steps`` times."""
-    pilot.app.worker.launch_preset("burst", num_requests)
+    pilot.app.worker.send(LaunchPreset("burst", num_requests))
     await single_steps(pilot, steps)
 
 

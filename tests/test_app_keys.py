@@ -15,7 +15,7 @@ from kvscope.app.widgets.chat import ChatPane
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.key_bar import KeyBar
 from kvscope.app.widgets.queues import QueuesTable
-from kvscope.app.worker.commands import AddChatTurn
+from kvscope.app.worker.commands import AddChatTurn, LaunchPreset
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
 
@@ -162,8 +162,8 @@ async def test_long_request_ids_and_numbers_are_never_cut():
     app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=2048))
     async with app.run_test(size=(120, 40)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("long", 1)          # a 1,900-token prompt: "1936/1936" in prefill
-        app.worker.launch_preset("overload", 12)     # ids up to overload-12
+        app.worker.send(LaunchPreset("long", 1))          # a 1,900-token prompt: "1936/1936" in prefill
+        app.worker.send(LaunchPreset("overload", 12))     # ids up to overload-12
         await single_steps(pilot, 1)
         table = app.main.query_one(QueuesTable)
         views = {view.request_id: view for view in app.main.latest.snapshot.requests}
@@ -179,7 +179,7 @@ async def test_the_block_table_scrolls_when_a_table_is_longer_than_the_panel():
     app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=4096))
     async with app.run_test(size=(120, 36)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("sample", 1)          # four samples: four table lines, and long ones
+        app.worker.send(LaunchPreset("sample", 1))          # four samples: four table lines, and long ones
         await burst_steps(pilot, 1, 3)
         view = app.main.latest.snapshot.requests[0]
         app.main.view.select_request(view.request_id)

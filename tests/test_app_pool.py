@@ -11,7 +11,7 @@ from kvscope.app.load.presets import PRESETS, PresetContext, build, fit_reply
 from kvscope.app.widgets.event_line import narrate
 from kvscope.app.widgets.queues import FINISHED_KEEP_STEPS, QueuesTable
 from kvscope.app.widgets.status_line import RateWindow, describe_status
-from kvscope.app.worker.factory import engine_info
+from kvscope.app.worker.commands import AbortRequest, AddRequest, LaunchPreset
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.outputs import EngineEvent
@@ -24,21 +24,21 @@ pytestmark = pytest.mark.anyio
 def test_every_preset_request_fits_the_pool_it_runs_on(key, num_blocks, max_model_len):
     """"Long prompts" on a 96-block pool refused all three of its requests: each one was longer than the pool."""
     engine = fake_engine(EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len))
-    context = PresetContext.from_engine(engine, engine_info(engine))
+    context = PresetContext.from_engine(engine)
     for item in build(key, PRESETS[key].default_count, context):
         engine.add_request(item.prompt, item.params)     # RequestError would fail the test
 
 
 def test_a_contiguous_pool_smaller_than_one_row_refuses_the_preset_once_and_says_what_would_fit():
     engine = fake_engine(EngineConfig(num_blocks=64, max_model_len=2048, allocator="contiguous"))
-    context = PresetContext.from_engine(engine, engine_info(engine))
+    context = PresetContext.from_engine(engine)
     with pytest.raises(ValueError, match="no request can run; try --max-model-len 256"):
         build("burst", 16, context)
 
 
 def test_the_chat_reply_shrinks_to_what_max_model_len_leaves():
     engine = fake_engine(EngineConfig(num_blocks=64, max_model_len=256))
-    context = PresetContext.from_engine(engine, engine_info(engine))
+    context = PresetContext.from_engine(engine)
     messages = [{"role": "user", "content": "Hello"}]
     max_tokens = fit_reply(context, messages, 256)
     assert max_tokens == 256 - context.chat_tokens(messages)
@@ -65,7 +65,7 @@ async def test_switching_to_an_allocator_that_fits_no_request_warns_once_not_onc
         await started(pilot)
         app.action_toggle_allocator()
         await until(pilot, lambda: app.main.engine_info.config.allocator == "contiguous")
-        app.worker.launch_preset("burst", 16)
+        app.worker.send(LaunchPreset("burst", 16))
         await pilot.pause(0.5)
         alarms = [n for n in app._notifications if n.severity in ("warning", "error")]
         assert len(alarms) == 2, [n.message for n in alarms]     # the switch's warning, the preset's refusal
@@ -137,7 +137,7 @@ async def test_finished_requests_stay_a_while_in_the_queues():
         await burst_steps(pilot, 3, 1)
         table = app.main.query_one(QueuesTable)
         gone = table.order[0]
-        app.worker.abort(gone)
+        app.worker.send(AbortRequest(gone))
         await single_steps(pilot, 1)
         assert gone not in table.rows and gone in table.finished
         row = next(table.render_line(y).text for y in range(1, 6) if table.render_line(y).text.startswith(gone))
@@ -183,7 +183,7 @@ async def test_launched_requests_show_as_waiting_at_once_even_while_paused():
     app = make_app(FakeEngines())
     async with app.run_test(size=(160, 48)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("burst", 4)
+        app.worker.send(LaunchPreset("burst", 4))
         table = app.main.query_one(QueuesTable)
         await until(pilot, lambda: len(table.rows) == 4)
         assert app.main.latest is None                       # no step has run
@@ -195,7 +195,7 @@ async def test_a_finished_row_shows_the_requests_final_numbers_not_the_last_draw
     app = make_app(FakeEngines(), config=EngineConfig(num_blocks=128, max_model_len=512))
     async with app.run_test(size=(160, 48)) as pilot:
         await started(pilot)
-        app.worker.submit("short", "hello there", SamplingParams(max_tokens=3))
+        app.worker.send(AddRequest("short", "hello there", SamplingParams(max_tokens=3)))
         await single_steps(pilot, 2)
         table = app.main.query_one(QueuesTable)
         assert table.rows["short"][4] == "2/3"     # drawn after its second token

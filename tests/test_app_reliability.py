@@ -17,6 +17,7 @@ from kvscope.app.widgets.chat import WAITING, ChatPane
 from kvscope.app.widgets.counters import Counters
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.queues import QueuesTable
+from kvscope.app.worker.commands import LaunchPreset
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.outputs import BLOCK_USED
@@ -39,7 +40,7 @@ async def test_a_rebuild_ends_the_reply_in_the_chat_and_shows_the_new_empty_pool
         await started(pilot)
         chat = app.main.query_one(ChatPane)
         await type_chat(pilot, "A question about paging")
-        app.worker.launch_preset("burst", 3)
+        app.worker.send(LaunchPreset("burst", 3))
         await single_steps(pilot, 3)
         map_ = app.main.query_one(BlockMap)
         assert (map_.snapshot.block_state == BLOCK_USED).any() and app.main.query_one(QueuesTable).rows
@@ -139,10 +140,10 @@ async def test_the_run_log_stopping_is_a_toast_and_the_engine_runs_on(tmp_path, 
     app = make_app(engines, db_path=path, log_enabled=True, paused=False)
     async with app.run_test(size=(160, 48)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("burst", 6)
+        app.worker.send(LaunchPreset("burst", 6))
         await until(pilot, lambda: any(text.startswith("Run log: run log stopped writing") for text in notices(app)))
         steps = len(engines.engine.stats)
-        app.worker.launch_preset("burst", 2)    # the engine serves new work after the log stopped
+        app.worker.send(LaunchPreset("burst", 2))    # the engine serves new work after the log stopped
         await until(pilot, lambda: len(engines.engine.stats) > steps + 5)
     (run,) = RunLogReader(path).list_runs()[:1]
     assert run["status"] == "incomplete"
@@ -250,7 +251,8 @@ def test_the_empty_pool_shown_at_start_is_the_engines_own():
 
     engine = fake_engine(EngineConfig(num_blocks=48, block_size=8, preemption_mode="swap"), num_host_blocks=6)
     info = engine_info(engine)
-    snapshot, stats = empty_step(info.num_blocks, info.block_size, info.config.allocator, info.num_host_blocks)
+    snapshot, stats = empty_step(info.runner.num_device_blocks, info.runner.block_size, info.config.allocator,
+                                 info.runner.num_host_blocks)
     real = engine.step()    # an idle engine's step changes nothing in the pool
     for name in ("block_state", "ref_counts", "block_fill", "block_hashes"):
         assert np.array_equal(getattr(snapshot, name), getattr(real.snapshot, name)), name

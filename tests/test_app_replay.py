@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
-from test_app_harness import FakeEngines, make_app, started, until
+from test_app_harness import FakeEngines, history_on, make_app, started, until
 
+from kvscope.app.attach.window.replay_view import VllmReplayView
 from kvscope.app.load.presets import PresetContext, build
 from kvscope.app.runlog import RunLogReader, record_run
-from kvscope.app.screens.history import HistoryScreen
-from kvscope.app.screens.replay import ReplayScreen
+from kvscope.app.screens.replay import ReplayScreen, StepView
 from kvscope.app.widgets.block_map import BlockMap
 from kvscope.app.widgets.counters import Counters
 from kvscope.app.widgets.queues import QueuesTable
+from kvscope.app.widgets.snapshot_view import SnapshotView
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import fake_engine
 
@@ -49,13 +52,7 @@ async def test_history_lists_the_run_and_replay_shows_the_recorded_steps(run_log
     app = make_app(FakeEngines(), db_path=path, log_enabled=True)
     async with app.run_test(size=(160, 48)) as pilot:
         await started(pilot)
-        await pilot.press("f9")
-        history = app.screen
-        assert isinstance(history, HistoryScreen)
-        runs = history.query_one("#runs")
-        await until(pilot, lambda: runs.row_count == 2)
-        runs.move_cursor(row=runs.get_row_index(str(run_id)))
-        await until(pilot, lambda: history.run_id == run_id)
+        history = await history_on(pilot, run_id, num_runs=2)     # the app's own run and the logged one
         assert "Run" in str(history.query_one("#run-summary").render())
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(app.screen, ReplayScreen))
@@ -93,3 +90,11 @@ async def test_history_without_a_log_says_so(tmp_path):
         await started(pilot)
         await pilot.press("f9")
         assert "No run log yet" in str(app.screen.query_one("#run-summary").render())
+
+
+def test_both_step_views_are_what_the_replay_draws_with():
+    # StepView is the interface in code: the live view and the watched server's view both implement it, with
+    # show()'s exact signature, so a change to one that the replay would trip over fails here.
+    for view in (SnapshotView(), VllmReplayView()):
+        assert isinstance(view, StepView), type(view).__name__
+        assert inspect.signature(type(view).show) == inspect.signature(StepView.show), type(view).__name__

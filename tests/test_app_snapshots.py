@@ -16,7 +16,7 @@ from kvscope.app.lessons.play import play
 from kvscope.app.load.presets import PresetContext, build
 from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.app.screens.replay import ReplayScreen
-from kvscope.app.worker.factory import engine_info
+from kvscope.app.worker.commands import LaunchPreset
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import fake_engine
 
@@ -29,7 +29,7 @@ async def _busy_pool(pilot) -> None:
     """A shared system prompt, a chat burst, one request selected, the cursor on a shared block."""
     app = pilot.app
     await started(pilot)
-    app.worker.launch_preset("shared", 3)
+    app.worker.send(LaunchPreset("shared", 3))
     await burst_steps(pilot, 4, 10)
     snapshot = app.main.latest.snapshot
     app.main.view.select_request(snapshot.requests[-1].request_id)
@@ -77,7 +77,7 @@ def _logged_run(path) -> int:
     """A shared system prompt and a chat burst on a FakeRunner engine, recorded as every run is; each
     request joins at the step its preset plans, as the app's engine thread adds them."""
     engine = fake_engine(EngineConfig(block_size=16, num_blocks=128, max_model_len=512), num_host_blocks=32)
-    context = PresetContext.from_engine(engine, engine_info(engine))
+    context = PresetContext.from_engine(engine)
     planned = [(item.delay_steps, f"{key}-{i}", item) for key, count in (("shared", 3), ("burst", 4))
                for i, item in enumerate(build(key, count, context))]
     with record_run(engine, db_path=path) as log:

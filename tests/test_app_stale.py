@@ -12,6 +12,7 @@ from kvscope.app.app import RATE_CAPS
 from kvscope.app.runlog import RunLogReader
 from kvscope.app.widgets.queues import QueuesTable
 from kvscope.app.widgets.throughput import SERIES
+from kvscope.app.worker.commands import AbortRequest, LaunchPreset
 
 pytestmark = pytest.mark.anyio
 
@@ -57,7 +58,7 @@ async def test_enter_in_the_queues_selects_the_first_row_never_a_request_that_is
         await pilot.press("down", "down")
         gone = table.cursor_request
         app.main.view.block_map.focus()             # the cursor is no longer drawn
-        app.worker.abort(gone)
+        app.worker.send(AbortRequest(gone))
         await single_steps(pilot, 1)
         assert gone not in [v.request_id for v in app.main.latest.snapshot.requests]
         selected: list[str | None] = []
@@ -69,7 +70,7 @@ async def test_enter_in_the_queues_selects_the_first_row_never_a_request_that_is
         # The cursor's row going while the table has the focus: the cursor moves to a live row.
         await pilot.press("down", "down")
         cursor = table.cursor_request
-        app.worker.abort(cursor)
+        app.worker.send(AbortRequest(cursor))
         await single_steps(pilot, 1)
         assert table.cursor_request != cursor and table.cursor_request in table.rows
         await pilot.press("enter")
@@ -159,7 +160,7 @@ async def test_quitting_with_work_in_flight_asks_and_waits_for_the_step_in_progr
     async with app.run_test(size=(120, 36)) as pilot:
         await started(pilot)
         engines.release.set()
-        app.worker.launch_preset("burst", 2)
+        app.worker.send(LaunchPreset("burst", 2))
         await single_steps(pilot, 1)
         engines.release.clear()
         engines.stepping.clear()

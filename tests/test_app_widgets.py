@@ -14,7 +14,6 @@ from kvscope.app.widgets.block_inspector import describe_block, describe_cell
 from kvscope.app.widgets.block_legend import GAP, ITEMS, legend_lines
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
 from kvscope.app.widgets.throughput import bar_levels
-from kvscope.app.worker.factory import engine_info
 from kvscope.engine.config import RequestError
 from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView
@@ -173,7 +172,7 @@ def test_every_preset_is_accepted_by_an_engine(key):
 
     config = EngineConfig(num_blocks=256, max_model_len=1024, max_num_batched_tokens=256)
     engine = fake_engine(config)
-    context = PresetContext.from_engine(engine, engine_info(engine))
+    context = PresetContext.from_engine(engine)
     planned = build(key, PRESETS[key].default_count, context)
     assert len(planned) == PRESETS[key].default_count
     for i, item in enumerate(planned):

@@ -19,7 +19,7 @@ from kvscope.app.messages import (
     RunStateChanged,
 )
 from kvscope.app.runlog import RunLogReader, record_run
-from kvscope.app.worker.commands import LaunchPreset, SetPaused
+from kvscope.app.worker.commands import AddRequest, LaunchPreset, Rebuild, SetPaused, StepOnce, Stop
 from kvscope.app.worker.thread import ENGINE_REBUILT, ENGINE_STOPPED, EngineWorker
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -66,7 +66,7 @@ def start(engines: FakeEngines, **kwargs) -> tuple[EngineWorker, Inbox, threadin
 
 
 def stop(worker: EngineWorker, thread: threading.Thread) -> None:
-    worker.stop()
+    worker.send(Stop())
     thread.join(5)
     assert not thread.is_alive()
 
@@ -74,8 +74,8 @@ def stop(worker: EngineWorker, thread: threading.Thread) -> None:
 def test_runs_requests_to_completion_posting_one_message_per_step():
     engines = FakeEngines()
     worker, inbox, thread = start(engines)
-    worker.submit("a", "hello there", SamplingParams(max_tokens=5, temperature=0.0))
-    worker.submit("b", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0))
+    worker.send(AddRequest("a", "hello there", SamplingParams(max_tokens=5, temperature=0.0)))
+    worker.send(AddRequest("b", [1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0)))
     inbox.wait_for(lambda: sum(o.finished for m in inbox.of(EngineStepped) for o in m.result.outputs) == 2)
     stop(worker, thread)
     steps = [m.result.stats.step for m in inbox.of(EngineStepped)]
@@ -94,13 +94,13 @@ def test_idle_engine_does_not_step():
 def test_paused_worker_steps_only_on_request():
     engines = FakeEngines()
     worker, inbox, thread = start(engines, paused=True)
-    worker.submit("a", "x" * 40, SamplingParams(max_tokens=50))
-    worker.step_once()
-    worker.step_once()
+    worker.send(AddRequest("a", "x" * 40, SamplingParams(max_tokens=50)))
+    worker.send(StepOnce())
+    worker.send(StepOnce())
     inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 2)
     time.sleep(0.2)
     assert len(inbox.of(EngineStepped)) == 2
-    worker.resume()
+    worker.send(SetPaused(False))
     inbox.wait_for(lambda: inbox.of(EngineStepped)[-1].result.outputs
                    and inbox.of(EngineStepped)[-1].result.outputs[0].finished)
     stop(worker, thread)
@@ -111,8 +111,8 @@ def test_paused_worker_steps_only_on_request():
 def test_rejected_request_becomes_a_message_and_the_engine_keeps_serving():
     engines = FakeEngines()
     worker, inbox, thread = start(engines)
-    worker.submit("too-long", "y" * 400, SamplingParams(max_tokens=8))
-    worker.submit("ok", "fine", SamplingParams(max_tokens=4))
+    worker.send(AddRequest("too-long", "y" * 400, SamplingParams(max_tokens=8)))
+    worker.send(AddRequest("ok", "fine", SamplingParams(max_tokens=4)))
     inbox.wait_for(lambda: any(o.finished and o.request_id == "ok"
                                for m in inbox.of(EngineStepped) for o in m.result.outputs))
     stop(worker, thread)
@@ -124,10 +124,10 @@ def test_rejected_request_becomes_a_message_and_the_engine_keeps_serving():
 def test_a_failing_step_pauses_with_an_error_and_resume_goes_on():
     engines = FakeEngines(fail_steps=1)
     worker, inbox, thread = start(engines)
-    worker.submit("a", "hello", SamplingParams(max_tokens=3))
+    worker.send(AddRequest("a", "hello", SamplingParams(max_tokens=3)))
     inbox.wait_for(lambda: inbox.of(EngineFailed))
     assert worker.state.paused
-    worker.resume()
+    worker.send(SetPaused(False))
     inbox.wait_for(lambda: any(o.finished for m in inbox.of(EngineStepped) for o in m.result.outputs))
     stop(worker, thread)
     assert "simulated engine bug" in inbox.of(EngineFailed)[0].error
@@ -136,13 +136,13 @@ def test_a_failing_step_pauses_with_an_error_and_resume_goes_on():
 def test_shared_prefix_preset_staggers_arrivals_after_the_first_prefill():
     engines = FakeEngines()
     worker, inbox, thread = start(engines, paused=True)
-    worker.launch_preset("shared", 3)
-    worker.step_once()
+    worker.send(LaunchPreset("shared", 3))
+    worker.send(StepOnce())
     inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 1)
     first = inbox.of(EngineStepped)[0].result.snapshot
     assert [v.request_id for v in first.requests] == ["shared-0"]
     for _ in range(4):
-        worker.step_once()
+        worker.send(StepOnce())
     inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 5)
     stop(worker, thread)    # quitting aborts the three: one more step hands out their final outputs
     later = inbox.of(EngineStepped)[4].result.snapshot
@@ -158,9 +158,9 @@ def test_rebuild_replaces_the_engine_and_the_log(tmp_path):
     engines = FakeEngines()
     db = tmp_path / "runs.db"
     worker, inbox, thread = start(engines, log_factory=_record_to(db))
-    worker.submit("a", "abcd", SamplingParams(max_tokens=2))
+    worker.send(AddRequest("a", "abcd", SamplingParams(max_tokens=2)))
     inbox.wait_for(lambda: any(o.finished for m in inbox.of(EngineStepped) for o in m.result.outputs))
-    worker.rebuild(EngineConfig(num_blocks=64, max_model_len=256, preemption_mode="swap"))
+    worker.send(Rebuild(EngineConfig(num_blocks=64, max_model_len=256, preemption_mode="swap")))
     inbox.wait_for(lambda: len(inbox.of(EngineReady)) == 2)
     stop(worker, thread)
     assert len(engines.built) == 2
@@ -180,8 +180,8 @@ def test_the_app_logs_a_run_exactly_as_a_script_does(tmp_path):
     engines = FakeEngines()
     worker, inbox, thread = start(engines, log_factory=_record_to(tmp_path / "app.db"), paused=True)
     for i, prompt in enumerate(prompts):
-        worker.submit(str(i), prompt, params)
-    worker.resume()     # all three join the first step, as they do in generate()
+        worker.send(AddRequest(str(i), prompt, params))
+    worker.send(SetPaused(False))     # all three join the first step, as they do in generate()
     inbox.wait_for(lambda: sum(o.finished for m in inbox.of(EngineStepped) for o in m.result.outputs) == 3)
     stop(worker, thread)
 
@@ -226,8 +226,8 @@ def finals(inbox: Inbox) -> dict:
 ], ids=["params-dict", "params-str-temperature", "nested-token-ids"])
 def test_a_malformed_request_is_refused_and_the_thread_serves_the_next(prompt, params):
     worker, inbox, thread = start(FakeEngines())
-    worker.submit("bad", prompt, params)
-    worker.submit("ok", "fine", SamplingParams(max_tokens=3))
+    worker.send(AddRequest("bad", prompt, params))
+    worker.send(AddRequest("ok", "fine", SamplingParams(max_tokens=3)))
     inbox.wait_for(lambda: "ok" in finals(inbox))
     assert thread.is_alive()
     stop(worker, thread)
@@ -252,8 +252,8 @@ class ExplodingAdds(FakeEngines):
 
 def test_an_engine_bug_in_add_request_refuses_that_request_only():
     worker, inbox, thread = start(ExplodingAdds())
-    worker.submit("boom", "abc", SamplingParams(max_tokens=3))
-    worker.submit("ok", "fine", SamplingParams(max_tokens=3))
+    worker.send(AddRequest("boom", "abc", SamplingParams(max_tokens=3)))
+    worker.send(AddRequest("ok", "fine", SamplingParams(max_tokens=3)))
     inbox.wait_for(lambda: "ok" in finals(inbox))
     stop(worker, thread)
     (rejected,) = inbox.of(RequestRejected)
@@ -262,8 +262,8 @@ def test_an_engine_bug_in_add_request_refuses_that_request_only():
 
 def test_a_command_that_raises_is_refused_and_the_thread_goes_on():
     worker, inbox, thread = start(FakeEngines())
-    worker.launch_preset("no-such-preset", 2)
-    worker.submit("ok", "fine", SamplingParams(max_tokens=3))
+    worker.send(LaunchPreset("no-such-preset", 2))
+    worker.send(AddRequest("ok", "fine", SamplingParams(max_tokens=3)))
     inbox.wait_for(lambda: "ok" in finals(inbox))
     stop(worker, thread)
     (refused,) = inbox.of(CommandRejected)
@@ -299,11 +299,11 @@ def test_a_rebuild_gives_each_request_in_flight_a_final_output_and_logs_why(tmp_
     engines = FakeEngines()
     db = tmp_path / "runs.db"
     worker, inbox, thread = start(engines, log_factory=_record_to(db), paused=True)
-    worker.submit("a", "abcd", SamplingParams(max_tokens=50))
-    worker.submit("b", [5, 6, 7], SamplingParams(max_tokens=50, n=2))
-    worker.step_once()
+    worker.send(AddRequest("a", "abcd", SamplingParams(max_tokens=50)))
+    worker.send(AddRequest("b", [5, 6, 7], SamplingParams(max_tokens=50, n=2)))
+    worker.send(StepOnce())
     inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 1)
-    worker.rebuild(EngineConfig(num_blocks=64, max_model_len=256, enable_prefix_caching=False))
+    worker.send(Rebuild(EngineConfig(num_blocks=64, max_model_len=256, enable_prefix_caching=False)))
     inbox.wait_for(lambda: len(inbox.of(EngineReady)) == 2)
     ended = finals(inbox)
     assert {rid: (o.finish_reason, o.error) for rid, o in ended.items()} == {
@@ -322,11 +322,11 @@ def test_a_rebuild_gives_each_request_in_flight_a_final_output_and_logs_why(tmp_
 def test_a_failed_rebuild_keeps_the_engine_and_its_requests():
     engines = FakeEngines()
     worker, inbox, thread = start(engines, paused=True)
-    worker.submit("a", "abcd", SamplingParams(max_tokens=5))
+    worker.send(AddRequest("a", "abcd", SamplingParams(max_tokens=5)))
     engines.fail_builds = 1
-    worker.rebuild(EngineConfig(model="/no/such/model", num_blocks=64, max_model_len=256))
+    worker.send(Rebuild(EngineConfig(model="/no/such/model", num_blocks=64, max_model_len=256)))
     inbox.wait_for(lambda: inbox.of(EngineBuildFailed))
-    worker.resume()
+    worker.send(SetPaused(False))
     inbox.wait_for(lambda: "a" in finals(inbox))
     stop(worker, thread)
     assert finals(inbox)["a"].finish_reason != "abort"
@@ -336,8 +336,8 @@ def test_a_failed_rebuild_keeps_the_engine_and_its_requests():
 def test_quitting_with_requests_in_flight_ends_them_and_marks_the_run_interrupted(tmp_path):
     db = tmp_path / "runs.db"
     worker, inbox, thread = start(FakeEngines(), log_factory=_record_to(db), paused=True)
-    worker.submit("a", "abcd", SamplingParams(max_tokens=50))
-    worker.step_once()
+    worker.send(AddRequest("a", "abcd", SamplingParams(max_tokens=50)))
+    worker.send(StepOnce())
     inbox.wait_for(lambda: len(inbox.of(EngineStepped)) == 1)
     stop(worker, thread)
     assert (finals(inbox)["a"].finish_reason, finals(inbox)["a"].error) == ("abort", ENGINE_STOPPED)

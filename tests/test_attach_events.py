@@ -13,7 +13,7 @@ from kvscope.app.attach.feed.events import (
     BatchDecoder,
     MalformedPayload,
     TaggedBlockStored,
-    on_device,
+    is_on_device,
 )
 
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
@@ -79,7 +79,7 @@ def test_an_old_tagged_array_without_medium_and_bytes_hashes():
     batch = BatchDecoder().decode(payload)
     assert kinds(batch) == ["stored", "removed", "cleared"]
     assert batch.events[0].block_hashes == [b"\x01" * 32] and batch.data_parallel_rank is None
-    assert on_device(batch.events[0])
+    assert is_on_device(batch.events[0])
 
 
 def test_unknown_event_kinds_are_counted_and_the_known_ones_kept():
@@ -106,4 +106,4 @@ def test_a_payload_that_is_not_a_batch_is_malformed(payload):
 def test_events_for_another_tier_are_not_on_the_device():
     payload = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
                                              "token_ids": [1], "block_size": 1, "medium": "CPU"}], 0])
-    assert not on_device(BatchDecoder().decode(payload).events[0])
+    assert not is_on_device(BatchDecoder().decode(payload).events[0])

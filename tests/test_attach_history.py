@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from attach_frames import RecordedSource, recorded_server
-from test_app_harness import FakeEngines, make_app, started, until
+from test_app_harness import FakeEngines, history_on, make_app, started, until
 from test_attach_recorded import timeline
 
 from kvscope.app.attach.feed.run_log import AttachRunLog
@@ -101,13 +101,7 @@ async def test_the_apps_own_history_replays_a_watched_run_with_the_attached_pane
     app = make_app(FakeEngines(), db_path=db, log_enabled=True)
     async with app.run_test(size=(140, 40)) as pilot:
         await started(pilot)
-        await pilot.press("f9")
-        history = app.screen
-        assert isinstance(history, HistoryScreen)
-        runs = history.query_one("#runs")
-        await until(pilot, lambda: runs.row_count == 2)     # the app's own run and the watched one
-        runs.move_cursor(row=runs.get_row_index(str(vllm_run)))
-        await until(pilot, lambda: history.run_id == vllm_run)
+        await history_on(pilot, vllm_run, num_runs=2)     # the app's own run and the watched one
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(app.screen, VllmReplayScreen))
         assert "sample" in app.screen.query_one(VllmReplayView).sample.render().plain

@@ -102,6 +102,17 @@ def test_schema_has_typed_tables_cascading_keys_wal_and_a_version(tmp_path):
         assert (key.column, key.other_table, key.on_delete) == ("run_id", "runs", "CASCADE")
 
 
+def test_the_steps_table_is_what_the_schema_says_and_holds_every_stat_but_the_phases(tmp_path):
+    # The writer copies the StepStats fields that are steps columns, a list derived from schema.STEP_COLUMNS:
+    # a stat added to StepStats without a column (and a migration) shows up here, not as a silent gap.
+    logger = open_log(tmp_path / "runs.db")
+    logger.close()
+    columns = tuple(sqlite_utils.Database(tmp_path / "runs.db")["steps"].columns_dict)
+    assert columns == schema.STEP_COLUMNS
+    stats = {f.name for f in dataclasses.fields(StepStats)}
+    assert stats - set(columns) == {"schedule_duration", "update_duration", "snapshot_duration"}
+
+
 def test_run_row_records_what_started_it(tmp_path):
     logger = open_log(tmp_path / "runs.db", source="bench", model="SmolLM2-135M-Instruct", dtype="bfloat16")
     logger.close()

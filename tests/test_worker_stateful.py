@@ -308,7 +308,7 @@ class WorkerMachine(RuleBasedStateMachine):
             engine.fail_add = engine.fail_step = False
         for _ in range(MAX_DRAIN_STEPS):
             self.run_once()
-            if not self.worker.has_work:
+            if not self.worker._has_work():
                 break
         else:
             raise AssertionError("the worker did not drain")

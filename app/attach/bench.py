@@ -95,10 +95,6 @@ def round_batches(batches: list, round_index: int) -> list:
     return out
 
 
-def _events_in(batches) -> int:
-    return sum(len(events) for _, events, _ in batches)
-
-
 # --- CPU at a rate ---------------------------------------------------------------------------------
 
 class _PageHandler(BaseHTTPRequestHandler):

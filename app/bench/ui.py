@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from kvscope.app.worker.commands import AddRequest, SetPaused
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView, StepStats
 
@@ -93,8 +94,8 @@ async def _with_ui(make_engine, workload, config: EngineConfig, size: tuple[int,
     async with app.run_test(size=size) as pilot:
         await wait_until(pilot, lambda: app.main.engine_info is not None, 120)
         for i, (prompt, params) in enumerate(workload):
-            app.worker.submit(f"bench-{i}", prompt, params)
-        app.worker.resume()
+            app.worker.send(AddRequest(f"bench-{i}", prompt, params))
+        app.worker.send(SetPaused(False))
         await wait_until(pilot, lambda: recording[0].num_finished == len(workload), 3600)
     return generation_rate(recording[0].stats)
 
@@ -197,7 +198,7 @@ async def _map_repaints(snapshots: list[CacheSnapshot], repaints: int,
             for y in range(block_map.size.height):
                 block_map.render_line(y)
             drawn = time.perf_counter()
-            block_map._styles_cache.clear()     # every line through Textual's pass, as in a full repaint
+            block_map.refresh()     # every line through Textual's pass, as in a full repaint
             block_map.render_lines(region)
             widget.append(drawn - start)
             full.append(time.perf_counter() - start)

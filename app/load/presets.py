@@ -73,14 +73,15 @@ class PresetContext:
         return sum(self.count_tokens(m["content"]) for m in messages) + CHAT_TEMPLATE_MARGIN
 
     @classmethod
-    def from_engine(cls, engine, info) -> PresetContext:
+    def from_engine(cls, engine) -> PresetContext:
         tokenizer = engine.tokenizer
         encode = getattr(tokenizer, "encode", None)
         count = (lambda text: len(encode(text))) if callable(encode) else (lambda text: len(text) // 4 + 1)
         template = getattr(tokenizer, "apply_chat_template", None)
         count_chat = (lambda messages: len(template(messages, add_generation_prompt=True))) \
             if callable(template) else None
-        return cls(info.block_size, info.num_blocks, info.max_model_len,
+        info = engine.info
+        return cls(info.block_size, info.num_device_blocks, info.max_model_len,
                    engine.config.max_num_batched_tokens, count, count_chat, engine.config.allocator)
 
 

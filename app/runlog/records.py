@@ -9,17 +9,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from kvscope.app.runlog.schema import STEP_COLUMNS
 from kvscope.app.runlog.snapshots import SnapshotEncoder
-from kvscope.engine.outputs import RequestOutput, StepResult
+from kvscope.engine.outputs import RequestOutput, StepResult, StepStats
 
-_STATS_COLUMNS = (
-    "time", "duration", "forward_duration", "num_prefill_tokens", "num_decode_tokens",
-    "num_running", "num_waiting", "num_swapped", "num_free_blocks", "num_cached_free_blocks",
-    "num_total_blocks", "kv_usage", "kv_token_utilisation", "prefix_cache_queries", "prefix_cache_hits",
-    "num_preemptions", "num_swapped_out_blocks", "num_swapped_in_blocks", "prompt_tokens_per_s",
-    "generation_tokens_per_s", "num_host_blocks", "num_free_host_blocks", "num_copy_on_write_blocks",
-    "num_evicted_blocks",
-)
+# The steps table's columns that are StepStats fields, copied as they are; the rest (run_id, the generated tokens
+# counted here, the used blocks) the builder fills itself.
+_STATS_COLUMNS = tuple(name for name in STEP_COLUMNS if name in {f.name for f in dataclasses.fields(StepStats)})
 
 
 @dataclass(frozen=True)
@@ -95,7 +91,7 @@ class RowBuilder:
             # The config may leave the pool size to the engine; record what it chose.
             rows.run_update["num_blocks"] = stats.num_total_blocks
             self._seen_a_step = True
-        row = {"run_id": self.run_id, "step": step, "num_generated_tokens": generated,
+        row = {"run_id": self.run_id, "num_generated_tokens": generated,
                "num_used_blocks": stats.num_total_blocks - stats.num_free_blocks}
         row.update((name, getattr(stats, name)) for name in _STATS_COLUMNS)
         rows.steps.append(row)

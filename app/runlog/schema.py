@@ -29,6 +29,23 @@ class SchemaError(Exception):
     """The file is a database kvscope must not touch: from a newer kvscope, or not a run log."""
 
 
+# The steps table, as each version made it. Most columns are StepStats fields of the same name, which the
+# writer copies as they are (records.py derives that list from STEP_COLUMNS rather than naming them again).
+_STEPS_V1 = {
+    "run_id": int, "step": int, "time": float, "duration": float, "forward_duration": float,
+    "num_prefill_tokens": int, "num_decode_tokens": int, "num_generated_tokens": int,
+    "num_running": int, "num_waiting": int, "num_swapped": int,
+    "num_free_blocks": int, "num_cached_free_blocks": int, "num_used_blocks": int,
+    "num_total_blocks": int, "kv_usage": float, "kv_token_utilisation": float,
+    "prefix_cache_queries": int, "prefix_cache_hits": int, "num_preemptions": int,
+    "num_swapped_out_blocks": int, "num_swapped_in_blocks": int,
+    "prompt_tokens_per_s": float, "generation_tokens_per_s": float,
+    "num_host_blocks": int, "num_free_host_blocks": int,
+}
+_STEPS_V3 = ("num_copy_on_write_blocks", "num_evicted_blocks")
+STEP_COLUMNS = (*_STEPS_V1, *_STEPS_V3)   # the steps table at SCHEMA_VERSION
+
+
 def _owned_by_run(table: str) -> list[ForeignKey]:
     # Rows of every child table go with their run: `kvscope runs rm` is one DELETE.
     return [ForeignKey(table, "run_id", "runs", "id", on_delete="CASCADE")]
@@ -56,21 +73,7 @@ def _create_v1(db: sqlite_utils.Database) -> None:
         pk=("run_id", "request_id"),
         foreign_keys=_owned_by_run("requests"),
     )
-    db["steps"].create(
-        {
-            "run_id": int, "step": int, "time": float, "duration": float, "forward_duration": float,
-            "num_prefill_tokens": int, "num_decode_tokens": int, "num_generated_tokens": int,
-            "num_running": int, "num_waiting": int, "num_swapped": int,
-            "num_free_blocks": int, "num_cached_free_blocks": int, "num_used_blocks": int,
-            "num_total_blocks": int, "kv_usage": float, "kv_token_utilisation": float,
-            "prefix_cache_queries": int, "prefix_cache_hits": int, "num_preemptions": int,
-            "num_swapped_out_blocks": int, "num_swapped_in_blocks": int,
-            "prompt_tokens_per_s": float, "generation_tokens_per_s": float,
-            "num_host_blocks": int, "num_free_host_blocks": int,
-        },
-        pk=("run_id", "step"),
-        foreign_keys=_owned_by_run("steps"),
-    )
+    db["steps"].create(_STEPS_V1, pk=("run_id", "step"), foreign_keys=_owned_by_run("steps"))
     db["events"].create(
         {"id": int, "run_id": int, "step": int, "kind": str, "request_id": str, "blocks": str, "detail": str},
         pk="id",
@@ -111,7 +114,7 @@ def _add_status_detail(db: sqlite_utils.Database) -> None:
 
 def _add_copy_and_eviction_counters(db: sqlite_utils.Database) -> None:
     # The steps' cumulative copy-on-write and eviction counters (StepStats gained them); 0 for older steps.
-    for column in ("num_copy_on_write_blocks", "num_evicted_blocks"):
+    for column in _STEPS_V3:
         db.execute(f"ALTER TABLE steps ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
 
 

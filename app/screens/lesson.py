@@ -74,10 +74,11 @@ class LessonScreen(Screen):
     # --- fed by the app ----------------------------------------------------------------------------
 
     def engine_ready(self, info: EngineInfo) -> None:
-        self.view.max_model_len = info.max_model_len
+        self.view.max_model_len = info.runner.max_model_len
         self.latest = self.previous = self._painted = None
-        self.status_line.reset(info.device)
-        self.view.show_empty(info.num_blocks, info.block_size, info.config.allocator, info.num_host_blocks)
+        self.status_line.reset(info.runner.device)
+        self.view.show_empty(info.runner.num_device_blocks, info.runner.block_size, info.config.allocator,
+                             info.runner.num_host_blocks)
         self.runner.engine_ready()
 
     def ingest(self, result: StepResult) -> None:

@@ -92,13 +92,14 @@ class MainScreen(Screen):
     def engine_ready(self, info: EngineInfo) -> None:
         """A new engine: its empty pool in every panel at once, nothing of any engine before it."""
         self.engine_info = info
-        self.view.max_model_len = info.max_model_len
+        self.view.max_model_len = info.runner.max_model_len
         self.latest = self.previous = self._painted = self._texted = None
         self.header.show_engine(info)
         self.throughput.clear()
         for line in self.status_lines:
-            line.reset(info.device)
-        self.view.show_empty(info.num_blocks, info.block_size, info.config.allocator, info.num_host_blocks)
+            line.reset(info.runner.device)
+        self.view.show_empty(info.runner.num_device_blocks, info.runner.block_size, info.config.allocator,
+                             info.runner.num_host_blocks)
         self.chat.set_engine_waiting(False)
 
     def engine_not_ready(self, still_running: EngineInfo | None, error: str) -> None:
@@ -116,10 +117,42 @@ class MainScreen(Screen):
     def show_state(self, state: RunState) -> None:
         self.header.show_state(state)
 
+    # --- the chat, for the app: one call each, so the app never reaches into the panels ---------------
+
+    def chat_sent(self, request_id: str) -> None:
+        """The chat's turn went to the engine: the map follows its blocks."""
+        self.view.block_map.set_chat_request(request_id)
+
+    def chat_refused(self, request_id: str, error: str) -> None:
+        self.chat.show_rejection(request_id, error)
+
+    def abort_chat(self) -> str | None:
+        """Esc in the chat: stop showing the reply in flight and return its id for the engine to abort; with
+        none, the focus leaves the input for the map."""
+        request_id = self.chat.abort()
+        if request_id is None:
+            self.view.block_map.focus()
+        else:
+            self.view.block_map.set_chat_request(None)
+        return request_id
+
+    def new_conversation(self) -> str | None:
+        """Forget every turn; returns the reply in flight, if any, for the engine to abort."""
+        request_id = self.chat.new_conversation()
+        if request_id is not None:
+            self.view.block_map.set_chat_request(None)
+        return request_id
+
+    def requests_in_flight(self) -> tuple[str, ...]:
+        """The requests of the newest step, and the chat's turn when it has not reached a step yet."""
+        ids = tuple(view.request_id for view in self.latest.snapshot.requests) if self.latest else ()
+        pending = self.chat.current_request
+        return ids if pending is None or pending in ids else (*ids, pending)
+
     def ingest(self, result: StepResult) -> None:
         chat = self.chat
         for output in result.outputs:
-            chat.on_output(output)
+            chat.show_output(output)
         block_map = self.view.block_map
         if chat.current_request is None and block_map.chat_request is not None:
             block_map.set_chat_request(None)

@@ -11,20 +11,39 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.content import Content
 from textual.screen import Screen
 from textual.timer import Timer
+from textual.widget import Widget
 from textual.widgets import Input, Static
 
 from kvscope.app.runlog import ReplayFrame, RunLogReader
 from kvscope.app.widgets.key_bar import KeyBar
 from kvscope.app.widgets.snapshot_view import SnapshotView
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepStats
 
 SPEEDS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0)  # steps per second
 DEFAULT_SPEED = 3
+
+
+@runtime_checkable
+class StepView(Protocol):
+    """What a ReplayScreen draws each step with, a widget: the live window's SnapshotView, or the attached
+    window's VllmReplayView for a run kvscope watched instead of ran."""
+
+    @property
+    def block_map(self) -> Widget:
+        """The map, which gets the keys back after a jump so the replay's controls work again."""
+        ...
+
+    def show(self, snapshot: CacheSnapshot, stats: StepStats, events: tuple[EngineEvent, ...] = (),
+             previous: CacheSnapshot | None = None) -> None:
+        """Draw one step; ``events`` and ``previous`` (the step before) are for views that tell what changed."""
+        ...
 
 
 def describe_events(frame: ReplayFrame) -> str:
@@ -63,7 +82,7 @@ class ReplayScreen(Screen):
         self._stream: Iterator[ReplayFrame] | None = None
         self._stream_index = -1
         config = self.run.get("config") or {}
-        self.view = SnapshotView(id="body", max_model_len=config.get("max_model_len"))
+        self.view: StepView = SnapshotView(id="body", max_model_len=config.get("max_model_len"))
 
     def compose(self) -> ComposeResult:
         yield Static("", id="replay-status")

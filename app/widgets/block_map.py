@@ -20,6 +20,7 @@ from textual.widget import Widget
 
 from kvscope.app.messages import BlockHighlighted, RequestSelected
 from kvscope.app.widgets import block_cells as cells
+from kvscope.app.widgets.line_cache import LineCache
 from kvscope.engine.outputs import CacheSnapshot
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
@@ -47,7 +48,7 @@ class BlockMap(Widget, can_focus=True):
         self.marked_blocks: tuple[int, ...] = ()
         self.cursor_cell: int | None = None
         self._codes = np.zeros(0, dtype=np.int32)
-        self._strips: dict[int, Strip] = {}
+        self._lines: LineCache[int] = LineCache(self._render_row)
         self._styles: dict[int, Style] = {}
         self._cell_cache: dict[int, Segment] = {}  # one-char cells: (code, run length) -> segment
 
@@ -94,7 +95,7 @@ class BlockMap(Widget, can_focus=True):
         )
         if layout != self.map_layout or codes.size != self._codes.size:
             self.map_layout, self._codes = layout, codes
-            self._strips.clear()
+            self._lines.clear()
             self._cell_cache.clear()
             self.border_subtitle = self._caption()
             self.refresh()
@@ -110,13 +111,13 @@ class BlockMap(Widget, can_focus=True):
         changed = np.flatnonzero((old != new).reshape(-1, columns).any(axis=1))
         self._codes = codes
         for row in changed.tolist():
-            self._strips.pop(row, None)
+            self._lines.drop(row)
             self.refresh(Region(0, row, self.size.width, 1))
 
     def _refresh_host_line(self) -> None:
         if self._host_lines:
             host_row = self.size.height - 1
-            self._strips.pop(host_row, None)
+            self._lines.drop(host_row)
             self.refresh(Region(0, host_row, self.size.width, 1))
 
     def _caption(self) -> str:
@@ -138,7 +139,7 @@ class BlockMap(Widget, can_focus=True):
     def _forget_styles(self) -> None:
         self._styles.clear()
         self._cell_cache.clear()
-        self._strips.clear()
+        self._lines.clear()
 
     def _colour(self, variable: str) -> Color:
         return Color.parse(self.app.theme_variables.get(variable, "magenta"))
@@ -186,10 +187,7 @@ class BlockMap(Widget, can_focus=True):
     # --- line API ------------------------------------------------------------------------
 
     def render_line(self, y: int) -> Strip:
-        strip = self._strips.get(y)
-        if strip is None:
-            strip = self._strips[y] = self._render_row(y)
-        return strip
+        return self._lines.line(y)
 
     def _render_row(self, y: int) -> Strip:
         width = self.size.width

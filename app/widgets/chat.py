@@ -84,7 +84,7 @@ class ChatPane(Vertical):
         self.current_request = f"chat-{next(self._turns)}"
         self.post_message(ChatSubmitted(self.current_request, tuple(self.messages), self.max_tokens))
 
-    def on_output(self, output: RequestOutput) -> None:
+    def show_output(self, output: RequestOutput) -> None:
         if output.request_id != self.current_request:
             return
         if output.text_delta:
@@ -144,6 +144,6 @@ class ChatPane(Vertical):
                                    classes="chat-hint"))
         return request_id
 
-    def on_rejected(self, request_id: str, error: str) -> None:
+    def show_rejection(self, request_id: str, error: str) -> None:
         if request_id == self.current_request:
             self._fail(error)

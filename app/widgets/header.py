@@ -16,24 +16,25 @@ def prefix_caching_on(info: EngineInfo) -> bool:
 
 def describe_engine_compact(info: EngineInfo) -> str:
     """For narrow windows: the same facts in a third of the width."""
-    config = info.config
+    config, runner = info.config, info.runner
     caching = "prefix✓" if prefix_caching_on(info) else "prefix✗"
-    size = f" {mebibytes(info.kv_cache_bytes)}" if info.kv_cache_bytes else ""
-    return (f"[b]$model[/b] · {info.device} {info.dtype} · {info.num_blocks:,}×{info.block_size} tok{size} · "
-            f"{info.max_concurrency:.1f}x@{info.max_model_len:,} · [b]{config.allocator}[/b] "
+    size = f" {mebibytes(runner.kv_cache_bytes)}" if runner.kv_cache_bytes else ""
+    return (f"[b]$model[/b] · {runner.device} {runner.dtype} · "
+            f"{runner.num_device_blocks:,}×{runner.block_size} tok{size} · "
+            f"{info.max_concurrency:.1f}x@{runner.max_model_len:,} · [b]{config.allocator}[/b] "
             f"{config.preemption_mode} {caching}")
 
 
 def describe_engine(info: EngineInfo) -> str:
     """Two lines: what runs and how big the pool is; then what the pool allows and the policies."""
-    config = info.config
-    pool = f"pool {info.num_blocks:,} blocks = {info.num_tokens:,} tokens"
-    if info.kv_cache_bytes:
-        pool += f" ({mebibytes(info.kv_cache_bytes)})"
+    config, runner = info.config, info.runner
+    pool = f"pool {runner.num_device_blocks:,} blocks = {info.num_tokens:,} tokens"
+    if runner.kv_cache_bytes:
+        pool += f" ({mebibytes(runner.kv_cache_bytes)})"
     caching = "prefix cache on" if prefix_caching_on(info) else \
         "prefix cache off" if config.allocator == "paged" else "no prefix cache (contiguous)"
-    return (f"[b]$model[/b] · {info.device} · {info.dtype} · block {info.block_size} · {pool}\n"
-            f"max concurrency {info.max_concurrency:.1f}x at {info.max_model_len:,} tokens · "
+    return (f"[b]$model[/b] · {runner.device} · {runner.dtype} · block {runner.block_size} · {pool}\n"
+            f"max concurrency {info.max_concurrency:.1f}x at {runner.max_model_len:,} tokens · "
             f"[b]{config.allocator}[/b] allocator · preempt: {config.preemption_mode} · {caching}")
 
 
@@ -74,7 +75,7 @@ class EngineHeader(Static):
         parts = ["[b $accent]kvscope[/]"]
         if self.state is not None:
             parts.append(describe_state(self.state))
-        model = self.starting if self.starting is not None else (self.info.model_name if self.info else "")
+        model = self.starting if self.starting is not None else (self.info.runner.model_name if self.info else "")
         if self.stopped is not None:    # the run state means nothing without an engine
             self.update(Content.from_markup(f"{parts[0]} │ [b $error]no engine running[/]: $stopped",
                                             stopped=self.stopped))

@@ -26,6 +26,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from kvscope.app.messages import RequestSelected
+from kvscope.app.widgets.line_cache import LineCache
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, RequestOutput, RequestView
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
@@ -116,7 +117,7 @@ class QueuesTable(ScrollView, can_focus=True):
         self._views: dict[str, RequestView] = {}        # live requests as last drawn
         self._arrival: dict[str, int] = {}
         self._position: dict[str, int] = {}
-        self._strips: dict[str, Strip] = {}
+        self._lines: LineCache[str] = LineCache(self._row_strip)
         self._styles: dict[tuple[str, bool, bool], Style] = {}
         self._plain: Style | None = None
         self._column_widths = column_widths([])
@@ -134,7 +135,7 @@ class QueuesTable(ScrollView, can_focus=True):
         self.rows, self.finished, self._reasons, self._arrival = {}, {}, {}, {}
         self._finals, self._views = {}, {}
         self.cursor_request = None
-        self._strips.clear()
+        self._lines.clear()
         self._reorder()
         self._update_title()
 
@@ -151,7 +152,7 @@ class QueuesTable(ScrollView, can_focus=True):
         if snapshot.step < self._step and self.finished:
             # An earlier step (a replay going back, another run): what finished after it is not history yet.
             self.finished.clear()
-            self._strips.clear()
+            self._lines.clear()
         live: dict[str, tuple[str, ...]] = {}
         changed: list[str] = []
         reorder = False
@@ -161,7 +162,7 @@ class QueuesTable(ScrollView, can_focus=True):
             old = self.rows.get(view.request_id)
             if old != cells:
                 changed.append(view.request_id)
-                self._strips.pop(view.request_id, None)
+                self._lines.drop(view.request_id)
                 reorder |= old is None or old[1] != cells[1]
             self._arrival[view.request_id] = view.arrival_index
             self.finished.pop(view.request_id, None)    # an id used again
@@ -179,7 +180,7 @@ class QueuesTable(ScrollView, can_focus=True):
         widths = column_widths([*live.values(), *(row for row, _ in self.finished.values())])
         if widths != self._column_widths:
             self._column_widths, self._widths_for = widths, -1
-            self._strips.clear()
+            self._lines.clear()
             reorder = True
         if reorder:
             self._reorder()
@@ -197,7 +198,7 @@ class QueuesTable(ScrollView, can_focus=True):
             row = row_cells(view._replace(num_output_tokens=len(final.token_ids), num_preemptions=final.num_preemptions,
                                           num_cached_tokens=final.num_cached_tokens))
         self.finished[request_id] = ((row[0], label, *row[2:]), step)
-        self._strips.pop(request_id, None)
+        self._lines.drop(request_id)
 
     def _expire(self, step: int) -> bool:
         """Drop finished rows older than FINISHED_KEEP_STEPS, and beyond FINISHED_MAX_ROWS."""
@@ -206,7 +207,7 @@ class QueuesTable(ScrollView, can_focus=True):
         if len(keep) == len(self.finished):
             return False
         for request_id in self.finished.keys() - dict(keep).keys():
-            self._strips.pop(request_id, None)
+            self._lines.drop(request_id)
             self._arrival.pop(request_id, None)
         self.finished = dict(keep)
         return True
@@ -251,7 +252,7 @@ class QueuesTable(ScrollView, can_focus=True):
 
     def _forget_styles(self) -> None:
         self._styles.clear()
-        self._strips.clear()
+        self._lines.clear()
         self._plain = None
 
     @property
@@ -271,7 +272,7 @@ class QueuesTable(ScrollView, can_focus=True):
         return style
 
     def on_resize(self, event: Resize) -> None:
-        self._strips.clear()
+        self._lines.clear()
         self.virtual_size = Size(event.size.width, len(self.order) + 1)
 
     def _fit_columns(self, width: int) -> None:
@@ -293,16 +294,14 @@ class QueuesTable(ScrollView, can_focus=True):
         width = self.size.width
         if self._widths_for != width:
             self._fit_columns(width)
-            self._strips.clear()
+            self._lines.clear()
         if y == 0:
             return self._header(width)
         position = round(self.scroll_offset.y) + y - 1
         if position >= len(self.order):
             return Strip.blank(width, self._plain_style)
         request_id = self.order[position]
-        strip = self._strips.get(request_id)
-        if strip is None:
-            strip = self._strips[request_id] = self._row_strip(request_id, width)
+        strip = self._lines.line(request_id, width)
         if request_id == self.cursor_request and self.has_focus:
             strip = strip.apply_style(Style(bgcolor=self._style("primary").color, color="black"))
         return strip

@@ -25,6 +25,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from kvscope.app.widgets.formatting import compact
+from kvscope.app.widgets.line_cache import LineCache
 from kvscope.engine.outputs import StepStats
 
 WINDOW = 120
@@ -94,7 +95,7 @@ class Throughput(Widget):
         self.idle = False
         self._dirty = False
         self._rows: list[tuple[str, tuple[int, ...]] | None] = [None] * len(series)
-        self._strips: dict[int, Strip] = {}
+        self._lines: LineCache[int] = LineCache(self._render_row)
         self._styles: tuple[Style, Style, tuple[Style, ...]] | None = None
 
     def on_mount(self) -> None:
@@ -135,7 +136,7 @@ class Throughput(Widget):
             row = (series.format(self.current(series.key)), bar_levels(list(self.history[series.key]), width))
             if row != self._rows[y]:
                 self._rows[y] = row
-                self._strips.pop(y, None)
+                self._lines.drop(y)
                 self.refresh(Region(0, y, self.size.width, 1))
 
     # --- drawing -------------------------------------------------------------------------------
@@ -151,17 +152,17 @@ class Throughput(Widget):
 
     def _restyle(self) -> None:
         self._styles = None
-        self._strips.clear()
+        self._lines.clear()
         self.refresh()
 
     def notify_style_update(self) -> None:
         super().notify_style_update()
         self._styles = None
-        self._strips.clear()
+        self._lines.clear()
 
     def _forget(self) -> None:
         self._rows = [None] * len(self.series)
-        self._strips.clear()
+        self._lines.clear()
 
     def _get_styles(self) -> tuple[Style, Style, tuple[Style, ...]]:
         """(label, value, one style per bar height blending low into high), made once per theme."""
@@ -178,10 +179,7 @@ class Throughput(Widget):
         return self._styles
 
     def render_line(self, y: int) -> Strip:
-        strip = self._strips.get(y)
-        if strip is None:
-            strip = self._strips[y] = self._render_row(y)
-        return strip
+        return self._lines.line(y)
 
     def _render_row(self, y: int) -> Strip:
         width = self.size.width

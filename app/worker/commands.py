@@ -1,10 +1,10 @@
 """What the UI may ask of the engine thread: one small frozen dataclass per command.
 
 The UI thread never touches the engine. It sends one of these to
-``EngineWorker.send`` (or calls the worker's method of the same meaning), and
-the engine thread applies it between two steps, dispatching on its type with
-``match``. Anything that is not a command is refused at ``send`` with a
-TypeError, so a mistake fails where it is made instead of being dropped.
+``EngineWorker.send``, the worker's one way in, and the engine thread applies
+it between two steps, dispatching on its type with ``match``. Anything that
+is not a command is refused at ``send`` with a TypeError, so a mistake fails
+where it is made instead of being dropped.
 """
 
 from __future__ import annotations

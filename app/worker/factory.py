@@ -33,10 +33,5 @@ def first_engine_then_build(engine) -> Callable:
 
 
 def engine_info(engine) -> EngineInfo:
-    """Header facts, from the runner's RunnerInfo."""
-    info = engine.info
-    return EngineInfo(model_name=info.model_name, device=info.device, dtype=info.dtype,
-                      block_size=info.block_size, num_blocks=info.num_device_blocks,
-                      num_host_blocks=info.num_host_blocks, max_model_len=info.max_model_len,
-                      kv_cache_bytes=info.kv_cache_bytes, config=engine.config,
-                      sampling_defaults=info.sampling_defaults)
+    """Header facts: the runner's RunnerInfo and the engine's config."""
+    return EngineInfo(engine.info, engine.config)

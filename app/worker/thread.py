@@ -119,34 +119,6 @@ class EngineWorker:
             self._stopping.set()    # a step in progress stops waiting for the UI at once
         self._commands.put(command)
 
-    def submit(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
-        self.send(AddRequest(request_id, prompt, params))
-
-    def abort(self, request_id: str) -> None:
-        self.send(AbortRequest(request_id))
-
-    def pause(self) -> None:
-        self.send(SetPaused(True))
-
-    def resume(self) -> None:
-        self.send(SetPaused(False))
-
-    def step_once(self) -> None:
-        """Pause (if running) and advance exactly one step."""
-        self.send(StepOnce())
-
-    def set_rate_cap(self, steps_per_s: float | None) -> None:
-        self.send(SetRateCap(steps_per_s))
-
-    def launch_preset(self, key: str, count: int) -> None:
-        self.send(LaunchPreset(key, count))
-
-    def rebuild(self, config: EngineConfig) -> None:
-        self.send(Rebuild(config))
-
-    def stop(self) -> None:
-        self.send(Stop())
-
     def ack(self) -> None:
         """The UI handled one EngineStepped message."""
         try:
@@ -162,11 +134,6 @@ class EngineWorker:
     def stopping(self) -> bool:
         """Stop was sent: the thread ending now is expected."""
         return self._stopping.is_set()
-
-    @property
-    def has_work(self) -> bool:
-        """Whether a step is due now or later (paused with nothing to step: False)."""
-        return self._has_work()
 
     # --- the engine thread -------------------------------------------------------------------
 
@@ -311,7 +278,7 @@ class EngineWorker:
 
     def _add_chat_turn(self, request_id: str, messages: tuple[dict, ...], params: SamplingParams) -> None:
         if self.engine is not None:
-            context = presets.PresetContext.from_engine(self.engine, self.info)
+            context = presets.PresetContext.from_engine(self.engine)
             params = dataclasses.replace(params, max_tokens=presets.fit_reply(context, list(messages),
                                                                               params.max_tokens))
         self._add(AddRequest(request_id, list(messages), params))
@@ -327,7 +294,7 @@ class EngineWorker:
         if self.engine is None:
             return
         try:
-            planned = make_plan(presets.PresetContext.from_engine(self.engine, self.info))
+            planned = make_plan(presets.PresetContext.from_engine(self.engine))
         except ValueError as exc:   # the load cannot fit this pool: a refusal in its own words, with the fix
             self.target.post_message(CommandRejected(command_name, str(exc)))
             return

@@ -175,6 +175,6 @@ def _kind_of(raw: msgspec.Raw) -> str:
     return "untyped"
 
 
-def on_device(event) -> bool:
+def is_on_device(event) -> bool:
     """Whether a stored or removed event concerns the device pool (not a CPU or storage tier)."""
     return event.medium in DEVICE_MEDIA

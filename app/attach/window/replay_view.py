@@ -49,7 +49,7 @@ class SamplePanel(LinePanel):
 
 
 class VllmReplayView(Box):
-    """What ReplayScreen draws a step with (``show``, ``block_map``: SnapshotView's interface), for a run
+    """A StepView (app/screens/replay.py), as SnapshotView is: what ReplayScreen draws a step with, for a run
     kvscope watched instead of ran."""
 
     def __init__(self, *, id: str | None = None) -> None:
@@ -70,12 +70,12 @@ class VllmReplayView(Box):
 
     @property
     def block_map(self) -> PoolMap:
-        """As SnapshotView names it: the replay hands the keys back to it after a jump."""
+        """StepView's map: the replay hands the keys back to it after a jump."""
         return self.pool_map
 
     def show(self, snapshot: CacheSnapshot, stats: StepStats, events: tuple[EngineEvent, ...] = (),
              previous: CacheSnapshot | None = None) -> None:
-        # SnapshotView's signature; the events and the step before feed its event line, which a watched
+        # StepView's signature; the events and the step before feed SnapshotView's event line, which a watched
         # server's replay has no use for: vLLM's pools already say what its KV events did.
         self.pool_map.show_snapshot(snapshot)
         self.inspector.show_snapshot(snapshot)

@@ -23,7 +23,7 @@ from kvscope.app.attach.window.widgets.server_counters import ServerCounters
 from kvscope.app.attach.window.widgets.server_queues import ServerQueues
 from kvscope.app.attach.window.widgets.slot_inspector import SlotInspector
 from kvscope.app.messages import RequestSelected
-from kvscope.app.widgets.box import Box
+from kvscope.app.widgets.box import Box, titled
 from kvscope.app.widgets.throughput import Series, Throughput
 
 FRAME_RATE = 10
@@ -33,11 +33,6 @@ SERVER_SERIES = (
     Series("generation_tokens_per_s", "generate", "tok/s"),
     Series("kv", "KV use", "%"),
 )
-
-
-def titled(widget, title: str):
-    widget.border_title = title
-    return widget
 
 
 def map_title(frame: AttachFrame, index: int) -> str:
