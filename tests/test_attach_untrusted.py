@@ -365,3 +365,37 @@ def test_probe_with_sources_listing_too_many_ranks_is_refused(fetcher):
                                                                      "application/json")}) as server:
         with pytest.raises(AttachError, match="lists 65 KV-event sources"):
             probe_server(fetcher, server.url)
+
+
+def test_the_servers_model_directory_is_only_looked_in_for_a_tokenizer(tmp_path):
+    from kvscope.app.attach.feed.tokens import find_tokenizer_file
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    not_a_tokenizer = tmp_path / "notes.txt"
+    not_a_tokenizer.write_text("secret")
+    assert find_tokenizer_file(None, str(not_a_tokenizer)) is None      # a file the server names is not read
+    assert find_tokenizer_file(None, "relative/dir") is None
+    assert find_tokenizer_file(None, str(tmp_path)) == tmp_path / "tokenizer.json"
+    assert find_tokenizer_file(str(not_a_tokenizer), None) == not_a_tokenizer    # the user's word is taken
+
+
+def test_a_tick_that_raises_is_a_notice_and_the_watch_goes_on(fetcher, monkeypatch):
+    monkeypatch.setattr("kvscope.app.attach.feed.source.FAULT_PAUSE_S", 0.05)
+    with hostile({"/metrics": page(PAGE)}) as server:
+        info, sample = probe_server(fetcher, server.url)
+        frames = Frames()
+        source = AttachSource(info, client=fetcher, publish=frames, interval_s=0.05)
+        real_views, calls = source.pools.views, []
+
+        def views_that_fail_once(*args):
+            calls.append(args)
+            if len(calls) == 3:
+                raise RuntimeError("a bug in kvscope")
+            return real_views(*args)
+
+        source.pools.views = views_that_fail_once
+        with running(source, sample):
+            until(lambda: len(calls) > 10)
+    texts = [n.text for n in frames[-1].notices]
+    assert any(t.startswith("internal error, the watch goes on: RuntimeError: a bug in kvscope") for t in texts)
+    assert frames[-1].sample_index > 5

@@ -107,10 +107,6 @@ class AttachSource:
     def stop(self) -> None:
         self._stopping.set()
 
-    @property
-    def stopping(self) -> bool:
-        return self._stopping.is_set()
-
     def run(self, first_sample: MetricsSample | None = None) -> None:
         """The thread's body: returns once stop() is called. Sockets live and die in this thread."""
         self._context = zmq.Context()
