@@ -228,6 +228,7 @@ def test_the_first_sample_is_a_baseline_not_the_servers_lifetime():
 
 def test_a_silent_replay_with_gaps_holds_up_neither_sampling_nor_stopping(fetcher, context, monkeypatch):
     monkeypatch.setattr(replay_module, "REPLAY_IDLE_S", 0.3)
+    monkeypatch.setattr("kvscope.app.attach.feed.subscriber.REPLAY_COOLDOWN_S", 120.0)   # longer than the test
     publisher = HostilePublisher(context, "silent")
     try:
         with hostile({"/metrics": page(PAGE)}) as server:

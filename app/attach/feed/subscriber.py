@@ -20,7 +20,8 @@ A replay is never waited for (replay.py): while one is in flight the stream
 reads its replies as they come, and live messages wait in the SUB socket
 (RECEIVE_HWM of them) until it ends, so they are applied in order after it. A
 replay that ended badly (no answer, too slow, too big) is not asked for again
-for REPLAY_COOLDOWN_S: the gaps in between are counted as lost. What is kept
+for REPLAY_COOLDOWN_S, twice that after two in a row, up to eight times: the
+gaps in between are counted as lost. What is kept
 per stream is bounded: unknown event kinds are named up to MAX_UNKNOWN_KINDS,
 then counted together; a message past MAX_MESSAGE_BYTES never reaches here.
 
@@ -90,6 +91,7 @@ class EventStream:
         self.replay_problem: str | None = None
         self._held: tuple[int, bytes] | None = None   # the live message that showed the gap being replayed
         self._no_replay_until = 0.0
+        self._bad_replays = 0     # in a row
         self.decoder = BatchDecoder()
         self.last_seq: int | None = None
         self.first_seq: int | None = None
@@ -273,9 +275,12 @@ class EventStream:
             return
         self.replay = None
         self._counts["malformed"] += replay.num_malformed
-        if replay.outcome != COMPLETE:
+        if replay.outcome == COMPLETE:
+            self._bad_replays = 0
+        else:
             self.replay_problem = f"replay from seq {replay.start_seq:,}: {replay.outcome}"
-            self._no_replay_until = time.monotonic() + REPLAY_COOLDOWN_S
+            self._no_replay_until = time.monotonic() + REPLAY_COOLDOWN_S * 2 ** min(self._bad_replays, 3)
+            self._bad_replays += 1
         held, self._held = self._held, None
         if held is not None:    # the live message that showed the gap; what the replay did not fill is lost
             self._on_message(*held, out, may_replay=False)
