@@ -15,6 +15,7 @@ from kvscope.app.bench import cli as bench_cli
 from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args, first_engine
 from kvscope.app.lessons import LESSONS
 from kvscope.app.runlog import cli as runs_cli
+from kvscope.app.safe_text import clean
 from kvscope.app.serve import cli as serve_cli
 from kvscope.engine.config import ConfigError, EngineConfig, RequestError
 from kvscope.engine.loader import ModelError
@@ -176,7 +177,8 @@ def _chat(args: argparse.Namespace) -> int:
         engine.add_request([{"role": "user", "content": args.prompt}], params)
         while engine.has_unfinished_requests():
             for output in engine.step().outputs:
-                print(output.text_delta, end="", flush=True)
+                # What the model writes may hold escape sequences (a title, OSC 52 to the clipboard).
+                print(clean(output.text_delta), end="", flush=True)
         print()
     return 0
 

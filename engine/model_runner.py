@@ -252,7 +252,7 @@ class ModelRunner:
         decode_tables = decode_lens = None
         if decode:
             starts = np.fromiter((item.start_pos for item in decode), dtype=np.int64, count=len(decode))
-            decode_tables = self._padded_tables(decode, starts + 1)
+            decode_tables = self._padded_tables(decode, starts + 1, kv_cache.shape[2])
             rows = np.arange(len(decode))
             slots.append(decode_tables[rows, starts // self.block_size].astype(np.int64) * self.block_size
                          + starts % self.block_size)
@@ -264,8 +264,8 @@ class ModelRunner:
             kv_cache=kv_cache,
             slot_mapping=self._tensor(np.concatenate(slots)),
             num_prefill_tokens=num_prefill_tokens,
-            prefill_block_tables=self._tensor(self._padded_tables(prefill, [i.context_len for i in prefill]))
-            if prefill else None,
+            prefill_block_tables=self._tensor(self._padded_tables(prefill, [i.context_len for i in prefill],
+                                                                  kv_cache.shape[2])) if prefill else None,
             prefill_cu_seqlens=self._int32(np.cumsum([0] + [len(item.token_ids) for item in prefill]))
             if prefill else None,
             prefill_context_lens=self._int32([item.context_len for item in prefill]) if prefill else None,
@@ -284,11 +284,12 @@ class ModelRunner:
     def _int32(self, values) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values, dtype=np.int32), device=self.device)
 
-    def _padded_tables(self, items: list[BatchItem], context_lens) -> np.ndarray:
+    def _padded_tables(self, items: list[BatchItem], context_lens, num_blocks: int) -> np.ndarray:
         """int32 [items, most blocks any context needs]: each row the blocks its context uses.
 
         Rows are padded with their own first block: masked-out keys then never come from another request's
-        blocks, so a NaN there cannot leak in through 0 * NaN.
+        blocks, so a NaN there cannot leak in through 0 * NaN. Every id is checked against the pool here,
+        once per step: the C++ kernels index the pool without checking (torch's would raise).
         """
         needed = [-(-int(length) // self.block_size) for length in context_lens]
         tables = [item.block_table if len(item.block_table) == count else item.block_table[:count]
@@ -298,6 +299,8 @@ class ModelRunner:
         padded = padded.reshape(len(tables), width)
         in_table = np.arange(width) < np.asarray(needed)[:, None]
         padded[in_table] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(needed))
+        if padded.min() < 0 or padded.max() >= num_blocks:
+            raise IndexError(f"a block table names a block outside the pool of {num_blocks} (an engine bug)")
         return padded
 
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[list[int] | None]:

@@ -203,7 +203,7 @@ def test_a_restarted_server_clears_the_map_and_says_so(client, context):
     try:
         with attached(client, context, server, interval_s=0.05) as (source, sample):
             source.take_sample(sample)
-            source.bootstrap_streams()
+            source.bootstrap_streams(wait=True)
             assert source.make_frame().pools[0].num_known_blocks == 94
             publisher.restart()
             run2 = recorded_payloads(SHARED / "run2" / "kv-events.frames.jsonl")
@@ -212,6 +212,7 @@ def test_a_restarted_server_clears_the_map_and_says_so(client, context):
                                      "process_start_time_seconds 1.8e+09")
             assert restarted != IDLE
             source.take_sample(parse_metrics(restarted, sample.time + 5))
+            source.apply(0, source.streams[0].wait_for_replay())   # the new buffer, as the thread would take it
             frame = source.make_frame()
     finally:
         publisher.close()
@@ -231,7 +232,7 @@ def test_data_parallel_ranks_get_a_pool_each(client, context):
     server = FakeServer(PAGE, sources=sources)
     try:
         with attached(client, context, server) as (source, sample):
-            source.bootstrap_streams()
+            source.bootstrap_streams(wait=True)
             source.take_sample(sample)
             frame = source.make_frame()
     finally:
@@ -252,7 +253,7 @@ def test_unknown_and_malformed_payloads_are_counted_in_the_frame(client, context
     server = FakeServer(PAGE, sources=zmq_sources(publisher))
     try:
         with attached(client, context, server) as (source, _):
-            source.bootstrap_streams()
+            source.bootstrap_streams(wait=True)
             frame = source.make_frame()
     finally:
         publisher.close()
@@ -274,7 +275,7 @@ def test_an_attached_session_is_a_vllm_run_in_the_run_log(client, context, tmp_p
         source.take_sample(sample)
         for seq, payload in enumerate(PAYLOADS[:13]):
             publisher.publish(seq, payload, live=False)
-        source.bootstrap_streams()
+        source.bootstrap_streams(wait=True)
         source.take_sample(parse_metrics(PAGE, sample.time + 1.0))
         run_log.close()
     finally:

@@ -36,10 +36,15 @@ def publisher(context):
 
 def open_stream(context, publisher, *, replay=True) -> EventStream:
     stream = EventStream(context, EventEndpoint(publisher.endpoint, publisher.replay_endpoint if replay else None,
-                                                topic="kv-events"), replay_timeout_s=2.0)
+                                                topic="kv-events"), idle_s=2.0)
     OPENED.append(stream)
     publisher.wait_for_subscriber()
     return stream
+
+
+def bootstrap(stream: EventStream) -> list:
+    stream.bootstrap()
+    return stream.wait_for_replay()
 
 
 def drain_until(stream: EventStream, count: int) -> list:
@@ -68,7 +73,7 @@ def test_bootstrap_replays_what_the_server_buffered_before_kvscope_came(context,
     for seq, payload in enumerate(PAYLOADS[:40]):
         publisher.publish(seq, payload, live=False)
     stream = open_stream(context, publisher)
-    assert seqs(stream.bootstrap()) == list(range(40))
+    assert seqs(bootstrap(stream)) == list(range(40))
     publisher.publish(40, PAYLOADS[40])
     assert seqs(drain_until(stream, 1)) == [40]
     status = stream.status()
@@ -80,7 +85,7 @@ def test_live_copies_of_replayed_batches_are_skipped_not_taken_for_a_restart(con
     for seq, payload in enumerate(PAYLOADS[:5]):
         publisher.publish(seq, payload)      # live, and buffered: the live copies wait in the socket
     until(lambda: stream.socket.poll(0))
-    assert seqs(stream.bootstrap()) == list(range(5))
+    assert seqs(bootstrap(stream)) == list(range(5))
     publisher.publish(5, PAYLOADS[5])
     items = drain_until(stream, 1)
     assert seqs(items) == [5] and not any(type(i) is Reset for i in items)
@@ -89,7 +94,7 @@ def test_live_copies_of_replayed_batches_are_skipped_not_taken_for_a_restart(con
 
 def test_a_gap_is_filled_by_replay_from_the_last_seq_seen(context, publisher):
     stream = open_stream(context, publisher)
-    stream.bootstrap()
+    bootstrap(stream)
     publisher.publish(0, PAYLOADS[0])
     drain_until(stream, 1)
     publisher.publish(1, PAYLOADS[1], live=False)    # dropped on the way: only the replay buffer has it
@@ -112,7 +117,7 @@ def test_batches_gone_from_the_buffer_are_counted_lost(context, publisher):
 
 def test_the_sequence_going_back_means_the_server_restarted(context, publisher):
     stream = open_stream(context, publisher)
-    stream.bootstrap()
+    bootstrap(stream)
     for seq, payload in enumerate(PAYLOADS[:10]):
         publisher.publish(seq, payload)
     drain_until(stream, 10)

@@ -194,3 +194,27 @@ def test_bad_engine_flags_are_one_line_errors(capsys, flag, value, message):
 def test_bench_takes_the_generated_model_and_device_flags():
     args = build_parser().parse_args(["bench", "scheduler", "--device", "cuda:1", "--model", "m"])
     assert (args.device, args.model) == ("cuda:1", "m")
+
+
+# A reply that tries to set the terminal's title, write its clipboard (OSC 52) and clear the screen (CSI as
+# the C1 control U+009B), around text whose UTF-8 bytes include 0x80-0x9F: stripping works on characters.
+EVIL_REPLY = "Hi \x1b]0;pwned\x07 é€… \x1b]52;c;ZXZpbA==\x07 ok\x9b2J"
+
+
+def test_chat_prints_the_models_text_without_control_sequences(capsys, monkeypatch, tmp_path):
+    import kvscope.engine
+    from kvscope.engine.fake_runner import FakeRunner
+
+    class EvilRunner(FakeRunner):
+        """Greedy decoding that spells EVIL_REPLY a byte per token, then ends."""
+        reply = list(EVIL_REPLY.encode())
+
+        def _next_token(self, context_hash, sample_index, params):
+            return self.reply.pop(0) if self.reply else self.tokenizer.eos_token_id
+
+    real = kvscope.engine.LLMEngine
+    monkeypatch.setattr(kvscope.engine, "LLMEngine", lambda config: real(config, runner=EvilRunner(config)))
+    status, out, err = run_cli(capsys, "chat", "Say something nasty.", "--max-tokens", "64",
+                               "--db", str(tmp_path / "runs.db"))
+    assert status == 0, err
+    assert out == "Hi ]0;pwned é€… ]52;c;ZXZpbA== ok2J\n"

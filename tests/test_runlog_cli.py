@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import json
+import os
 import sqlite3
+import subprocess
 
 import pytest
 from test_runlog_synthetic import SyntheticEngine
@@ -152,3 +155,43 @@ def test_an_unwritable_export_target_is_one_line(db, capsys, tmp_path):
     target = tmp_path / "no-such-dir" / "out.json"
     assert kvscope("runs", "export", str(first), "-o", str(target), "--db", str(path)) == 2
     assert "cannot write" in one_error_line(capsys)
+
+
+@contextlib.contextmanager
+def read_only(path):
+    """``path`` (a file or a folder) made unwritable: the immutable flag as root, whom modes do not stop."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not available here")
+        undo = ["chattr", "-i", str(path)]
+    else:
+        mode = path.stat().st_mode
+        path.chmod(0o555 if path.is_dir() else 0o444)
+        undo = None
+    try:
+        yield
+    finally:
+        if undo:
+            subprocess.run(undo, check=True)
+        else:
+            path.chmod(mode)
+
+
+@pytest.mark.parametrize("which", ["file", "folder"])
+def test_rm_on_a_read_only_log_says_so_in_words(db, capsys, which):
+    path, first, _, _ = db
+    target = path if which == "file" else path.parent
+    with read_only(target):
+        assert kvscope("runs", "rm", str(first), "--db", str(path)) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("kvscope runs: cannot change the run log: ") and line.endswith("nothing was removed")
+    assert (f"{path} is read-only" if which == "file" else f"its folder {path.parent} is read-only") in line
+    assert kvscope("runs", "show", str(first), "--db", str(path)) == 0     # it is still there
+
+
+def test_list_and_show_print_logged_strings_without_control_characters(tmp_path, capsys):
+    path = tmp_path / "runs.db"
+    run_id, _ = log_run(path, 3, seed=1, model="evil\x1b]0;pwned\x07\x9b2J-model")
+    assert kvscope("runs", "--db", str(path)) == 0 and kvscope("runs", "show", str(run_id), "--db", str(path)) == 0
+    out = capsys.readouterr().out
+    assert "evil]0;pwned2J-model" in out and not any(c in out for c in "\x1b\x07\x9b")

@@ -78,3 +78,16 @@ def test_profiling_the_forward_leaves_the_runner_s_cache_alone(monkeypatch):
     assert runner.profile_forward_peak_bytes() == 12345
     assert runner.kv_cache is cache and torch.equal(cache, before)
     assert set(vars(runner)) >= {"kv_cache", "info"}
+
+
+@pytest.mark.parametrize("token_ids, start_pos, table", [((1, 2, 3), 0, (8,)), ((5,), 16, (0, 9)), ((5,), 0, (-1,))])
+def test_a_block_id_outside_the_pool_is_refused_before_any_kernel_reads_it(token_ids, start_pos, table):
+    """Only an engine bug could send one; the C++ kernels would read and write outside the pool."""
+    from kvscope.engine.batch import BatchItem, ScheduledBatch
+
+    runner = real_runner()
+    before = runner.kv_cache.clone()
+    item = BatchItem(0, "r", token_ids, start_pos, table, (0,), SamplingParams(max_tokens=4))
+    with pytest.raises(IndexError, match="outside the pool of 8"):
+        runner.execute(ScheduledBatch(items=(item,)))
+    assert torch.equal(runner.kv_cache, before)

@@ -11,6 +11,7 @@ import dataclasses
 import sys
 
 from kvscope.app.attach.feed.server import AttachError, make_client, probe_server, user_endpoints
+from kvscope.app.safe_text import clean
 
 MIN_INTERVAL_S = 0.1
 
@@ -38,7 +39,8 @@ def register(subparsers) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"kvscope attach: error: {message}", file=sys.stderr)
+    # One line whatever the server put in it: it may quote what the server sent.
+    print(f"kvscope attach: error: {' '.join(clean(message).split())}", file=sys.stderr)
     return 2
 
 
@@ -53,18 +55,28 @@ def _with_replays(server, replays: list[str]):
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        app = prepare(args)
+    except AttachError as exc:
+        return _fail(str(exc))
+    return _open_window(app)
+
+
+def prepare(args: argparse.Namespace):
+    """Everything `kvscope attach` does before its window runs: check the flags, probe the server, build
+    the window. AttachError: the one line to print instead."""
     if args.interval < MIN_INTERVAL_S:
-        return _fail(f"--interval must be at least {MIN_INTERVAL_S} s, got {args.interval}")
+        raise AttachError(f"--interval must be at least {MIN_INTERVAL_S} s, got {args.interval}")
     client = make_client()
     try:
         endpoints = user_endpoints(args.kv_events, args.replay) if args.kv_events else ()
         server, sample = probe_server(client, args.url, event_endpoints=endpoints)
         if args.replay and not args.kv_events:
             server = _with_replays(server, args.replay)
-    except AttachError as exc:
+    except AttachError:
         client.close()
-        return _fail(str(exc))
-    return _open_window(args, client, server, sample)
+        raise
+    return build_app(args, client, server, sample)
 
 
 def build_app(args: argparse.Namespace, client, server, sample):
@@ -73,18 +85,22 @@ def build_app(args: argparse.Namespace, client, server, sample):
     from kvscope.app.attach.feed.source import AttachSource
     from kvscope.app.attach.feed.tokens import load_preview_text
     from kvscope.app.attach.window.app import AttachApp
+    from kvscope.app.messages import RunLogFailed
 
     preview_text, note = load_preview_text(args.tokenizer, server.model_root)
-    run_log = AttachRunLog.open(args.db, server, interval_s=args.interval, enabled=not args.no_log)
+    # A log that stops writing (a full disk) tells the window, from the log's writer thread, once.
+    run_log = AttachRunLog.open(args.db, server, interval_s=args.interval, enabled=not args.no_log,
+                                on_failure=lambda warning: app.post_message(RunLogFailed(warning)))
     source = AttachSource(server, client=client, publish=lambda frame: None, interval_s=args.interval,
                           run_log=run_log, preview_text=preview_text, preview_note=note)
-    return AttachApp(source, sample, db_path=args.db, log_warning=run_log.warning)
+    app = AttachApp(source, sample, db_path=args.db, log_warning=run_log.warning)
+    return app
 
 
-def _open_window(args, client, server, sample) -> int:
-    app = build_app(args, client, server, sample)
+def _open_window(app) -> int:
     try:
         app.run()
     finally:
-        client.close()
+        if not app.source_running:
+            app.source.client.close()   # else the process ends with the thread still closing it
     return app.return_code or 0

@@ -1,9 +1,17 @@
-"""`kvscope runs`: list, show, export and remove the runs in the run log."""
+"""`kvscope runs`: list, show, export and remove the runs in the run log.
+
+What a run log holds was written by whatever wrote the file (a model's name, a
+watched server's version and URL, a reason): every string is cleaned of control
+characters before it is printed (app/safe_text.py), so a log cannot drive the
+terminal. A log that cannot be written (read-only, immutable, in a read-only
+folder) is said to be so in words.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sqlite3
 import sys
 from datetime import datetime
@@ -11,6 +19,7 @@ from pathlib import Path
 
 from kvscope.app.runlog.reader import EXPORT_TABLES, DamagedRunLog, RunInUse, RunLogReader, RunNotFound
 from kvscope.app.runlog.schema import SchemaError
+from kvscope.app.safe_text import one_line
 from kvscope.settings import settings
 
 _LIST_COLUMNS = ("id", "started", "model", "requests", "tokens", "tok/s", "status")
@@ -67,12 +76,29 @@ def _db_path(args: argparse.Namespace) -> Path:
 
 
 def _fail(message: str) -> int:
-    print(f"kvscope runs: {message}", file=sys.stderr)
+    print(f"kvscope runs: {one_line(message)}", file=sys.stderr)
     return 2
+
+
+def _cannot_write(path: Path, exc: sqlite3.Error) -> str | None:
+    """Words for a run log SQLite could not write to, or None when ``exc`` is about something else."""
+    reason = str(exc).lower()
+    if not any(word in reason for word in ("readonly", "read-only", "unable to open", "permission")):
+        return None
+    if not os.access(path, os.W_OK):
+        what = f"{path} is read-only (its permissions, a read-only disk, or the immutable flag: chattr -i)"
+    elif not os.access(path.parent, os.W_OK | os.X_OK):
+        what = f"its folder {path.parent} is read-only, and SQLite writes its journal there"
+    else:
+        what = f"SQLite cannot write {path} ({exc})"
+    return f"cannot change the run log: {what}; nothing was removed"
 
 
 def _with_reader(action, *, writable: bool = False):
     """Run ``action(reader, args)``; turn every expected failure into one line on stderr and exit 2."""
+    def failed(path: Path, exc: sqlite3.Error) -> int:
+        return _fail((writable and _cannot_write(path, exc)) or f"cannot read {path}: {exc}")
+
     def command(args: argparse.Namespace) -> int:
         path = _db_path(args)
         try:
@@ -80,13 +106,13 @@ def _with_reader(action, *, writable: bool = False):
         except (FileNotFoundError, SchemaError) as exc:
             return _fail(str(exc))
         except sqlite3.Error as exc:
-            return _fail(f"cannot read {path}: {exc}")
+            return failed(path, exc)
         try:
             return action(reader, args)
         except (RunNotFound, RunInUse, SchemaError, DamagedRunLog) as exc:
             return _fail(str(exc))
         except sqlite3.Error as exc:
-            return _fail(f"cannot read {path}: {exc}")
+            return failed(path, exc)
         except OSError as exc:
             return _fail(f"cannot write {exc.filename or 'the output'}: {exc.strerror}")
         finally:
@@ -95,7 +121,10 @@ def _with_reader(action, *, writable: bool = False):
 
 
 def _local_time(iso: str | None) -> str:
-    return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S") if iso else "-"
+    try:
+        return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S") if iso else "-"
+    except (TypeError, ValueError):     # not a time this kvscope wrote: show it as it is
+        return one_line(iso, 40)
 
 
 def _number(value, digits: int = 0) -> str:
@@ -111,8 +140,8 @@ def list_runs(args: argparse.Namespace) -> int:
 
 def _list(reader: RunLogReader, args: argparse.Namespace) -> int:
     rows = [
-        (str(r["id"]), _local_time(r["started_at"]), r["model"] or "-", _number(r["num_requests"]),
-         _number(r["num_generated_tokens"]), _number(r["mean_tokens_per_s"], 1), r["status"])
+        (str(r["id"]), _local_time(r["started_at"]), one_line(r["model"] or "-", 60), _number(r["num_requests"]),
+         _number(r["num_generated_tokens"]), _number(r["mean_tokens_per_s"], 1), one_line(r["status"]))
         for r in reader.list_runs()
     ]
     if not rows:
@@ -160,7 +189,7 @@ def _show(reader: RunLogReader, args: argparse.Namespace) -> int:
         lines.append(("dropped", f"{run['num_dropped_records']} records (the disk fell behind)"))
     width = max(len(label) for label, _ in lines)
     for label, value in lines:
-        print(f"{label.ljust(width)}  {value}")
+        print(f"{label.ljust(width)}  {one_line(value)}")
     return 0
 
 

@@ -2,7 +2,10 @@
 
 The run log is a file anything may have damaged (garbage pages, a truncated
 copy, a blob that no longer decodes). Every read goes through ``_read``, which
-shows what went wrong in the summary panel instead of ending the app.
+shows what went wrong in the summary panel instead of ending the app. Every
+string it holds was written by someone else (a watched server's version and
+URL, a model's name): each is drawn as plain text or a markup variable, cleaned
+of control characters (app/safe_text.py), never parsed as markup.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Label, Sparkline, Static
 
 from kvscope.app.runlog import RunLogReader, SchemaError
+from kvscope.app.safe_text import one_line
 from kvscope.app.screens.replay import ReplayScreen
 from kvscope.app.widgets.key_bar import KeyBar
 
@@ -31,22 +35,33 @@ T = TypeVar("T")
 ReplayFor = Callable[[RunLogReader, int], Screen]
 
 
+RUN_TEXT = ("status", "started_at", "source", "status_detail", "model", "device", "dtype")
+
+
+def run_variables(run: dict) -> dict[str, str]:
+    """The run's strings, as ``describe_run``'s markup takes them: variables, never markup."""
+    config = run.get("config") if isinstance(run.get("config"), dict) else {}
+    values = {name: one_line(run.get(name) or "", 200) for name in RUN_TEXT}
+    values["started_at"] = values["started_at"][:19]
+    values["allocator"] = one_line(config.get("allocator", "?"), 40)
+    values["preemption_mode"] = one_line(config.get("preemption_mode", "?"), 40)
+    return values
+
+
 def describe_run(run: dict) -> str:
-    config = run.get("config") or {}
+    config = run.get("config") if isinstance(run.get("config"), dict) else {}
 
     def number(key: str, fmt: str = ",") -> str:
         value = run.get(key)
-        return "–" if value is None else format(value, fmt)
+        return "–" if not isinstance(value, (int, float)) else format(value, fmt)
 
     hits = run.get("prefix_cache_hits") or 0
     queries = run.get("prefix_cache_queries") or 0
     detail = run.get("status_detail")
     lines = [
-        f"[b]Run {run['id']}[/b] · {run.get('status')} · started {(run.get('started_at') or '')[:19]} by "
-        f"{run.get('source')}",
-        *(["$detail"] if detail else []),
-        f"$model · {run.get('device')} · {run.get('dtype')} · {config.get('allocator', '?')} · "
-        f"preempt {config.get('preemption_mode', '?')} · prefix cache "
+        f"[b]Run {number('id', 'd')}[/b] · $status · started $started_at by $source",
+        *(["$status_detail"] if detail else []),
+        "$model · $device · $dtype · $allocator · preempt $preemption_mode · prefix cache "
         f"{'on' if config.get('enable_prefix_caching', True) else 'off'}",
         f"pool {number('num_blocks')} blocks × {number('block_size')} tokens",
         f"steps {number('num_steps')} · requests {number('num_requests')} "
@@ -103,7 +118,7 @@ class HistoryScreen(Screen):
         return None
 
     def _say(self, text: str) -> None:
-        self.query_one("#run-summary", Static).update(Content(text))
+        self.query_one("#run-summary", Static).update(Content(one_line(text)))
 
     def _read(self, read: Callable[[], T]) -> T | None:
         """``read()``, or None after saying why it failed: whatever a damaged file makes the reader
@@ -126,11 +141,11 @@ class HistoryScreen(Screen):
             return
         for run in runs:
             rate = run.get("mean_tokens_per_s")
-            table.add_row(str(run["id"]), (run.get("started_at") or "")[:19].replace("T", " "),
-                          Content(str(run.get("model") or "")), run.get("source") or "",
-                          str(run.get("num_requests") or 0), f"{run.get('num_generated_tokens') or 0:,}",
-                          "–" if rate is None else f"{rate:,.1f}", run.get("status") or "",
-                          key=str(run["id"]))
+            text = run_variables(run)
+            table.add_row(str(run["id"]), Content(text["started_at"].replace("T", " ")), Content(text["model"]),
+                          Content(text["source"]), str(run.get("num_requests") or 0),
+                          f"{run.get('num_generated_tokens') or 0:,}", "–" if rate is None else f"{rate:,.1f}",
+                          Content(text["status"]), key=str(run["id"]))
         if not runs:
             self._say("The run log is empty.")
 
@@ -142,8 +157,7 @@ class HistoryScreen(Screen):
         if found is None:
             return
         run, steps = found
-        self.query_one("#run-summary", Static).update(Content.from_markup(
-            describe_run(run), model=str(run.get("model") or ""), detail=str(run.get("status_detail") or "")))
+        self.query_one("#run-summary", Static).update(Content.from_markup(describe_run(run), **run_variables(run)))
         self.query_one("#run-throughput", Sparkline).data = [s.generation_tokens_per_s for s in steps]
         self.query_one("#run-kv", Sparkline).data = [100 * s.kv_usage for s in steps]
 

@@ -22,6 +22,7 @@ from textual.widget import Widget
 from textual.widgets import Input, Static
 
 from kvscope.app.runlog import ReplayFrame, RunLogReader
+from kvscope.app.safe_text import escape, one_line
 from kvscope.app.widgets.key_bar import KeyBar
 from kvscope.app.widgets.snapshot_view import SnapshotView
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepStats
@@ -49,7 +50,8 @@ class StepView(Protocol):
 def describe_events(frame: ReplayFrame) -> str:
     if not frame.events:
         return ""
-    shown = [f"{e.kind} {e.request_id or ''}".strip() for e in frame.events[:4]]
+    # Kinds and request ids as the run log holds them: whoever wrote the file chose them.
+    shown = [escape(one_line(f"{e.kind} {e.request_id or ''}", 60)) for e in frame.events[:4]]
     more = f" +{len(frame.events) - 4}" if len(frame.events) > 4 else ""
     return " · events: " + ", ".join(shown) + more
 
@@ -134,7 +136,8 @@ class ReplayScreen(Screen):
         self._update_status()
 
     def _say(self, markup: str, **variables: str) -> None:
-        self.query_one("#replay-status", Static).update(Content.from_markup(markup, **variables))
+        cleaned = {name: one_line(value, 200) for name, value in variables.items()}
+        self.query_one("#replay-status", Static).update(Content.from_markup(markup, **cleaned))
 
     def _update_status(self) -> None:
         state = f"▶ playing at {SPEEDS[self.speed_index]:g} steps/s" if self.playing else "■ paused"

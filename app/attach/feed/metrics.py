@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvscope.app.attach.feed.limits import (
+    MAX_BUCKETS,
+    MAX_COUNT,
+    MAX_LABELS,
+    MAX_RANKS,
+    MAX_REQUESTS,
+    MAX_TEXT,
+    pool_problem,
+)
+
 GAUGES = {
     "vllm:num_requests_running": "num_running",
     "vllm:num_requests_waiting": "num_waiting",
@@ -37,6 +47,7 @@ WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 FINISHED_BY_REASON = "vllm:request_success"
 CACHE_CONFIG = "vllm:cache_config_info"
 PROCESS_START = "process_start_time_seconds"
+CORE_FAMILIES = frozenset({*GAUGES, *COUNTERS, CACHE_CONFIG})
 _KEPT_PREFIXES = ("vllm:", "# HELP vllm:", "# TYPE vllm:", PROCESS_START, f"# HELP {PROCESS_START}",
                   f"# TYPE {PROCESS_START}")
 
@@ -115,6 +126,7 @@ class MetricsSample:
     model_name: str | None = None
     process_start_time: float | None = None   # changes when the server restarts
     text: str = field(default="", repr=False, compare=False)   # the page as read, for checks
+    families: frozenset[str] = frozenset()    # the series of CORE_FAMILIES the page has
 
     def engine(self, label: str) -> EngineMetrics | None:
         return next((e for e in self.engines if e.engine == label), None)
@@ -142,8 +154,18 @@ def _kept_lines(text: str) -> str:
 
 
 def parse_metrics(text: str, now: float) -> MetricsSample:
-    """Parse a /metrics page. Raises ValueError when prometheus_client cannot read it."""
+    """Parse a /metrics page. Raises ValueError when it cannot be read, whatever is wrong with it."""
+    try:
+        return _parse(text, now)
+    except ValueError:
+        raise
+    except Exception as exc:   # a missing label, a value no int holds: the page is bad, never the thread
+        raise ValueError(f"{type(exc).__name__}: {exc}") from None
+
+
+def _parse(text: str, now: float) -> MetricsSample:
     engines: dict[str, dict] = {}
+    families: set[str] = set()
     model_name, process_start = None, None
     for family in text_string_to_metric_families(_kept_lines(text)):
         if family.name == PROCESS_START:
@@ -152,11 +174,15 @@ def parse_metrics(text: str, now: float) -> MetricsSample:
         # A page without "# TYPE" lines leaves counters "untyped", named with their "_total".
         name = family.name.removesuffix("_total") if family.type == "unknown" else family.name
         for sample in family.samples:
-            label = sample.labels.get("engine", "0")
+            label = sample.labels.get("engine", "0")[:MAX_TEXT]
             model_name = model_name or sample.labels.get("model_name")
+            if len(engines) > MAX_RANKS and label not in engines:
+                raise ValueError(f"more than {MAX_RANKS} engines")
             _add_sample(engines.setdefault(label, {"engine": label}), name, sample)
+            families.add(name)
     return MetricsSample(now, tuple(_engine_record(fields) for _, fields in sorted(engines.items())),
-                         model_name, process_start, text)
+                         model_name[:MAX_TEXT] if model_name else None, process_start, text,
+                         frozenset(families) & CORE_FAMILIES)
 
 
 def _add_sample(fields: dict, family: str, sample) -> None:
@@ -165,9 +191,10 @@ def _add_sample(fields: dict, family: str, sample) -> None:
     elif family in COUNTERS and sample.name.endswith("_total"):
         fields[COUNTERS[family]] = sample.value
     elif family == WAITING_BY_REASON:
-        fields.setdefault("waiting_by_reason", {})[sample.labels.get("reason", "?")] = int(sample.value)
+        fields.setdefault("waiting_by_reason", {})[sample.labels.get("reason", "?")[:MAX_TEXT]] = _count(sample)
     elif family == FINISHED_BY_REASON and sample.name.endswith("_total"):
-        fields.setdefault("finished_by_reason", {})[sample.labels.get("finished_reason", "?")] = int(sample.value)
+        reason = sample.labels.get("finished_reason", "?")[:MAX_TEXT]
+        fields.setdefault("finished_by_reason", {})[reason] = _count(sample)
     elif family in HISTOGRAMS:
         parts = fields.setdefault("histogram_parts", {}).setdefault(HISTOGRAMS[family], {"buckets": []})
         suffix = sample.name[len(family):]
@@ -180,6 +207,22 @@ def _add_sample(fields: dict, family: str, sample) -> None:
                                               if k not in ("engine", "model_name")))
 
 
+def _count(sample) -> int:
+    if not 0 <= sample.value <= MAX_COUNT:    # also false for NaN
+        raise ValueError(f"{sample.name} {sample.value:g} is not a count")
+    return int(sample.value)
+
+
+def _capped(counts: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """The MAX_LABELS largest, by name; any others summed in one "(N more)" row, so a server that invents
+    labels cannot grow what is kept per sample."""
+    if len(counts) <= MAX_LABELS:
+        return tuple(sorted(counts.items()))
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    kept, rest = ranked[:MAX_LABELS - 1], ranked[MAX_LABELS - 1:]
+    return (*sorted(kept), (f"({len(rest):,} more)", sum(count for _, count in rest)))
+
+
 def _engine_record(fields: dict) -> EngineMetrics:
     histograms = []
     for key, parts in sorted(fields.pop("histogram_parts", {}).items()):
@@ -188,9 +231,11 @@ def _engine_record(fields: dict) -> EngineMetrics:
                                           parts.get("count", 0.0), parts.get("sum", 0.0))))
     for name in ("waiting_by_reason", "finished_by_reason"):
         if name in fields:
-            fields[name] = tuple(sorted(fields[name].items()))
+            fields[name] = _capped(fields[name])
     for name in ("num_running", "num_waiting"):
         if name in fields:
+            if not 0 <= fields[name] <= MAX_REQUESTS:
+                raise ValueError(f"{name} {fields[name]:g} is not a plausible count")
             fields[name] = int(fields[name])
     return EngineMetrics(histograms=tuple(histograms), **fields)
 
@@ -227,3 +272,36 @@ def _add_engines(engines: tuple[EngineMetrics, ...]) -> EngineMetrics:
         histograms=tuple(sorted(histograms.items())),
         cache_config=(("block_size", str(engines[0].block_size)), ("num_gpu_blocks", str(blocks))),
     )
+
+
+def sample_problem(sample: MetricsSample, previous: MetricsSample | None = None) -> str | None:
+    """Why ``sample`` is not a plausible vLLM page (coming after ``previous``), or None. Its numbers must be
+    counts and fractions in range, its pool drawable, and the series the previous page had still there: a
+    page whose counters vanish is garbage, not a restarted server."""
+    if not 1 <= len(sample.engines) <= MAX_RANKS:
+        return f"{len(sample.engines):,} engines is outside 1..{MAX_RANKS}"
+    for engine in sample.engines:
+        problem = pool_problem(engine.num_gpu_blocks, engine.block_size, len(sample.engines)) or \
+            _number_problem(engine)
+        if problem:
+            return f"engine {engine.engine}: {problem}"
+    if previous is not None:
+        vanished = previous.families - sample.families
+        if vanished:
+            return f"series it had before are gone ({', '.join(sorted(vanished))})"
+    return None
+
+
+def _number_problem(engine: EngineMetrics) -> str | None:
+    for name in COUNTERS.values():
+        value = getattr(engine, name)
+        if not 0 <= value <= MAX_COUNT:     # also false for NaN
+            return f"{name} {value:g} is not a plausible count"
+    if not 0 <= engine.kv_usage <= 1.0 + 1e-6:
+        return f"kv_cache_usage_perc {engine.kv_usage:g} is not a fraction"
+    for key, histogram in engine.histograms:
+        if len(histogram.bounds) > MAX_BUCKETS:
+            return f"the {key} histogram has {len(histogram.bounds):,} buckets (at most {MAX_BUCKETS})"
+        if not all(0 <= count <= MAX_COUNT for count in (*histogram.counts, histogram.count)):
+            return f"the {key} histogram has counts that are not counts"
+    return None

@@ -7,10 +7,18 @@ spoken yet get their pool up front, so the map shows every pool from the start;
 a server without events still gets one pool per engine, drawn from its usage
 alone. A pool's usage band comes from ``/metrics`` for the engine label equal
 to its rank.
+
+A publisher given by hand (``--kv-events``) does not say its rank until its
+first batch. It gets rank 0's pool up front, vLLM's only rank without data
+parallelism, so the window and the run log have a pool from the first sample;
+if its first batch names another rank, that still empty pool takes the rank.
+Pools are made only within limits.py's bounds (MAX_RANKS pools, MAX_BLOCKS
+blocks in all): past them ``pool`` says None and the batch is not drawn.
 """
 
 from __future__ import annotations
 
+from kvscope.app.attach.feed.limits import MAX_BLOCKS, MAX_RANKS
 from kvscope.app.attach.feed.metrics import MetricsSample
 from kvscope.app.attach.feed.pool import Journal, PoolModel
 from kvscope.app.attach.feed.pool_view import PoolPicture, PoolView
@@ -22,21 +30,37 @@ class PoolSet:
         self.server = server
         self.preview_text = preview_text
         self._pictures: dict[tuple[int, int], PoolPicture] = {}
+        self._assumed: set[int] = set()     # streams whose pool's rank is vLLM's default, not yet confirmed
         sources = server.event_sources
         for index, source in enumerate(sources):
-            if source.rank is not None:
-                self.pool(index, source.rank)
+            self.pool(index, 0 if source.rank is None else source.rank)
+            if source.rank is None:
+                self._assumed.add(index)
         if not sources:
             for engine in server.engines:
                 self.pool(-1, _rank_of(engine))
 
-    def pool(self, stream_index: int, rank: int) -> PoolModel:
+    def pool(self, stream_index: int, rank: int) -> PoolModel | None:
+        """The pool of ``rank`` as ``stream_index`` publishes it; None past the limits."""
         picture = self._pictures.get((stream_index, rank))
-        if picture is None:
-            model = PoolModel(self.server.num_gpu_blocks, self.server.block_size)
-            picture = self._pictures[(stream_index, rank)] = PoolPicture(model, "", self.preview_text)
-            self._relabel()
-        return picture.pool
+        if picture is not None:
+            self._assumed.discard(stream_index)
+            return picture.pool
+        if stream_index in self._assumed:
+            self._assumed.discard(stream_index)
+            assumed = self._pictures[(stream_index, 0)]
+            if assumed.pool.version == 0:   # nothing drawn in it yet: it was this rank's all along
+                del self._pictures[(stream_index, 0)]
+                self._pictures[(stream_index, rank)] = assumed
+                self._relabel()
+                return assumed.pool
+        blocks = (len(self._pictures) + 1) * self.server.num_gpu_blocks
+        if len(self._pictures) >= MAX_RANKS or blocks > MAX_BLOCKS:
+            return None
+        model = PoolModel(self.server.num_gpu_blocks, self.server.block_size)
+        self._pictures[(stream_index, rank)] = PoolPicture(model, "", self.preview_text)
+        self._relabel()
+        return model
 
     def _relabel(self) -> None:
         ranks = [rank for _, rank in self._pictures]

@@ -8,10 +8,17 @@ them. Its events are what the KV-cache events did since the previous sample
 batches, reconnections). What vLLM does not publish is left empty (NULL), never
 filled in: token utilisation and forward time. vLLM V1 recomputes preempted
 requests and never swaps, so the swap columns are truly zero.
+
+The first sample is the baseline: its step counts no tokens, since the server's
+counters hold its whole life before kvscope came. The log is written as the
+engine's is (app/runlog/writer.py): if it stops writing (a full disk),
+``on_failure`` is told once and the window says so; a clean quit marks the run
+finished.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,12 +53,12 @@ class AttachRunLog:
 
     @classmethod
     def open(cls, db_path: str | Path | None, server: ServerInfo, *, interval_s: float,
-             enabled: bool = True) -> AttachRunLog:
+             enabled: bool = True, on_failure: Callable[[str], None] | None = None) -> AttachRunLog:
         ranks = max(len(server.engines), 1)
         logger = open_observed_run_log(
             db_path, source=SOURCE, model=server.model, device=f"vLLM {server.version} at {server.url}",
             dtype="not published", block_size=server.block_size, num_blocks=server.num_gpu_blocks * ranks,
-            config=run_config(server, interval_s), enabled=enabled)
+            config=run_config(server, interval_s), enabled=enabled, on_failure=on_failure)
         return cls(logger)
 
     @property
@@ -82,8 +89,11 @@ class AttachRunLog:
 
 
 def _grew(now: float, before: float | None) -> int:
-    """Counter growth; the whole value when the counter restarted (a server restart)."""
-    if before is None or now < before:
+    """Counter growth since the previous sample: none at the first (the baseline: what the server did
+    before kvscope watched is not the session's), the whole value when the counter restarted."""
+    if before is None:
+        return 0
+    if now < before:
         return int(now)
     return int(now - before)
 

@@ -2,23 +2,35 @@
 
 ``probe_server`` reads ``/metrics`` (the one page every vLLM server has), then
 ``/version``, ``/v1/models`` and ``/kv_event_sources``, which older or
-differently configured servers may lack. An unreachable URL or a page that is
-not vLLM's is an ``AttachError`` with one line to print; everything optional
-that is missing becomes a fact the window states.
+differently configured servers may lack. An unreachable URL, a page that is
+not vLLM's, or one whose numbers are not plausible (limits.py) is an
+``AttachError`` with one line to print; everything optional that is missing or
+malformed becomes a fact the window states. Every request has a deadline and a
+byte cap (fetch.py); every string kept is cut to a length (the window and the
+run log make it safe to draw or print).
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import httpx
+from kvscope.app.attach.feed.fetch import Fetcher, FetchError
+from kvscope.app.attach.feed.limits import (
+    INFO_DEADLINE_S,
+    INFO_MAX_BYTES,
+    MAX_RANKS,
+    MAX_TEXT,
+    METRICS_DEADLINE_S,
+    METRICS_MAX_BYTES,
+)
+from kvscope.app.attach.feed.metrics import MetricsSample, is_vllm_page, parse_metrics, sample_problem
 
-from kvscope.app.attach.feed.metrics import MetricsSample, is_vllm_page, parse_metrics
-
-CONNECT_TIMEOUT_S = 3.0
-READ_TIMEOUT_S = 10.0
+MAX_MODEL_LEN = 1 << 31
+MAX_ENDPOINT = 1000     # characters of a ZMQ address
 EVENTS_FLAG = ("--enable-prefix-caching --kv-events-config "
                "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
                "\"replay_endpoint\": \"tcp://*:5558\"}'")
@@ -26,6 +38,10 @@ EVENTS_FLAG = ("--enable-prefix-caching --kv-events-config "
 
 class AttachError(Exception):
     """The attach cannot start; the message is the one line the user sees."""
+
+
+class BadPage(AttachError):
+    """The server answered, with a page that is not a plausible vLLM metrics page."""
 
 
 @dataclass(frozen=True)
@@ -64,58 +80,62 @@ def normalise_url(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
-def make_client() -> httpx.Client:
-    timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-    return httpx.Client(timeout=timeout, follow_redirects=True, headers={"user-agent": "kvscope-attach"})
+def make_client() -> Fetcher:
+    return Fetcher()
 
 
-def fetch_metrics(client: httpx.Client, url: str) -> MetricsSample:
-    """Read and parse /metrics. Raises httpx errors when the server cannot be reached,
-    AttachError when what answers is not a vLLM metrics page."""
-    response = client.get(f"{url}/metrics")
-    if response.status_code != 200:
-        raise AttachError(f"{url} is not a vLLM server: GET /metrics answered HTTP {response.status_code}")
-    text = response.text
+def fetch_metrics(client: Fetcher, url: str, previous: MetricsSample | None = None,
+                  stop: threading.Event | None = None) -> MetricsSample:
+    """Read, parse and check /metrics (after ``previous``, when there is one). Raises FetchError when no
+    whole answer came (fetch.Stopped when ``stop`` was set), BadPage when what answered is not a plausible
+    vLLM metrics page."""
+    page = client.get(f"{url}/metrics", max_bytes=METRICS_MAX_BYTES, deadline_s=METRICS_DEADLINE_S, stop=stop)
+    if page.status != 200:
+        raise BadPage(f"{url} is not a vLLM server: GET /metrics answered HTTP {page.status}")
+    text = page.text
     if not is_vllm_page(text):
-        raise AttachError(f"{url} is not a vLLM server: its /metrics page has no vllm: series")
+        raise BadPage(f"{url} is not a vLLM server: its /metrics page has no vllm: series")
     try:
-        return parse_metrics(text, time.time())
+        sample = parse_metrics(text, time.time())
     except ValueError as exc:
-        raise AttachError(f"{url} is not a vLLM server: its /metrics page does not parse ({exc})") from None
+        raise BadPage(f"{url} is not a vLLM server: its /metrics page does not parse ({exc})") from None
+    problem = sample_problem(sample, previous)
+    if problem:
+        raise BadPage(f"{url}: kvscope cannot use its /metrics page: {problem}")
+    return sample
 
 
-def _json(client: httpx.Client, url: str):
+def _json(client: Fetcher, url: str):
+    """The JSON at ``url``, or None when it is missing, slow, too big or not JSON: these pages are optional."""
     try:
-        response = client.get(url)
-    except httpx.HTTPError:
+        page = client.get(url, max_bytes=INFO_MAX_BYTES, deadline_s=INFO_DEADLINE_S)
+    except FetchError:
         return None
-    if response.status_code != 200:
+    if page.status != 200:
         return None
     try:
-        return response.json()
+        return json.loads(page.body)
     except ValueError:
         return None
 
 
-def probe_server(client: httpx.Client, url: str, *, event_endpoints: tuple[EventEndpoint, ...] = ()) -> \
+def probe_server(client: Fetcher, url: str, *, event_endpoints: tuple[EventEndpoint, ...] = ()) -> \
         tuple[ServerInfo, MetricsSample]:
     """What the server is and what it publishes; ``event_endpoints`` given by the user win over discovery."""
     url = normalise_url(url)
     try:
         sample = fetch_metrics(client, url)
-    except httpx.HTTPError as exc:
-        raise AttachError(f"cannot reach {url}: {describe_http_error(exc)}") from None
-    engine = sample.engines[0] if sample.engines else None
-    if engine is None or engine.num_gpu_blocks is None or engine.block_size is None:
-        raise AttachError(f"{url} publishes vLLM metrics without vllm:cache_config_info "
-                          "(num_gpu_blocks, block_size); kvscope attach needs a vLLM V1 server")
-    version = (_json(client, f"{url}/version") or {}).get("version", "unknown")
+    except FetchError as exc:
+        raise AttachError(f"cannot reach {url}: {exc}" if exc.unreachable else
+                          f"cannot read {url}/metrics: {exc}") from None
+    engine = sample.engines[0]
+    version = _text((_json(client, f"{url}/version") or {}).get("version")) or "unknown"
     card = _model_card(client, url)
     prefix_caching = dict(engine.cache_config).get("enable_prefix_caching", "True") == "True"
     sources, note = (event_endpoints, "") if event_endpoints else _discover(client, url, prefix_caching)
     info = ServerInfo(
-        url=url, version=str(version), model=card.get("id") or sample.model_name or "unknown",
-        model_root=card.get("root"), max_model_len=card.get("max_model_len"),
+        url=url, version=version, model=_text(card.get("id")) or sample.model_name or "unknown",
+        model_root=_text(card.get("root"), 4096), max_model_len=_model_len(card.get("max_model_len")),
         num_gpu_blocks=engine.num_gpu_blocks, block_size=engine.block_size,
         engines=tuple(e.engine for e in sample.engines), prefix_caching=prefix_caching,
         event_sources=tuple(sources), events_note=note, process_start_time=sample.process_start_time,
@@ -123,28 +143,30 @@ def probe_server(client: httpx.Client, url: str, *, event_endpoints: tuple[Event
     return info, sample
 
 
-def _model_card(client: httpx.Client, url: str) -> dict:
+def _text(value, limit: int = MAX_TEXT) -> str | None:
+    """A string the server sent, cut to ``limit``; None for anything else."""
+    return value[:limit] if isinstance(value, str) and value else None
+
+
+def _model_len(value) -> int | None:
+    return value if type(value) is int and 1 <= value <= MAX_MODEL_LEN else None
+
+
+def _model_card(client: Fetcher, url: str) -> dict:
     models = _json(client, f"{url}/v1/models") or {}
     data = models.get("data") if isinstance(models, dict) else None
     return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
 
 
-def describe_http_error(exc: httpx.HTTPError) -> str:
-    if isinstance(exc, httpx.ConnectError):
-        return "connection refused or host not found"
-    if isinstance(exc, httpx.TimeoutException):
-        return "no answer in time"
-    if isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)):
-        return f"the connection was lost ({exc or type(exc).__name__})"
-    return str(exc) or type(exc).__name__
-
-
-def _discover(client: httpx.Client, url: str, prefix_caching: bool) -> tuple[list[EventEndpoint], str]:
+def _discover(client: Fetcher, url: str, prefix_caching: bool) -> tuple[list[EventEndpoint], str]:
     found = _json(client, f"{url}/kv_event_sources")
     host = urlsplit(url).hostname or "127.0.0.1"
     sources = []
     if isinstance(found, dict):
-        for rank, config in sorted(found.items(), key=lambda item: _rank(item[0])):
+        listed = sorted(found.items(), key=lambda item: _rank(item[0]))
+        if len(listed) > MAX_RANKS:
+            raise AttachError(f"{url} lists {len(listed):,} KV-event sources (at most {MAX_RANKS} ranks)")
+        for rank, config in listed:
             endpoint = server_endpoint(config, host, _rank(rank))
             if endpoint is not None:
                 sources.append(endpoint)
@@ -160,9 +182,10 @@ def _discover(client: httpx.Client, url: str, prefix_caching: bool) -> tuple[lis
 
 def _rank(key) -> int:
     try:
-        return int(key)
+        rank = int(key)
     except (TypeError, ValueError):
         return 0
+    return rank if 0 <= rank < MAX_RANKS else 0
 
 
 def server_binds(endpoint: str) -> bool:
@@ -183,13 +206,13 @@ def server_endpoint(config, host: str, rank: int) -> EventEndpoint | None:
     if not isinstance(config, dict) or not config.get("enable_kv_cache_events") or \
             config.get("publisher") != "zmq" or not config.get("endpoint"):
         return None
-    endpoint = str(config["endpoint"])
-    if endpoint.startswith("inproc://"):
-        return None  # in the server's process only
-    replay = config.get("replay_endpoint")
+    endpoint = _text(config["endpoint"], MAX_ENDPOINT)
+    if endpoint is None or endpoint.startswith("inproc://"):
+        return None  # not an address, or in the server's process only
+    replay = _text(config.get("replay_endpoint"), MAX_ENDPOINT)
     return EventEndpoint(
-        endpoint=reachable(endpoint, host), replay=reachable(str(replay), host) if replay else None,
-        topic=str(config.get("topic") or ""), rank=rank, bind=not server_binds(endpoint))
+        endpoint=reachable(endpoint, host), replay=reachable(replay, host) if replay else None,
+        topic=_text(config.get("topic"), MAX_TEXT) or "", rank=rank, bind=not server_binds(endpoint))
 
 
 def user_endpoints(events: list[str], replays: list[str]) -> tuple[EventEndpoint, ...]:

@@ -11,8 +11,18 @@ the next tries back off (BACKOFF_S). When it answers again, a changed process
 start time (or counters that went backwards) means the server restarted: the
 pools are cleared, the window is told, and each publisher's buffer is replayed
 from 0. A sequence number going backwards says the same from the event side.
-Every metrics sample is also a step of the run log, with what the events did
-since the previous one.
+A page that answers but is not plausible (metrics.sample_problem: numbers out of
+range, series that vanished) is a bad sample: counted, shown, and skipped, never
+taken for a restart. Every metrics sample is also a step of the run log, with
+what the events did since the previous one; the first is the baseline, so the
+session is credited only with what the server did while it was watched.
+
+Nothing here waits on the server: a request has a total deadline and stop()
+cancels it (fetch.py), replays are read as they arrive (replay.py), and the
+loop wakes at least every IDLE_WAKE_S, so stop() ends the thread in well under
+a second. An exception in a tick (a bug, never the server's input) is shown
+as a notice and the thread goes on; it never ends silently with the window
+still drawing its last frame.
 """
 
 from __future__ import annotations
@@ -20,19 +30,29 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 
-import httpx
 import zmq
 
-from kvscope.app.attach.feed.frame import CONNECTED, DISCONNECTED, AttachFrame, Connection, Notice, QueuePoint
+from kvscope.app.attach.feed.fetch import Fetcher, FetchError, Stopped
+from kvscope.app.attach.feed.frame import (
+    CONNECTED,
+    DISCONNECTED,
+    AttachFrame,
+    BadSamples,
+    Connection,
+    Notice,
+    QueuePoint,
+)
+from kvscope.app.attach.feed.limits import MAX_BLOCKS, MAX_RANKS
 from kvscope.app.attach.feed.metrics import MetricsSample
 from kvscope.app.attach.feed.pool_set import PoolSet
 from kvscope.app.attach.feed.pool_view import PoolView
 from kvscope.app.attach.feed.rates import RateWindow, ServerRates
 from kvscope.app.attach.feed.run_log import step_stats
-from kvscope.app.attach.feed.server import AttachError, ServerInfo, describe_http_error, fetch_metrics
+from kvscope.app.attach.feed.server import BadPage, ServerInfo, fetch_metrics
 from kvscope.app.attach.feed.subscriber import Delivery, EventStream
 from kvscope.engine.outputs import StepStats
 
@@ -45,10 +65,11 @@ IDLE_WAKE_S = 0.25      # the longest the thread sleeps, so stop() is quick
 # Events are taken in batches at most this often: each wake-up costs a poll and a pass over the
 # sockets, and a busy server sends thousands of messages a second; a person sees no 20 ms delay.
 DRAIN_EVERY_S = 0.02
+FAULT_PAUSE_S = 1.0     # after a tick that raised, before the next
 
 
 class AttachSource:
-    def __init__(self, server: ServerInfo, *, client: httpx.Client | None = None,
+    def __init__(self, server: ServerInfo, *, client: Fetcher | None = None,
                  publish: Callable[[AttachFrame], None], interval_s: float = 1.0,
                  run_log=None, preview_text=None, preview_note: str = "") -> None:
         self.server = server
@@ -70,9 +91,11 @@ class AttachSource:
         self.frame_index = 0
         self.history: deque[QueuePoint] = deque(maxlen=QUEUE_HISTORY)
         self.notices: deque[Notice] = deque(maxlen=NOTICES_KEPT)
+        self.bad_samples = BadSamples()
         self._dirty = False
         self._failures = 0
         self._lost_batches = 0
+        self._refused: set[tuple[int, int]] = set()
         self._next_sample = 0.0
         self._next_frame = 0.0
         self._stopping = threading.Event()
@@ -94,7 +117,10 @@ class AttachSource:
                 self._next_sample = time.monotonic() + self.interval_s
             self.bootstrap_streams()
             while not self._stopping.is_set():
-                self._tick()
+                try:
+                    self._tick()
+                except Exception as exc:
+                    self._fault(exc)
         finally:
             for stream in self.streams:
                 stream.close()
@@ -103,6 +129,14 @@ class AttachSource:
                 self.run_log.close()
             self.finished.set()
 
+    def _fault(self, exc: Exception) -> None:
+        """A tick raised: kvscope's bug, not the server's. Say so where the user looks, and go on."""
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        self.notice(f"internal error, the watch goes on: {type(exc).__name__}: {exc} "
+                    f"({where.filename.rsplit('/', 1)[-1]}:{where.lineno})")
+        self._publish()
+        self._stopping.wait(FAULT_PAUSE_S)
+
     def _tick(self) -> None:
         if time.monotonic() >= self._next_sample:
             self.poll_metrics()
@@ -110,40 +144,48 @@ class AttachSource:
         wake = min(self._next_sample, self._next_frame if self._dirty else float("inf"),
                    time.monotonic() + IDLE_WAKE_S)
         timeout_ms = max(0, int((wake - time.monotonic()) * 1000))
-        if not self.streams:
+        if not self.streams or self._stopping.is_set():
             self._stopping.wait(timeout_ms / 1000)
             return
-        ready = dict(self._poller.poll(timeout_ms))
+        poller = zmq.Poller()
+        for stream in self.streams:
+            poller.register(stream.waiting_on, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
         for index, stream in enumerate(self.streams):
-            if stream.socket in ready:
+            # A replay in flight is looked at on every tick: its deadlines pass without a message.
+            if stream.waiting_on in ready or stream.replay is not None:
                 self.apply(index, stream.drain())
+            stream.check_link()
         if ready:
             self._stopping.wait(DRAIN_EVERY_S)
 
     def open_streams(self, context: zmq.Context | None = None) -> None:
         context = context or self._context
         self.streams = [EventStream(context, source) for source in self.server.event_sources]
-        self._poller = zmq.Poller()
         for stream in self.streams:
-            self._poller.register(stream.socket, zmq.POLLIN)
             if stream.error:
                 self.notice(stream.error)
 
-    def bootstrap_streams(self) -> None:
-        """Replay what each publisher still buffers, so a busy server's pool shows at once."""
+    def bootstrap_streams(self, wait: bool = False) -> None:
+        """Ask each publisher for what it still buffers, so a busy server's pool shows at once. The replies
+        come with the live messages (``wait``: take them now, for tests and tools)."""
         for index, stream in enumerate(self.streams):
-            self.apply(index, stream.bootstrap())
+            stream.bootstrap()
+            if wait:
+                self.apply(index, stream.wait_for_replay())
 
     # --- metrics ------------------------------------------------------------------------------
 
     def poll_metrics(self) -> None:
         try:
-            sample = fetch_metrics(self.client, self.server.url)
-        except httpx.HTTPError as exc:
-            self._lost(describe_http_error(exc))
+            sample = fetch_metrics(self.client, self.server.url, self.sample, self._stopping)
+        except Stopped:
             return
-        except AttachError as exc:
+        except FetchError as exc:
             self._lost(str(exc))
+            return
+        except BadPage as exc:
+            self._bad_sample(str(exc).removeprefix(f"{self.server.url}: "))
             return
         if self.connection.state == DISCONNECTED:
             self.notice(f"reconnected to {self.server.url}")
@@ -151,6 +193,16 @@ class AttachSource:
         self.connection = Connection(CONNECTED)
         self._next_sample = time.monotonic() + self.interval_s
         self.take_sample(sample)
+
+    def _bad_sample(self, reason: str) -> None:
+        """The server answered with a page kvscope cannot believe: skip it, count it, say so once a run."""
+        if self.bad_samples.in_a_row == 0:
+            self.notice(f"a bad /metrics page was skipped: {reason}")
+        self.bad_samples = self.bad_samples.add(reason)
+        self._failures = 0
+        self.connection = Connection(CONNECTED)
+        self._next_sample = time.monotonic() + self.interval_s
+        self._publish()
 
     def _lost(self, reason: str) -> None:
         delay = BACKOFF_S[min(self._failures, len(BACKOFF_S) - 1)]
@@ -165,6 +217,7 @@ class AttachSource:
         """One metrics sample: a run log step and a frame."""
         if self.sample is not None and self._restarted(self.sample, sample):
             self._server_restarted(sample)
+        self.bad_samples = self.bad_samples.good()
         previous = self.sample
         self.sample = sample
         self.sample_index += 1
@@ -180,18 +233,19 @@ class AttachSource:
 
     @staticmethod
     def _restarted(before: MetricsSample, after: MetricsSample) -> bool:
-        if None not in (before.process_start_time, after.process_start_time) and \
-                before.process_start_time != after.process_start_time:
-            return True
+        """A new process start time, or counters both pages have that went backwards (a page lacking
+        them is a bad sample, refused before it gets here)."""
+        if None not in (before.process_start_time, after.process_start_time):
+            return before.process_start_time != after.process_start_time
         old, new = before.totals(), after.totals()
         return new.prompt_tokens < old.prompt_tokens or new.generation_tokens < old.generation_tokens
 
     def _server_restarted(self, sample: MetricsSample) -> None:
-        totals = sample.totals()
-        if (totals.num_gpu_blocks, totals.block_size) != (self.server.num_gpu_blocks, self.server.block_size) \
-                and totals.num_gpu_blocks and totals.block_size:
-            self.server = dataclasses.replace(self.server, num_gpu_blocks=totals.num_gpu_blocks,
-                                              block_size=totals.block_size)
+        # Per engine, as the probe reads it (the totals add the ranks' pools up); sample_problem checked it.
+        engine = sample.engines[0]
+        if (engine.num_gpu_blocks, engine.block_size) != (self.server.num_gpu_blocks, self.server.block_size):
+            self.server = dataclasses.replace(self.server, num_gpu_blocks=engine.num_gpu_blocks,
+                                              block_size=engine.block_size)
             self.pools = PoolSet(self.server, self.preview_text)
         self.window.clear()
         self.notice("the server restarted: its pool was cleared here and rebuilt from what it replays")
@@ -208,7 +262,11 @@ class AttachSource:
         for item in items:
             if type(item) is Delivery:
                 rank = item.batch.data_parallel_rank
-                pools.pool(stream_index, default_rank if rank is None else rank).apply(item.batch.events)
+                pool = pools.pool(stream_index, default_rank if rank is None else rank)
+                if pool is None:
+                    self._refuse(stream_index, rank)
+                    continue
+                pool.apply(item.batch.events)
             else:
                 pools.clear_stream(stream_index)
                 self.notice(f"{item.reason}; the map was cleared")
@@ -218,6 +276,15 @@ class AttachSource:
                         "buffer); the map may lack some blocks until they are evicted")
             self._lost_batches = lost
         self._dirty = True
+
+    def _refuse(self, stream_index: int, rank: int) -> None:
+        key = (stream_index, rank)
+        if key not in self._refused:
+            if len(self._refused) < MAX_RANKS:
+                self._refused.add(key)
+            self.notice(f"batches of rank {rank} from {self.server.event_sources[stream_index].label} are not "
+                        f"drawn: one more pool would pass kvscope's limits ({MAX_RANKS} pools, "
+                        f"{MAX_BLOCKS:,} blocks)")
 
     def notice(self, text: str) -> None:
         self.notices.append(Notice(time.time(), text))
@@ -246,4 +313,5 @@ class AttachSource:
             sample_index=self.sample_index, metrics=self.sample, rates=self.rates,
             queue_history=tuple(self.history), pools=pools or self.pools.views(self.sample_index, self.sample),
             streams=tuple(stream.status() for stream in self.streams), notices=tuple(self.notices),
-            preview_note=self.preview_note, stats=self.stats, generated_tokens=self.generated)
+            preview_note=self.preview_note, stats=self.stats, generated_tokens=self.generated,
+            bad_samples=self.bad_samples)

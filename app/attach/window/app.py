@@ -3,11 +3,18 @@
 It is the app's window with another data source, so the themes, the run log's
 History (F9, where the session shows up as a "vllm" run while it is recorded)
 and screenshots (F10) work as they do in the app.
+
+The data source runs in a daemon thread of its own, not a Textual thread worker:
+the worker pool is joined when the app's event loop closes, so a thread that
+did not stop would keep the process from exiting. Quitting stops the source
+and waits at most CLOSE_TIMEOUT_S for it to close its sockets and the run log;
+every wait in the source ends well within that, whatever the server does.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,12 +26,13 @@ from kvscope.app.attach.feed.frame import AttachFrame
 from kvscope.app.attach.feed.source import AttachSource
 from kvscope.app.attach.window.replay_view import replay_screen_for
 from kvscope.app.attach.window.screen import AttachScreen
+from kvscope.app.messages import RunLogFailed
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.settings import settings
 from kvscope.themes import THEME_CSS_PATHS
 
-CLOSE_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 1.5
 ATTACH_CSS = Path(__file__).with_name("attach.tcss")
 
 
@@ -66,14 +74,21 @@ class AttachApp(ThemedApp):
             self.notify(self.log_warning, title="Run log", severity="warning", timeout=12)
         if self.run_thread:
             self._source_started = True
-            self.run_worker(lambda: self.source.run(self.first_sample), thread=True, name="attach",
-                            exit_on_error=False)
+            threading.Thread(target=self.source.run, args=(self.first_sample,), name="kvscope-attach",
+                             daemon=True).start()
 
     def on_unmount(self) -> None:
         self.source.stop()
         if self._source_started:
-            # The session's run is marked finished only once the thread has flushed and closed the log.
+            # The session's run is marked finished once the thread has flushed and closed the log.
             self.source.finished.wait(CLOSE_TIMEOUT_S)
+
+    @property
+    def source_running(self) -> bool:
+        return self._source_started and not self.source.finished.is_set()
+
+    def on_run_log_failed(self, message: RunLogFailed) -> None:
+        self.notify(message.warning, title="Run log", severity="warning", timeout=30)
 
     def _from_source(self, frame: AttachFrame) -> None:
         self.post_message(FrameArrived(frame))

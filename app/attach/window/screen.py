@@ -23,6 +23,7 @@ from kvscope.app.attach.window.widgets.server_counters import ServerCounters
 from kvscope.app.attach.window.widgets.server_queues import ServerQueues
 from kvscope.app.attach.window.widgets.slot_inspector import SlotInspector
 from kvscope.app.messages import RequestSelected
+from kvscope.app.safe_text import escape, one_line
 from kvscope.app.widgets.box import Box, titled
 from kvscope.app.widgets.throughput import Series, Throughput
 
@@ -37,7 +38,9 @@ SERVER_SERIES = (
 
 def map_title(frame: AttachFrame, index: int) -> str:
     pool = frame.pools[index]
-    return f"Block map · {pool.label} · {pool.num_known_blocks:,} announced of {pool.num_blocks:,}"
+    # A label may name an endpoint the server listed: border titles are markup.
+    return f"Block map · {escape(one_line(pool.label, 100))} · {pool.num_known_blocks:,} announced of " \
+           f"{pool.num_blocks:,}"
 
 
 class AttachScreen(Screen):

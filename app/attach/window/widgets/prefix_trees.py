@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from textual.events import Resize
-from textual.markup import escape
 
 from kvscope.app.attach.feed.frame import AttachFrame
 from kvscope.app.attach.feed.pool_view import PrefixTree
+from kvscope.app.safe_text import escape, one_line
 from kvscope.app.widgets.line_panel import LinePanel
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
@@ -24,10 +24,10 @@ FOOTNOTE = ("[dim]reuse: store events since attach that show a request reusing t
 
 
 def preview_of(tree: PrefixTree, chars: int) -> str:
-    """The root's text (token ids without a tokenizer) on one line of at most ``chars``."""
+    """The root's text (token ids without a tokenizer) on one line of at most ``chars``. The text is what
+    the server's tokens decode to: it is cleaned and escaped like anything from outside."""
     text = tree.preview or " ".join(map(str, tree.preview_token_ids))
-    text = ("…" if tree.partial else "") + " ".join(text.split())
-    return escape(text if len(text) <= chars else text[:chars - 1] + "…")
+    return escape(one_line(("…" if tree.partial else "") + one_line(text), chars))
 
 
 def tree_row(tree: PrefixTree, rank: str, chars: int, narrow: bool = False) -> str:
@@ -42,7 +42,7 @@ def tree_row(tree: PrefixTree, rank: str, chars: int, narrow: bool = False) -> s
 
 def describe_prefixes(frame: AttachFrame, width: int = 100) -> str:
     if not frame.has_events:
-        return "No prefix trees without KV-cache events.\n" + escape(frame.server.events_note)
+        return "No prefix trees without KV-cache events.\n" + escape(one_line(frame.server.events_note))
     several, narrow = len(frame.pools) > 1, width < NARROW
     rows = []
     for pool in frame.pools:
@@ -54,7 +54,7 @@ def describe_prefixes(frame: AttachFrame, width: int = 100) -> str:
     if not rows:
         return "No prefix cached yet: a tree appears when vLLM announces a full block.\n" + FOOTNOTE
     more = f"\n[dim]… {total - MAX_ROWS} smaller trees not listed[/]" if total > MAX_ROWS else ""
-    note = f"\n[dim]{escape(frame.preview_note)}[/]" if frame.preview_note else ""
+    note = f"\n[dim]{escape(one_line(frame.preview_note))}[/]" if frame.preview_note else ""
     return "\n".join([NARROW_HEADER if narrow else HEADER, *rows[:MAX_ROWS]]) + more + note + "\n" + FOOTNOTE
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.safe_text import escape, one_line
 from kvscope.app.widgets.line_panel import LinePanel
 from kvscope.app.widgets.throughput import BARS, bar_levels
 
@@ -16,12 +17,17 @@ def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
     return "".join(BARS[level] for level in bar_levels(values, width))
 
 
+def describe_reasons(counts: tuple[tuple[str, int], ...], number: str) -> str:
+    """Label counts as the server named them (escaped; metrics.py already capped how many)."""
+    return " · ".join(f"{escape(one_line(label, 40))} {number.format(count)}" for label, count in counts)
+
+
 def describe_queues(frame: AttachFrame) -> str:
     history = frame.queue_history
     if not history:
         return "waiting for the first /metrics sample…\n" + NOT_EXPOSED
     now = history[-1]
-    reasons = " · ".join(f"{reason} {count}" for reason, count in now.waiting_by_reason) or "no reasons published"
+    reasons = describe_reasons(now.waiting_by_reason, "{:}") or "no reasons published"
     lines = [
         f"running {now.num_running:>4}  [$success]{sparkline([p.num_running for p in history])}[/]",
         f"waiting {now.num_waiting:>4}  [$warning]{sparkline([p.num_waiting for p in history])}[/]",
@@ -30,7 +36,7 @@ def describe_queues(frame: AttachFrame) -> str:
     if frame.metrics is not None:
         finished = frame.metrics.totals().finished_by_reason
         if finished:
-            lines.append("[dim]finished since start:[/] " + " · ".join(f"{r} {n:,}" for r, n in finished))
+            lines.append("[dim]finished since start:[/] " + describe_reasons(finished, "{:,}"))
     lines.append(f"[dim]last {len(history)} samples, {history[-1].time - history[0].time:.0f} s[/]")
     return "\n".join(lines + [NOT_EXPOSED])
 
