@@ -82,14 +82,18 @@ class FakeTokenizer:
         return "".join(parts)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True,
-                            **kwargs) -> list[int] | str:
+                            return_dict: bool = True, **kwargs) -> dict[str, list[int]] | list[int] | str:
+        """As transformers 5 answers: tokenized, a dict of ``input_ids`` and ``attention_mask`` (a BatchEncoding
+        there) unless ``return_dict=False``, so code that takes len() of it is caught here too."""
         ids: list[int] = []
         for message in messages:
             text = f"{message['role']}\n{message['content']}"
             ids += [self.im_start_id, *self.encode(text), self.im_end_id, *self.encode("\n")]
         if add_generation_prompt:
             ids += [self.im_start_id, *self.encode("assistant\n")]
-        return ids if tokenize else self.decode(ids)
+        if not tokenize:
+            return self.decode(ids)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
 
 
 class FakeRunner:

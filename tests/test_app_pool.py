@@ -41,6 +41,8 @@ def test_the_chat_reply_shrinks_to_what_max_model_len_leaves():
     context = PresetContext.from_engine(engine, engine_info(engine))
     messages = [{"role": "user", "content": "Hello"}]
     max_tokens = fit_reply(context, messages, 256)
+    # The templated prompt as the engine counts it (a transformers 5 BatchEncoding's len() is its 2 keys).
+    assert context.chat_tokens(messages) == len(engine.prompt_token_ids(messages)) > 2
     assert max_tokens == 256 - context.chat_tokens(messages)
     with pytest.raises(RequestError):
         engine.add_request(messages, SamplingParams(max_tokens=256))

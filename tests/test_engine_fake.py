@@ -70,7 +70,7 @@ def test_chat_messages_go_through_the_chat_template():
     engine = make_engine()
     messages = [{"role": "user", "content": "hi"}]
     (output,) = engine.generate([messages], greedy(2))
-    expected = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     assert list(output.prompt_token_ids) == expected
 
 

@@ -77,9 +77,9 @@ class PresetContext:
         tokenizer = engine.tokenizer
         encode = getattr(tokenizer, "encode", None)
         count = (lambda text: len(encode(text))) if callable(encode) else (lambda text: len(text) // 4 + 1)
-        template = getattr(tokenizer, "apply_chat_template", None)
-        count_chat = (lambda messages: len(template(messages, add_generation_prompt=True))) \
-            if callable(template) else None
+        # The engine's own count, as add_request will make it: the chat template's tokens included. (len() of
+        # what apply_chat_template returns counts a transformers 5 BatchEncoding's keys: 2.)
+        count_chat = (lambda messages: len(engine.prompt_token_ids(messages))) if tokenizer is not None else None
         return cls(info.block_size, info.num_blocks, info.max_model_len,
                    engine.config.max_num_batched_tokens, count, count_chat, engine.config.allocator)
 
