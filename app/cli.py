@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvscope import __version__
 from kvscope.app import screenshots
+from kvscope.app.arguments import CommandLine, FlagRefused
 from kvscope.app.attach import cli as attach_cli
 from kvscope.app.bench import cli as bench_cli
 from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args
@@ -25,17 +26,23 @@ if TYPE_CHECKING:
 USER_ERRORS = (ConfigError, RequestError, ModelError)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+TEACH_HELP = ("a pool for teaching: 64 blocks of 16 tokens (one map cell each, every shared block's digit "
+              "visible), max_model_len 256; flags given explicitly still win")
+
+
+def build_parser() -> CommandLine:
+    """The whole command line. Its top-level flags may also be typed after a subcommand that takes them, and a
+    subcommand that does not take one refuses it in one line wherever it is typed (app/arguments.py)."""
+    parser = CommandLine(
         prog="kvscope",
-        description="Watch a real paged-attention LLM engine work. With no subcommand, opens the app.",
+        description="Watch a real paged-attention LLM engine work. With no subcommand, opens the app. The flags "
+                    "below may come before or after a subcommand that takes them.",
     )
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
-    parser.add_argument("--teach", action="store_true",
-                        help="a pool for teaching: 64 blocks of 16 tokens (one map cell each, every shared "
-                             "block's digit visible), max_model_len 256; flags given explicitly still win")
+    parser.add_argument("--teach", action="store_true", help=TEACH_HELP)
     add_engine_flags(parser)
     add_log_flags(parser)
+    parser.flags_unset_until_typed()
     parser.set_defaults(func=_open_app)
     sub = parser.add_subparsers(title="subcommands", metavar="COMMAND")
     for register in SUBCOMMANDS:
@@ -55,6 +62,7 @@ def _register_chat(subparsers) -> None:
     chat.add_argument("--temperature", type=float, default=None,
                       help="sampling temperature, 0 for greedy (default: the model's generation_config, which "
                            "for SmolLM2 is greedy)")
+    chat.add_argument("--teach", action="store_true", help=TEACH_HELP)
     add_engine_flags(chat)
     add_log_flags(chat)
     chat.set_defaults(func=_chat)
@@ -71,9 +79,10 @@ def _register_lesson(subparsers) -> None:
     parser.add_argument("name", nargs="?", choices=list(LESSONS), metavar="NAME",
                         help=f"one of: {', '.join(LESSONS)}")
     parser.add_argument("--list", action="store_true", help="print the lesson names, one per line, and exit")
-    parser.add_argument("--model", default="default", help="as for the app (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--teach", action="store_true",
+                        help="accepted for symmetry with the app: a lesson always runs on the teaching pool")
+    # The pool is the lesson's: of the engine flags, only what the model runs on.
+    add_engine_flags(parser, names=("model", "device", "dtype"))
     parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     parser.add_argument("--no-log", action="store_true",
                         help="do not keep the lesson's runs (Backspace then replays from a temporary log)")
@@ -96,7 +105,7 @@ SUBCOMMANDS = (
 def _open_app(args: argparse.Namespace) -> int:
     from kvscope.app.app import run_app
 
-    engine = first_engine(teaching_pool(args) if args.teach else config_from_args(args))
+    engine = first_engine(engine_config(args))
     if engine is None:
         return 2
     return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine)
@@ -136,11 +145,15 @@ def teaching_pool(args: argparse.Namespace) -> EngineConfig:
     """The config of ``--teach``: the teaching pool wherever the user left a pool flag at its default."""
     from kvscope.app.lessons.load import TEACH_POOL
 
-    defaults = build_parser()
+    defaults = {spec.name: spec.default for spec in dataclasses.fields(EngineConfig)}
     config = config_from_args(args)
-    changes = {name: value for name, value in TEACH_POOL.items()
-               if getattr(args, name) == defaults.get_default(name)}
+    changes = {name: value for name, value in TEACH_POOL.items() if getattr(args, name) == defaults[name]}
     return dataclasses.replace(config, **changes)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine the flags ask for: the teaching pool under --teach."""
+    return teaching_pool(args) if args.teach else config_from_args(args)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -158,7 +171,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     chosen = {"max_tokens": args.max_tokens} | ({} if args.temperature is None else {"temperature": args.temperature})
     model_sampling(**chosen).validate()   # a bad flag fails before the model loads
-    engine = LLMEngine(config_from_args(args))
+    engine = LLMEngine(engine_config(args))
     params = model_sampling(engine.info.sampling_defaults, **chosen)
     print(engine.banner, file=sys.stderr)
     with record_run(engine, source="chat", db_path=args.db, enabled=not args.no_log,
@@ -173,9 +186,17 @@ def _chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line read as `kvscope` reads it; FlagRefused for a flag the subcommand does not take."""
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except FlagRefused as exc:
+        print(f"kvscope: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except USER_ERRORS as exc:

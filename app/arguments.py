@@ -1,0 +1,111 @@
+"""One rule for the top-level flags: they mean the same before a subcommand as after it.
+
+argparse lets a subcommand's defaults overwrite the values typed before it, so
+`kvscope --dtype float32 chat hi` ran in the default dtype, silently. Here every
+flag of a parser that has subcommands is unset until typed (its default is
+applied after parsing), and a flag typed before a subcommand is handed to that
+subcommand as if typed after it, checked by the subcommand's own definition of
+it. A subcommand that has no use for a flag refuses it in one line, on either
+side: `kvscope runs --dtype float32` and `kvscope --dtype float32 runs` get the
+same error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+_COMMAND = "_command_prog"     # the namespace attribute naming the innermost subcommand parsed
+
+
+class FlagRefused(Exception):
+    """A flag the subcommand does not take; the message is the one line the user sees."""
+
+
+def refusal(option: str, prog: str) -> FlagRefused:
+    return FlagRefused(f"`{prog}` does not take {option} (`{prog} --help` lists what it takes)")
+
+
+class CommandLine(argparse.ArgumentParser):
+    """An ArgumentParser whose subcommands receive the flags typed before them (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", Subcommands)
+        self.typed_defaults: dict[str, Any] = {}
+
+    def flags_unset_until_typed(self) -> None:
+        """Make every flag absent from the namespace unless typed; parse_args() applies the defaults afterwards.
+        Call once every flag is added (subcommands then see only what the user typed before them)."""
+        for action in self._actions:
+            if action.option_strings and action.default is not argparse.SUPPRESS:
+                self.typed_defaults[action.dest] = action.default
+                action.default = argparse.SUPPRESS
+
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
+        """argparse's, with the top-level defaults applied afterwards and a misplaced flag refused (FlagRefused)."""
+        args, extras = self.parse_known_args(args, namespace)
+        prog = getattr(args, _COMMAND, None)
+        if extras:
+            flag = next((e for e in extras if self._top_level_option(e)), None)
+            if flag is not None and prog is not None:
+                raise refusal(flag.split("=", 1)[0], prog)
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        for dest, value in self.typed_defaults.items():
+            if not hasattr(args, dest):
+                setattr(args, dest, value)
+        if hasattr(args, _COMMAND):
+            delattr(args, _COMMAND)
+        return args
+
+    def _top_level_option(self, text: str) -> bool:
+        return text.startswith("-") and text.split("=", 1)[0] in self._option_string_actions
+
+
+class Subcommands(argparse._SubParsersAction):
+    """Hands the flags typed before the subcommand to it, as strings, ahead of its own arguments."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        name, rest = values[0], list(values[1:])
+        sub = self._name_parser_map.get(name)
+        if sub is not None:
+            _refuse_misplaced(parser, sub, rest)
+            typed = [a for a in parser._actions
+                     if a.option_strings and a.default is argparse.SUPPRESS and hasattr(namespace, a.dest)]
+            rest = [text for action in typed for text in _as_typed(action, getattr(namespace, action.dest), sub)] \
+                + rest
+            for action in typed:
+                delattr(namespace, action.dest)    # the subcommand sets it again, through its own checks
+            setattr(namespace, _COMMAND, sub.prog)
+        super().__call__(parser, namespace, [name, *rest], option_string)
+
+
+def _refuse_misplaced(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, rest: list[str]) -> None:
+    """FlagRefused for a flag of ``parser`` typed after ``sub`` that neither ``sub`` nor a subcommand of it
+    takes: argparse would leave it over and read its value as a positional argument (an invalid choice)."""
+    for text in rest:
+        if text == "--":
+            return
+        option = text.split("=", 1)[0]
+        if option.startswith("-") and option in parser._option_string_actions and not _takes(sub, option):
+            raise refusal(option, sub.prog)
+
+
+def _takes(parser: argparse.ArgumentParser, option: str) -> bool:
+    if option in parser._option_string_actions:
+        return True
+    nested = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return any(_takes(child, option) for action in nested for child in action.choices.values())
+
+
+def _as_typed(action: argparse.Action, value, sub: argparse.ArgumentParser) -> list[str]:
+    """The command-line words that give ``sub`` the value ``action`` parsed; FlagRefused if it has no such flag."""
+    theirs = next((a for a in sub._actions if a.dest == action.dest and a.option_strings), None)
+    if theirs is None:
+        raise refusal(action.option_strings[-1 if isinstance(action, argparse.BooleanOptionalAction)
+                                           and value is False else 0], sub.prog)
+    if isinstance(theirs, argparse.BooleanOptionalAction):
+        return [theirs.option_strings[0 if value else 1]]
+    if theirs.nargs == 0:      # store_true and the like: the flag alone
+        return [theirs.option_strings[0]]
+    return [theirs.option_strings[0], str(value)]
