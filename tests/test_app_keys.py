@@ -192,3 +192,51 @@ async def test_the_block_table_scrolls_when_a_table_is_longer_than_the_panel():
         last = table._row_map()[-1]
         assert table.render_line(table.size.height - 1).text.strip() == \
             "".join(s.text for s in table._wrapped[last[0]][last[1]]).strip()
+
+
+def _in_sight(app, widget) -> bool:
+    """The whole widget is on screen, between the header and the footer (not scrolled off, not clipped)."""
+    body = app.main.view.region
+    return widget.region.height == widget.outer_size.height and body.contains_region(widget.region)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_each_panel_key_brings_its_panel_into_sight(size):
+    """Issue 25 defect 4: at 120x40 the queues sat below the fold and R focused them unseen."""
+    app = make_app(FakeEngines())
+    async with app.run_test(size=size) as pilot:
+        await started(pilot)
+        await burst_steps(pilot, 4, 2)
+        queues, block_map, chat_input = app.main.view.queues, app.main.view.block_map, app.main.query_one("#chat-input")
+        block_map.focus()
+        await pilot.pause()
+        for key, panel in (("r", queues), ("m", block_map), ("r", queues), ("c", chat_input)):
+            await pilot.press(key)
+            await pilot.pause()
+            assert app.focused is panel and _in_sight(app, panel), (key, panel.region, app.main.view.region)
+
+
+async def test_at_120x40_the_row_below_the_fold_shows_its_title_as_the_cue():
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        view, queues = app.main.view, app.main.view.queues
+        assert view.has_class("-scrolls") and view.max_scroll_y > 0          # there is more, and it scrolls
+        assert view.region.contains(queues.region.x + 2, queues.region.y)   # the Queues' title is on screen
+        await pilot.resize_terminal(160, 50)                                 # tall enough: no scrolling
+        await pilot.pause()
+        assert not view.has_class("-scrolls") and _in_sight(app, queues)
+
+
+@pytest.mark.parametrize("width", [80, 120, 160])
+async def test_the_footer_drops_the_least_needed_keys_first(width):
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(width, 40)) as pilot:
+        await started(pilot)
+        app.main.view.block_map.focus()
+        await pilot.pause()
+        text = _bar_text(app.main.query_one(KeyBar))
+        for needed in ("q Quit", "? Keys", "l Lessons", "c Chat", "m Map", "r Requests"):   # the way back included
+            assert needed in text, text
+        if "F7 Preempt mode" in text or "^t Theme" in text:
+            assert "F9 History" in text and "F3 Step" in text

@@ -26,6 +26,7 @@ import time
 from textual.app import ComposeResult
 from textual.screen import Screen
 
+from kvscope.app.actions import FOOTER_RANKS
 from kvscope.app.messages import EngineInfo, RunState
 from kvscope.app.widgets.box import titled
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
@@ -43,6 +44,9 @@ FRAME_RATE = 20
 UI_CPU_BUDGET = 0.04  # share of one core the UI thread may use for painting and handling steps
 MIN_FRAME_RATE = 1    # however busy the UI thread is, the view is at most this stale
 TEXT_RATE = 4         # the panels of numbers: as often as a person can read them
+# The map, its event line, legend and block inspector, and the chat beside them, all readable: under this plus
+# the figures and the queues (120x40), the view scrolls and the queues' title shows at the bottom as the cue.
+TOP_MIN_ROWS = 16
 
 
 class MainScreen(Screen):
@@ -72,13 +76,14 @@ class MainScreen(Screen):
         self.view = SnapshotView(
             id="body", beside_map=[self.chat], beside_figures=[self.throughput, self.status_lines[1]],
             under_block_table=[self.system],
-            beside_queues=[titled(LoadGenerator(id="load", classes="panel"), "Load generator")])
+            beside_queues=[titled(LoadGenerator(id="load", classes="panel"), "Load generator")],
+            top_min_rows=TOP_MIN_ROWS)
 
     def compose(self) -> ComposeResult:
         yield self.header
         yield self.view
         yield self.status_lines[0]
-        yield KeyBar(id="keys")
+        yield KeyBar(keep_first=FOOTER_RANKS, id="keys")
 
     def on_mount(self) -> None:
         self.set_interval(1 / FRAME_RATE, self.paint)
