@@ -43,7 +43,7 @@ from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.screens.lesson import LessonScreen
 from kvscope.app.screens.lesson_menu import LessonMenu
 from kvscope.app.screens.main import MainScreen
-from kvscope.app.screens.quit import ConfirmQuit, ShuttingDown
+from kvscope.app.screens.quit import ConfirmAbort, ConfirmQuit, ShuttingDown
 from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.load_generator import LoadGenerator
@@ -239,9 +239,19 @@ class KVScopeApp(ThemedApp):
             self.push_screen(LessonMenu(), lambda name: name and self.start_lesson(name))
 
     def start_lesson(self, name: str) -> None:
-        """Run a lesson on a fresh engine with the teaching pool; Esc in it comes back here."""
+        """Run a lesson on a fresh engine with the teaching pool; Esc in it comes back here. Asks first when it
+        would abort the app's requests in flight (a lesson's own go with it without a word)."""
+        if self.lesson_screen is not None:
+            self._start_lesson(name)
+            return
+        self.confirm_abort(f"Start the lesson {name}?", "starting a lesson on its own engine",
+                           lambda aborted: self._start_lesson(name, aborted), yes="start it")
+
+    def _start_lesson(self, name: str, aborted: str | None = None) -> None:
         if self.lesson_screen is not None:
             self.leave_lesson(rebuild=False)
+        if aborted:
+            self.notify(f"{aborted} aborted", title=f"Lesson {name}", timeout=5)
         lesson = LESSONS[name]
         self._ensure_run_log()
         self.lesson_screen = LessonScreen(lesson, teach_config(self.config, **lesson.config))
@@ -262,15 +272,31 @@ class KVScopeApp(ThemedApp):
         self.db_path = Path(self._lesson_log_dir.name) / "lessons.db"
         self.log_enabled = True
 
-    # --- quitting ------------------------------------------------------------------------------------
+    # --- aborting what is in flight: quitting, restarting ---------------------------------------------
 
     def _in_flight(self) -> str | None:
-        """What quitting would abort, in words; None when nothing is in flight."""
-        snapshot = self.main.latest.snapshot if self.main.latest else None
+        """What a restart or quitting would abort, in words ("24 requests"); None when nothing is in flight."""
+        snapshot = self.main.queued
         count = len(snapshot.requests) if snapshot else 0
         if self.main.chat.current_request is not None and count == 0:
             count = 1
         return f"{count} request{'s' if count != 1 else ''}" if count else None
+
+    def confirm_abort(self, question: str, doing: str, go: Callable[[str | None], None], yes: str) -> None:
+        """``go(aborted)`` at once when nothing is in flight; else after the user says yes to ``question``
+        (``doing`` aborts them), with ``aborted`` saying how many ("24 requests") for the toast that follows."""
+        in_flight = self._in_flight()
+        if in_flight is None:
+            go(None)
+            return
+        if isinstance(self.screen, ConfirmAbort):
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                go(in_flight)
+
+        self.push_screen(ConfirmAbort(question, in_flight, doing, yes=yes), answered)
 
     async def action_quit(self) -> None:
         if isinstance(self.screen, (ConfirmQuit, ShuttingDown)):
@@ -346,11 +372,17 @@ class KVScopeApp(ThemedApp):
         return self.main.engine_info.config if self.main.engine_info else self.config
 
     def _rebuild(self, **changes) -> None:
+        """Restart the engine with ``changes``, asking first while requests are in flight (it aborts them)."""
+        what = ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in changes.items())
+        self.confirm_abort(f"Restart the engine{' with ' + what if what else ''}?", "restarting the engine",
+                           lambda aborted: self._restart(changes, what, aborted), yes="restart")
+
+    def _restart(self, changes: dict, what: str, aborted: str | None) -> None:
         config = dataclasses.replace(self.running_config, **changes)
         self.config = config
         self.worker.rebuild(config)
-        self.notify(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in changes.items()) or "restarting",
-                    title="Restarting the engine", timeout=4)
+        said = [what or "restarting"] + ([f"{aborted} aborted"] if aborted else [])
+        self.notify(" · ".join(said), title="Restarting the engine", timeout=5)
 
     def action_toggle_preemption(self) -> None:
         current = self.running_config.preemption_mode
@@ -383,7 +415,7 @@ class KVScopeApp(ThemedApp):
             self.main.view.block_map.set_chat_request(None)
 
     def action_abort_all(self) -> None:
-        snapshot = self.main.latest.snapshot if self.main.latest else None
+        snapshot = self.main.queued
         for view in snapshot.requests if snapshot else ():
             self.worker.abort(view.request_id)
 

@@ -26,7 +26,7 @@ async def test_a_question_on_the_teaching_pool_is_answered_by_the_real_model():
         engines.append(build_engine(config, previous))
         return engines[-1]
 
-    config = cli.teaching_pool(cli.build_parser().parse_args(["--teach"]))
+    config = cli.engine_config(cli.parse_args(["--teach"]))
     assert config.max_model_len == 256
     app = KVScopeApp(config, log_enabled=False, engine_factory=factory, system_sampler=FixedSampler())
     async with app.run_test(size=(120, 40)) as pilot:

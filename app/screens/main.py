@@ -59,6 +59,7 @@ class MainScreen(Screen):
         self.engine_info: EngineInfo | None = None
         self.latest: StepResult | None = None
         self.previous: StepResult | None = None   # the step before latest, for the event line
+        self.queued: CacheSnapshot | None = None   # the newest snapshot: of a step, or of requests added paused
         self._painted: StepResult | None = None
         self._texted: StepResult | None = None   # the step the panels of numbers show
         self._painted_at = 0.0
@@ -98,7 +99,7 @@ class MainScreen(Screen):
         """A new engine: its empty pool in every panel at once, nothing of any engine before it."""
         self.engine_info = info
         self.view.max_model_len = info.max_model_len
-        self.latest = self.previous = self._painted = self._texted = None
+        self.latest = self.previous = self._painted = self._texted = self.queued = None
         self.header.show_engine(info)
         self.throughput.clear()
         for line in self.status_lines:
@@ -133,9 +134,11 @@ class MainScreen(Screen):
         for line in self.status_lines:
             line.push(result.stats)
         self.previous, self.latest = self.latest, result
+        self.queued = result.snapshot
 
     def show_queue(self, snapshot: CacheSnapshot) -> None:
         """Requests launched while the engine is paused: in "waiting" now, not at the next step."""
+        self.queued = snapshot
         self.view.queues.show_snapshot(snapshot)
         if self.latest is not None:
             for line in self.status_lines:
