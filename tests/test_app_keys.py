@@ -240,3 +240,29 @@ async def test_the_footer_drops_the_least_needed_keys_first(width):
             assert needed in text, text
         if "F7 Preempt mode" in text or "^t Theme" in text:
             assert "F9 History" in text and "F3 Step" in text
+
+
+async def test_a_multi_line_paste_is_sent_whole():
+    """Issue 25 defect 3: Textual's Input kept the first line of a 25-line paste, silently."""
+    from textual import events
+
+    pasted = "\n".join(f"line {i}: some pasted code, 40 characters." for i in range(25)) + "\n"
+    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=4096))
+    sent = []
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        chat_input = app.main.query_one("#chat-input")
+        chat_input.focus()
+        await pilot.press("R", "e", "a", "d", ":", "space")
+        chat_input.post_message(events.Paste(pasted))
+        await pilot.pause()
+        assert chat_input.value == f"Read: [pasted 25 lines, {len(pasted):,} characters]"   # what goes, in view
+        await pilot.press("space", "o", "k")
+        send = app.worker.send
+        app.worker.send = lambda command: (isinstance(command, AddChatTurn) and sent.append(command), send(command))
+        await pilot.press("enter")
+        await until(pilot, lambda: sent)
+        assert sent[0].messages[-1]["content"] == f"Read: {pasted} ok"          # every line of it
+        assert chat_input.value == "" and chat_input.expanded("[pasted 25 lines") == "[pasted 25 lines"
+        bubble = str(app.main.query(".bubble.user").last().render())
+        assert "line 0:" in bubble and "line 24:" in bubble

@@ -19,6 +19,7 @@ from textual.content import Content
 from textual.widgets import Input, Static
 
 from kvscope.app.messages import ChatSubmitted
+from kvscope.app.widgets.chat_input import ChatInput
 from kvscope.engine.outputs import RequestOutput
 
 PLACEHOLDER = "Ask the model…"
@@ -48,7 +49,7 @@ class ChatPane(Vertical):
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="chat-log"):
             yield Static(HINT, classes="chat-hint")
-        chat_input = Input(placeholder=PLACEHOLDER, id="chat-input")
+        chat_input = ChatInput(placeholder=PLACEHOLDER, id="chat-input")
         # The input has the focus most of the time: a blinking cursor would repaint twice a second,
         # a repaint pass the engine pays for under load.
         chat_input.cursor_blink = False
@@ -68,7 +69,8 @@ class ChatPane(Vertical):
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        text = event.value.strip()
+        chat_input = self.query_one("#chat-input", ChatInput)
+        text = chat_input.expanded(event.value).strip()     # a multi-line paste whole, not its marker
         if not text:
             event.input.value = ""   # whitespace alone is nothing to send, and nothing to keep
             return
@@ -76,6 +78,7 @@ class ChatPane(Vertical):
             self.notify("A reply is still streaming; press Esc to abort it.", severity="warning")
             return
         event.input.value = ""
+        chat_input.clear_pastes()
         self.chat_log.query(".chat-hint").remove()
         self.messages.append({"role": "user", "content": text})
         self._bubble(text, "user")
