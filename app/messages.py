@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from textual.message import Message
 
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.outputs import CacheSnapshot, StepResult
+from kvscope.engine.outputs import CacheSnapshot, KVLayout, StepResult
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class EngineInfo:
     kv_cache_bytes: int | None
     config: EngineConfig
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()   # the model's (RunnerInfo.sampling_defaults)
+    kv_layout: KVLayout | None = None                               # what one token's K/V takes (RunnerInfo's)
 
     @property
     def num_tokens(self) -> int:

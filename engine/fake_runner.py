@@ -25,9 +25,13 @@ import numpy as np
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.outputs import KVLayout
 from kvscope.engine.runner import RunnerInfo, RunnerOutput
 
 _MASK64 = (1 << 64) - 1
+# The shape the fake pretends its K/V has (SmolLM2-135M's), so a --kv-cache-memory budget sizes its pool as the
+# real runner's would: 2 x 30 layers x 3 KV heads x 64 x 4 bytes = 45 KiB a token in float32.
+_LAYERS, _KV_HEADS, _HEAD_DIM = 30, 3, 64
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
 
 
@@ -104,7 +108,10 @@ class FakeRunner:
                  fail_on: Sequence[str] = ()) -> None:
         self.tokenizer = FakeTokenizer()
         self.block_size = config.block_size
-        num_device_blocks = num_blocks or config.num_blocks or 512
+        self.kv_layout = KVLayout(_LAYERS, _KV_HEADS, _HEAD_DIM, 2 if config.dtype in ("bfloat16", "float16") else 4)
+        from_budget = (config.kv_cache_memory // (self.kv_layout.bytes_per_token * self.block_size)
+                       if config.kv_cache_memory else None)
+        num_device_blocks = num_blocks or config.num_blocks or from_budget or 512
         max_model_len = max_model_len or config.max_model_len or 1024
         self.verify = verify
         self.eos_period = eos_period            # about one token in eos_period is EOS; None: never
@@ -118,7 +125,7 @@ class FakeRunner:
             model_name=config.model, device=config.device, dtype=config.dtype, block_size=self.block_size,
             num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks, max_model_len=max_model_len,
             vocab_size=self.tokenizer.vocab_size, eos_token_ids=frozenset({self.tokenizer.eos_token_id}),
-            kv_cache_bytes=None,
+            kv_cache_bytes=None, kv_layout=self.kv_layout,
             banner=(f"KV cache: {num_device_blocks} blocks x {self.block_size} = {tokens} tokens (fake runner); "
                     f"maximum concurrency for {max_model_len} tokens per request: {tokens / max_model_len:.2f}x"))
         self.pool = np.full((num_device_blocks, self.block_size), -1, dtype=np.int64)

@@ -26,14 +26,16 @@ def size_pool(runner) -> tuple[int, int]:
     if config.num_blocks is not None:
         return config.num_blocks, host
     min_blocks = -(-runner.max_model_len // runner.block_size)
-    if runner.device.type == "cuda":
+    if runner.device.type == "cuda" and config.kv_cache_memory is None:
         device_blocks = _cuda_blocks(runner)
         where = (f"gpu_memory_utilization {config.gpu_memory_utilization:.2f} of "
                  f"{torch.cuda.get_device_properties(runner.device).total_memory / MIB:,.0f} MiB")
         fix = "raise --gpu-memory-utilization, lower --max-model-len, or pick a smaller model"
     else:
+        # A budget given on a GPU is the pool's, as vLLM's kv_cache_memory_bytes: gpu_memory_utilization is unused.
         budget = config.kv_cache_memory or default_cpu_kv_cache_memory()
-        _check_host_fits(runner, budget)
+        if runner.device.type != "cuda":
+            _check_host_fits(runner, budget)
         device_blocks = budget // per_block
         where = f"kv_cache_memory {budget / MIB:,.0f} MiB"
         fix = "raise --kv-cache-memory or lower --max-model-len"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvscope.engine.batch import ScheduledBatch
+from kvscope.engine.outputs import KVLayout
 
 # One entry per BatchItem: the token drawn for each of its sample_indices, or None when the item failed
 # (non-finite logits), which finishes that request with an error and lets the rest of the batch go on.
@@ -38,6 +39,7 @@ class RunnerInfo:
     # empty for a model that asks for greedy decoding, as transformers' generate then decodes. The chat pane,
     # `kvscope chat` and the server start from these, as vLLM takes its defaults from the generation_config.
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    kv_layout: KVLayout | None = None   # None for a runner that holds no real K/V and pretends no shape
 
 
 @runtime_checkable

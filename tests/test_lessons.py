@@ -137,3 +137,45 @@ def test_teach_picks_the_pool_unless_a_flag_says_otherwise(monkeypatch):
     cli.main(["--teach", "--num-blocks", "96"])
     assert (opened["config"].num_blocks, opened["config"].max_model_len) == (96, 256)
     assert teach_config(EngineConfig(), num_blocks=10).num_blocks == 10
+
+
+def test_a_beat_that_builds_a_new_engine_lets_the_old_one_finish_its_requests_first():
+    """Rebuilding under requests in flight would abort them: the lesson's runs would end 'interrupted' and its
+    figures miss their last steps. The runner runs the old engine until all done, then rebuilds."""
+    from kvscope.app.lessons.runner import LessonRunner
+    from kvscope.app.lessons.script import Beat, Lesson, after_steps
+    from kvscope.app.worker.commands import LaunchPlan, Rebuild, RunUntil
+    from kvscope.engine.fake_runner import fake_engine
+
+    lesson = Lesson("two-runs", "Two runs", "", beats=(
+        Beat("first", "First", lambda m: "first", until=after_steps(1), load=lambda ctx: []),
+        Beat("second", "Second", lambda m: "second", until=after_steps(1), config={"allocator": "contiguous"},
+             load=lambda ctx: [])))
+    sent, shown = [], []
+
+    class Display:
+        def show_running(self, index, beat):
+            pass
+
+        def show_live(self, record, result):
+            shown.append(record.title)
+
+        def show_past(self, record):
+            pass
+
+    engine = fake_engine(teach_config(EngineConfig()))
+    runner = LessonRunner(lesson, teach_config(EngineConfig()), sent.append, Display())
+    runner.start()
+    runner.engine_ready()
+    engine.add_request([1, 2, 3], None)
+    runner.stepped(engine.step())
+    runner.until_done(1, True)
+    assert shown == ["First"]
+    sent.clear()
+    assert runner.forward()
+    assert [type(c) for c in sent] == [RunUntil]                  # the old engine first finishes its request
+    while engine.has_unfinished_requests():
+        runner.stepped(engine.step())
+    runner.until_done(runner.latest.stats.step, True)
+    assert [type(c) for c in sent] == [RunUntil, Rebuild, LaunchPlan, RunUntil]    # then the new one is built
+    assert sent[1].config.allocator == "contiguous" and shown == ["First"]

@@ -78,7 +78,7 @@ class LessonScreen(Screen):
         self.latest = self.previous = self._painted = None
         self.status_line.reset(info.device)
         self.view.show_empty(info.num_blocks, info.block_size, info.config.allocator, info.num_host_blocks)
-        self.runner.engine_ready()
+        self.runner.engine_ready(info)
 
     def ingest(self, result: StepResult) -> None:
         self.previous, self.latest = self.latest, result

@@ -39,4 +39,4 @@ def engine_info(engine) -> EngineInfo:
                       block_size=info.block_size, num_blocks=info.num_device_blocks,
                       num_host_blocks=info.num_host_blocks, max_model_len=info.max_model_len,
                       kv_cache_bytes=info.kv_cache_bytes, config=engine.config,
-                      sampling_defaults=info.sampling_defaults)
+                      sampling_defaults=info.sampling_defaults, kv_layout=info.kv_layout)
