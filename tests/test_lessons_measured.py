@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 from test_app_harness import FakeEngines, make_app, started
 
-from kvscope.app.lessons import fragmentation
+from kvscope.app.lessons import fragmentation, latency
+from kvscope.app.lessons.latency import inter_token_latencies, time_to_first_token
 from kvscope.app.lessons.play import play
-from kvscope.app.lessons.script import Moment
+from kvscope.app.lessons.script import Moment, StepRecord
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
 
 pytestmark = pytest.mark.anyio
@@ -39,3 +40,33 @@ async def test_fragmentation_names_utilisation_and_the_one_partial_block_bound()
     block = moment.earlier["long"].snapshot.block_size
     assert long.paged_slots - long.paged_tokens < len(fragmentation.LONG_PROMPTS) * block   # under a block each
     assert "shorter requests waste more" in captions["Longer requests: about 4%"]
+
+
+def record(step: int, duration: float, **generated) -> StepRecord:
+    from test_app_harness import replace
+
+    from kvscope.app.widgets.snapshot_view import empty_step
+
+    _, stats = empty_step(8, 16, "paged")
+    return StepRecord(1, replace(stats, step=step, duration=duration), (), (), len(generated),
+                      tuple(generated.items()))
+
+
+def test_time_to_first_token_and_inter_token_latency_come_from_the_steps_each_token_waited_for():
+    steps = (record(1, 0.01, a=0), record(2, 0.02, a=1, b=0), record(3, 0.30, a=2, b=0), record(4, 0.02, a=3, b=1))
+    assert time_to_first_token(steps, "a") == pytest.approx(0.03)       # arrived in step 1, first token in step 2
+    assert time_to_first_token(steps, "b") == pytest.approx(0.34)       # steps 2, 3 and 4
+    assert inter_token_latencies(steps, "a") == pytest.approx([0.30, 0.02])
+
+
+async def test_latency_measures_each_budget_and_plots_them_side_by_side():
+    beats, moment, _ = await played("latency")
+    runs = {budget: latency.measure(moment, moment.earlier_runs[f"budget-{budget}"]) for budget in latency.BUDGETS}
+    chunks = [len(runs[budget]["chunks"]) for budget in latency.BUDGETS]
+    assert chunks == sorted(chunks, reverse=True) and chunks[-1] == 1 and chunks[0] > 3    # 32: many chunks; 256: one
+    # Every fake step takes the same time, so the first token waits for as many steps as there were chunks.
+    ttft = [runs[budget]["ttft"] for budget in latency.BUDGETS]
+    assert ttft == sorted(ttft, reverse=True) and ttft[0] > ttft[-1]
+    figures = beats[-1].caption
+    assert figures.count("█") > 6 and all(f"budget {b}" in figures for b in latency.BUDGETS)   # a plot, not a sentence
+    assert "time to first token" in figures and "gap between two tokens" in figures
