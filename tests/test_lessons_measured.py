@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from test_app_harness import FakeEngines, make_app, started
 
-from kvscope.app.lessons import fragmentation, latency
+from kvscope.app.lessons import fragmentation, latency, throughput
 from kvscope.app.lessons.latency import inter_token_latencies, time_to_first_token
 from kvscope.app.lessons.play import play
 from kvscope.app.lessons.script import Moment, StepRecord
@@ -70,3 +70,15 @@ async def test_latency_measures_each_budget_and_plots_them_side_by_side():
     figures = beats[-1].caption
     assert figures.count("█") > 6 and all(f"budget {b}" in figures for b in latency.BUDGETS)   # a plot, not a sentence
     assert "time to first token" in figures and "gap between two tokens" in figures
+
+
+async def test_throughput_runs_both_allocators_on_the_same_pool_and_reads_their_rates():
+    beats, moment, _ = await played("throughput")
+    contiguous = throughput.measure(moment, moment.earlier_runs["contiguous"])
+    paged = throughput.measure(moment, moment.earlier_runs["paged"])
+    assert moment.info_at("contiguous").num_blocks == moment.info_at("paged").num_blocks == 64
+    assert contiguous["batch"] == 4 and paged["batch"] > 2 * contiguous["batch"]
+    assert contiguous["tokens"] == paged["tokens"] == throughput.NUM_REQUESTS * throughput.MAX_TOKENS
+    assert paged["rate"] > contiguous["rate"]
+    figures = beats[-1].caption
+    assert f"{paged['rate'] / contiguous['rate']:.2f}×" in figures and "On a GPU" in figures and "tok/s" in figures

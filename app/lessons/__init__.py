@@ -16,10 +16,11 @@ from kvscope.app.lessons import (
     latency,
     preemption,
     prefix_sharing,
+    throughput,
 )
 from kvscope.app.lessons.script import Lesson
 
 LESSONS: dict[str, Lesson] = {module.LESSON.name: module.LESSON for module in (
     fragmentation, block_tables, prefix_sharing, copy_on_write, preemption, chunked_prefill, latency,
-    continuous_batching,
+    continuous_batching, throughput,
 )}
