@@ -123,7 +123,7 @@ def test_replay_screen(snap_compare, tmp_path):
 LESSON_BEATS = [("fragmentation", 0), ("fragmentation", 3), ("fragmentation", 4), ("block-tables", 2),
                 ("prefix-sharing", 1), ("prefix-sharing", 3), ("copy-on-write", 1), ("preemption", 0),
                 ("preemption", 3), ("chunked-prefill", 1), ("latency", 0), ("latency", 3), ("continuous-batching", 2),
-                ("throughput", 1), ("throughput", 2)]
+                ("throughput", 1), ("throughput", 2), ("sizing", 0), ("sizing", 1), ("sizing", 5)]
 
 
 @pytest.mark.parametrize("name, beat", LESSON_BEATS, ids=[f"{name}-{beat + 1}" for name, beat in LESSON_BEATS])

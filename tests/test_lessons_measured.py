@@ -5,14 +5,17 @@ measured and how it reads it, never a wall-clock figure; the real model's figure
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from test_app_harness import FakeEngines, make_app, started
 
-from kvscope.app.lessons import fragmentation, latency, throughput
+from kvscope.app.lessons import LESSONS, fragmentation, latency, sizing, throughput
 from kvscope.app.lessons.latency import inter_token_latencies, time_to_first_token
 from kvscope.app.lessons.play import play
 from kvscope.app.lessons.script import Moment, StepRecord
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
+from kvscope.engine.outputs import KVLayout
 
 pytestmark = pytest.mark.anyio
 
@@ -82,3 +85,30 @@ async def test_throughput_runs_both_allocators_on_the_same_pool_and_reads_their_
     assert paged["rate"] > contiguous["rate"]
     figures = beats[-1].caption
     assert f"{paged['rate'] / contiguous['rate']:.2f}×" in figures and "On a GPU" in figures and "tok/s" in figures
+
+
+def test_a_tokens_kv_bytes_are_worked_out_from_the_model_shape():
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, element_bytes=4)     # SmolLM2-135M, fp32
+    assert layout.bytes_per_token == 2 * 30 * 3 * 64 * 4 == 46_080
+
+
+async def test_sizing_builds_each_pool_from_its_budget_and_runs_the_printed_concurrency_rounded_down():
+    beats, moment, runner = await played("sizing")
+    assert all(beat.met for beat in beats)
+    for key, _label in sizing.RUNS:
+        info, result = moment.info_at(key), moment.earlier[key]
+        budget = info.config.kv_cache_memory
+        assert info.num_blocks == budget // (info.kv_layout.bytes_per_token * info.block_size)    # the budget's pool
+        running = sum(1 for v in result.snapshot.requests if v.queue == "running")
+        assert running == min(sizing.NUM_REQUESTS, math.floor(info.num_tokens / info.max_model_len))
+    pools = {key: moment.info_at(key) for key, _ in sizing.RUNS}
+    assert pools["more-budget"].num_blocks in (2 * pools["budget"].num_blocks, 2 * pools["budget"].num_blocks + 1)
+    assert pools["dtype"].kv_layout.bytes_per_token * 2 == pools["budget"].kv_layout.bytes_per_token
+    first = beats[0].caption
+    assert "2 × 30 × 3 × 64 × 4 B = [b]46,080 bytes a token" in first       # the formula, from the model's shape
+    assert "Maximum concurrency for 128 tokens per request: 5.62x" in beats[1].caption     # as vLLM prints it
+    assert "printed" in beats[-1].caption and "gpu_memory_utilization" in beats[-1].caption
+
+
+def test_the_new_lessons_are_listed():
+    assert {"sizing", "latency", "throughput"} <= set(LESSONS)

@@ -16,11 +16,12 @@ from kvscope.app.lessons import (
     latency,
     preemption,
     prefix_sharing,
+    sizing,
     throughput,
 )
 from kvscope.app.lessons.script import Lesson
 
 LESSONS: dict[str, Lesson] = {module.LESSON.name: module.LESSON for module in (
     fragmentation, block_tables, prefix_sharing, copy_on_write, preemption, chunked_prefill, latency,
-    continuous_batching, throughput,
+    continuous_batching, throughput, sizing,
 )}
