@@ -11,7 +11,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 TEST_VLLM_STAMP := $(VENV)/.kvscope-vllm-test-installed
 
-.PHONY: run test test-vllm model lint screenshots bench bench-vllm clean
+.PHONY: run test test-vllm model lint screenshots bench bench-vllm bench-serve gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -73,5 +73,22 @@ bench-vllm: model $(VLLM_STAMP)
 	$(BIN)/kvscope bench --workload mixed --dtype bfloat16,float32 \
 		--systems kvscope-paged,kvscope-contiguous,hf-static,hf-cb,vllm --vllm-python $(VLLM_VENV)/bin/python
 
+# kvscope serve against vLLM's server: the same client (vllm bench serve) at the same request rates, one server
+# after the other on the same cores. vLLM's first start compiles its model (minutes), apart from the timings.
+bench-serve: model $(VLLM_STAMP)
+	$(BIN)/kvscope bench serve --rates 1,4 --requests 32 --input-len 256 --output-len 64 \
+		--vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python
+
+# On a machine with an NVIDIA GPU, once: PyPI's Linux torch wheel (it bundles CUDA) in its own venv, then the
+# compiled Triton kernels against the torch oracle, exact tokens on cuda, the pool sized from
+# --gpu-memory-utilization, and short kernel and workload benches; one table at the end (tests/gpu/gpu_check.py).
+GPU_VENV := .venv-gpu
+gpu-check:
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install --quiet torch triton
+	$(GPU_VENV)/bin/python -m pip install --quiet -e '.[test]'
+	$(GPU_VENV)/bin/kvscope fetch-model
+	cd tests && timeout 600 ../$(GPU_VENV)/bin/python gpu/gpu_check.py $(CURDIR)/$(GPU_VENV)/bin/kvscope
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(GPU_VENV) .pytest_cache

@@ -48,7 +48,7 @@ from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
-from kvscope.app.worker.commands import AddChatTurn
+from kvscope.app.worker.commands import AddChatTurn, RunOnEngine
 from kvscope.app.worker.factory import build_engine, first_engine_then_build
 from kvscope.app.worker.thread import EngineWorker
 from kvscope.engine.config import EngineConfig, model_sampling
@@ -82,7 +82,7 @@ class KVScopeApp(ThemedApp):
                  engine_factory: Callable = build_engine, system_sampler: SystemSampler | None = None,
                  paused: bool = False, steps_per_s_cap: float | None = None,
                  screenshot_dir: str | Path | None = None, chat_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 first_lesson: str | None = None) -> None:
+                 first_lesson: str | None = None, serve=None) -> None:
         super().__init__()
         self.config = config
         self.log_enabled = log_enabled
@@ -101,6 +101,12 @@ class KVScopeApp(ThemedApp):
         self._lesson_log_dir: tempfile.TemporaryDirectory | None = None
         self._first_lesson = first_lesson
         self._refused: list[tuple[str, str]] = []
+        # kvscope --serve: the API in front of this window's engine (app/serve/hosted.py's HostedServe, made by
+        # the command line). Its requests are engine requests like chat turns ("http-N" in the queues); their
+        # adds and aborts run on the engine thread between steps.
+        self.serve = serve
+        if serve is not None:
+            serve.wake = lambda: self.worker.send(RunOnEngine(serve.run_pending))
 
     def get_default_screen(self) -> Screen:
         return self.main
@@ -115,11 +121,15 @@ class KVScopeApp(ThemedApp):
             self.start_lesson(self._first_lesson)
 
     def on_unmount(self) -> None:
+        if self.serve is not None:
+            self.serve.close()      # its requests end with "abort", stepped by the engine thread still running
         self.worker.stop()
         if self._lesson_log_dir is not None:
             self._lesson_log_dir.cleanup()
 
     def _record_run(self, engine):
+        if self.serve is not None:
+            self.serve.engine_installed(engine)
         self.run_logger = record_run(engine, source="app", db_path=self.db_path, enabled=self.log_enabled,
                                      on_failure=lambda warning: self.post_message(RunLogFailed(warning)))
         return self.run_logger
@@ -138,6 +148,11 @@ class KVScopeApp(ThemedApp):
         warning = runnable_warning(message.info)
         if warning:
             self.notify(warning, title="No request can run", severity="warning", timeout=15)
+        if self.serve is not None and self.serve.url:
+            network = self.serve.network_warning()
+            self.notify(f"OpenAI API on {self.serve.url}/v1; watch it with kvscope attach {self.serve.url}"
+                        + (f". {network}" if network else ""), title="Serving",
+                        severity="warning" if network else "information", timeout=12)
 
     def on_engine_stepped(self, message: EngineStepped) -> None:
         self.worker.ack()
@@ -422,10 +437,11 @@ class KVScopeApp(ThemedApp):
 
 
 def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool, engine=None,
-            lesson: str | None = None) -> int:
+            lesson: str | None = None, serve=None) -> int:
     """Open the window; ``engine``, when given, is the first engine (built, and so checked, before);
-    ``lesson`` opens a lesson at once ("" opens the list of lessons)."""
+    ``lesson`` opens a lesson at once ("" opens the list of lessons); ``serve`` serves the engine over HTTP."""
     factory = build_engine if engine is None else first_engine_then_build(engine)
-    app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled, engine_factory=factory, first_lesson=lesson)
+    app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled, engine_factory=factory, first_lesson=lesson,
+                     serve=serve)
     app.run()
     return app.return_code or 0

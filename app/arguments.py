@@ -4,8 +4,8 @@ argparse lets a subcommand's defaults overwrite the values typed before it, so
 `kvscope --dtype float32 chat hi` ran in the default dtype, silently. Here every
 flag of a parser that has subcommands is unset until typed (its default is
 applied after parsing), and a flag typed before a subcommand is handed to that
-subcommand as if typed after it, checked by the subcommand's own definition of
-it. A subcommand that has no use for a flag refuses it in one line, on either
+subcommand as if typed first among its own arguments (so the same flag typed
+after it wins). A subcommand that has no use for a flag refuses it in one line, on either
 side: `kvscope runs --dtype float32` and `kvscope --dtype float32 runs` get the
 same error.
 """
@@ -63,21 +63,29 @@ class CommandLine(argparse.ArgumentParser):
 
 
 class Subcommands(argparse._SubParsersAction):
-    """Hands the flags typed before the subcommand to it, as strings, ahead of its own arguments."""
+    """Hands the flags typed before the subcommand to it, as if typed first among its own arguments: they start
+    the subcommand's namespace, so its defaults leave them alone and the same flag typed after it wins."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         name, rest = values[0], list(values[1:])
         sub = self._name_parser_map.get(name)
-        if sub is not None:
-            _refuse_misplaced(parser, sub, rest)
-            typed = [a for a in parser._actions
-                     if a.option_strings and a.default is argparse.SUPPRESS and hasattr(namespace, a.dest)]
-            rest = [text for action in typed for text in _as_typed(action, getattr(namespace, action.dest), sub)] \
-                + rest
-            for action in typed:
-                delattr(namespace, action.dest)    # the subcommand sets it again, through its own checks
-            setattr(namespace, _COMMAND, sub.prog)
-        super().__call__(parser, namespace, [name, *rest], option_string)
+        if sub is None:     # argparse's own "invalid choice"
+            super().__call__(parser, namespace, values, option_string)
+            return
+        _refuse_misplaced(parser, sub, rest)
+        typed = {a.dest: getattr(namespace, a.dest) for a in parser._actions
+                 if a.option_strings and a.default is argparse.SUPPRESS and hasattr(namespace, a.dest)}
+        for dest, value in typed.items():
+            _check_taken(parser, dest, value, sub)
+        if self.dest is not argparse.SUPPRESS:
+            setattr(namespace, self.dest, name)
+        setattr(namespace, _COMMAND, sub.prog)
+        subnamespace, extras = sub.parse_known_args(rest, argparse.Namespace(**typed))
+        for key, value in vars(subnamespace).items():
+            setattr(namespace, key, value)
+        if extras:
+            vars(namespace).setdefault(argparse._UNRECOGNIZED_ARGS_ATTR, [])
+            getattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR).extend(extras)
 
 
 def _refuse_misplaced(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, rest: list[str]) -> None:
@@ -98,14 +106,10 @@ def _takes(parser: argparse.ArgumentParser, option: str) -> bool:
     return any(_takes(child, option) for action in nested for child in action.choices.values())
 
 
-def _as_typed(action: argparse.Action, value, sub: argparse.ArgumentParser) -> list[str]:
-    """The command-line words that give ``sub`` the value ``action`` parsed; FlagRefused if it has no such flag."""
-    theirs = next((a for a in sub._actions if a.dest == action.dest and a.option_strings), None)
-    if theirs is None:
-        raise refusal(action.option_strings[-1 if isinstance(action, argparse.BooleanOptionalAction)
-                                           and value is False else 0], sub.prog)
-    if isinstance(theirs, argparse.BooleanOptionalAction):
-        return [theirs.option_strings[0 if value else 1]]
-    if theirs.nargs == 0:      # store_true and the like: the flag alone
-        return [theirs.option_strings[0]]
-    return [theirs.option_strings[0], str(value)]
+def _check_taken(parser: argparse.ArgumentParser, dest: str, value, sub: argparse.ArgumentParser) -> None:
+    """FlagRefused, naming the flag as it was typed, when ``sub`` has no flag for ``dest``."""
+    if any(a.dest == dest and a.option_strings for a in sub._actions):
+        return
+    action = next(a for a in parser._actions if a.dest == dest and a.option_strings)
+    negative = isinstance(action, argparse.BooleanOptionalAction) and value is False
+    raise refusal(action.option_strings[-1 if negative else 0], sub.prog)

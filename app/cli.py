@@ -7,21 +7,18 @@ import atexit
 import dataclasses
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from kvscope import __version__
 from kvscope.app import screenshots
 from kvscope.app.arguments import CommandLine, FlagRefused
 from kvscope.app.attach import cli as attach_cli
 from kvscope.app.bench import cli as bench_cli
-from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args
+from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args, first_engine
 from kvscope.app.lessons import LESSONS
 from kvscope.app.runlog import cli as runs_cli
+from kvscope.app.serve import cli as serve_cli
 from kvscope.engine.config import ConfigError, EngineConfig, RequestError
 from kvscope.engine.loader import ModelError
-
-if TYPE_CHECKING:
-    from kvscope.engine import LLMEngine
 
 USER_ERRORS = (ConfigError, RequestError, ModelError)
 
@@ -40,6 +37,7 @@ def build_parser() -> CommandLine:
     )
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
     parser.add_argument("--teach", action="store_true", help=TEACH_HELP)
+    add_serve_flag(parser)
     add_engine_flags(parser)
     add_log_flags(parser)
     parser.flags_unset_until_typed()
@@ -86,11 +84,12 @@ def _register_lesson(subparsers) -> None:
     parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     parser.add_argument("--no-log", action="store_true",
                         help="do not keep the lesson's runs (Backspace then replays from a temporary log)")
+    add_serve_flag(parser)
     parser.set_defaults(func=_lesson)
 
 
 # Every subcommand, each added by one `register(subparsers)`: the App's own here, every other one in its
-# feature's room. This is the one list of them; `kvscope serve` (app/serve/) registers here when it lands.
+# feature's room. This is the one list of them.
 SUBCOMMANDS = (
     _register_fetch_model,
     _register_chat,
@@ -99,16 +98,39 @@ SUBCOMMANDS = (
     runs_cli.register,           # kvscope runs
     screenshots.register,        # kvscope screenshots
     attach_cli.register,         # kvscope attach
+    serve_cli.register,          # kvscope serve
 )
+
+
+def add_serve_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--serve", type=serve_cli.parse_address, default=None, metavar="[HOST:]PORT",
+                        help="also serve the engine as `kvscope serve` does (OpenAI API, /metrics, KV-cache events) "
+                             "on PORT, loopback unless HOST says otherwise; its requests show in the window as "
+                             f"http-N; the API key, if any, from ${serve_cli.API_KEY_ENV}")
+
+
+def _hosted_serve(args: argparse.Namespace):
+    """The server for --serve, listening before the model loads (a taken port is one line); None without it."""
+    if args.serve is None:
+        return None
+    from kvscope.app.serve.hosted import HostedServe
+    from kvscope.app.serve.server import ServeError, ServeOptions
+
+    host, port = args.serve
+    try:
+        return HostedServe(ServeOptions(host=host, port=port, api_key=os.environ.get(serve_cli.API_KEY_ENV) or None))
+    except ServeError as exc:
+        raise ConfigError(f"--serve: {exc}") from None
 
 
 def _open_app(args: argparse.Namespace) -> int:
     from kvscope.app.app import run_app
 
+    serve = _hosted_serve(args)
     engine = first_engine(engine_config(args))
     if engine is None:
         return 2
-    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine)
+    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine, serve=serve)
 
 
 def _lesson(args: argparse.Namespace) -> int:
@@ -119,26 +141,12 @@ def _lesson(args: argparse.Namespace) -> int:
     from kvscope.app.app import run_app
     from kvscope.app.lessons.load import teach_config
 
+    serve = _hosted_serve(args)
     engine = first_engine(teach_config(EngineConfig(model=args.model, device=args.device, dtype=args.dtype)))
     if engine is None:
         return 2
     return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine,
-                   lesson=args.name or "")
-
-
-def first_engine(config: EngineConfig) -> LLMEngine | None:
-    """Build the app's engine before its window opens, as `kvscope chat` does: a bad --model or a
-    pool that cannot be made fails here, in one line and exit status 2 (main catches USER_ERRORS),
-    instead of in a full-screen window that can only show it."""
-    from kvscope.engine import LLMEngine
-
-    print(f"kvscope: loading {config.model} …", file=sys.stderr, flush=True)
-    try:
-        return LLMEngine(config)
-    except (RuntimeError, MemoryError) as exc:   # torch cannot allocate the pool (a huge --num-blocks)
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-        print(f"kvscope: error: cannot build the engine: {reason}", file=sys.stderr)
-        return None
+                   lesson=args.name or "", serve=serve)
 
 
 def teaching_pool(args: argparse.Namespace) -> EngineConfig:

@@ -1,19 +1,24 @@
 """The engine's command-line flags, made from EngineConfig's fields and named as vLLM names them.
 
 Every subcommand that starts an engine takes them from here, so a new config
-field is a new flag everywhere and the command line cannot drift from the config.
+field is a new flag everywhere and the command line cannot drift from the config;
+and builds its engine with first_engine, so a bad --model is one line everywhere.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 from collections.abc import Iterable
 from types import UnionType
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Union
 
 from kvscope.engine.config import EngineConfig, config_fields
+
+if TYPE_CHECKING:
+    from kvscope.engine import LLMEngine
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
@@ -52,3 +57,18 @@ def add_log_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{name: getattr(args, name) for name in config_fields()})
+
+
+def first_engine(config: EngineConfig) -> LLMEngine | None:
+    """Build the engine before a window opens or a server listens, as `kvscope chat` does: a bad --model or a
+    pool that cannot be made fails here, in one line and exit status 2 (main catches USER_ERRORS), instead of
+    in a full-screen window that can only show it."""
+    from kvscope.engine import LLMEngine
+
+    print(f"kvscope: loading {config.model} …", file=sys.stderr, flush=True)
+    try:
+        return LLMEngine(config)
+    except (RuntimeError, MemoryError) as exc:   # torch cannot allocate the pool (a huge --num-blocks)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        print(f"kvscope: error: cannot build the engine: {reason}", file=sys.stderr)
+        return None

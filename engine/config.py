@@ -87,6 +87,9 @@ class EngineConfig:
     allocator: Literal["paged", "contiguous"] = field(default="paged", metadata=_help(
         "contiguous reserves max_model_len per request: the pre-paging baseline"))
     seed: int = field(default=0, metadata=_help("seed of the sampler for requests without their own"))
+    cpu_threads_bind: str = field(default="none", metadata=_help(
+        "CPU: pin the compute threads, one per core, as vLLM does: none (the OS places them), auto (torch's "
+        "thread count on the first cores, if there are enough), or cores like 0-1", "CORES"))
 
     def __post_init__(self) -> None:
         for name, hint in config_fields().items():
@@ -102,8 +105,24 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        if self.cpu_threads_bind not in ("auto", "none"):
+            parse_cores(self.cpu_threads_bind)
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+
+def parse_cores(text: str) -> list[int]:
+    """A core list as ``--cpu-threads-bind`` takes it: ``"0-1,4"`` → [0, 1, 4]."""
+    cores: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not match or (match.group(2) and int(match.group(2)) < int(match.group(1))):
+            raise ConfigError(f"cpu_threads_bind: cannot read {text!r}; use auto, none, or cores like 0-1 or 0,2")
+        first = int(match.group(1))
+        cores.extend(range(first, int(match.group(2) or first) + 1))
+    if len(set(cores)) != len(cores):
+        raise ConfigError(f"cpu_threads_bind: {text!r} names a core twice")
+    return cores
 
 
 @functools.cache

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvscope import kernels
-from kvscope.engine import packed_linear, precision
+from kvscope.engine import fused_ops, packed_linear, precision, threads
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.loader import ModelError, load_model
@@ -121,6 +121,7 @@ class ModelRunner:
             model, tokenizer = load_model(config.model, self.dtype, self.device)
         elif tokenizer is None:
             raise ConfigError("a model passed in needs its tokenizer too: LLMEngine(config, model=m, tokenizer=t)")
+        self.bound_cores = threads.bind(config.cpu_threads_bind) if self.device.type == "cpu" else []
         self.model_name = _display_name(config.model, model)
         self.model = prepare_model(model, self.device, self.dtype)
         self.tokenizer = tokenizer
@@ -320,11 +321,15 @@ class ModelRunner:
 
 
 def prepare_model(model, device: torch.device, dtype: torch.dtype):
-    """``model`` ready for the engine: in ``dtype`` on ``device``, its linears packed where that helps, and in
+    """``model`` ready for the engine: in ``dtype`` on ``device``, its linears packed where that helps, its RMSNorms
+    on one C++ op each where they agree with it (engine/fused_ops.py), and in
     bf16/fp16 its residual stream and logits in fp32 (engine/precision.py). A model reused from an earlier
     engine is taken back to stock first, so this can run on it again."""
     precision.restore(model)
+    fused_ops.restore(model)
     model = packed_linear.prepare(model, device, dtype)
+    if fused_ops.available(device):
+        fused_ops.fuse_norms(model)
     precision.keep_fp32(model, dtype)
     return model
 
@@ -332,6 +337,7 @@ def prepare_model(model, device: torch.device, dtype: torch.dtype):
 def restore_stock(model) -> None:
     """Give ``model`` back its stock transformers forwards (the bench's transformers systems use it)."""
     precision.restore(model)
+    fused_ops.restore(model)
     packed_linear.unpack_linears(model)
 
 

@@ -32,6 +32,8 @@ import types
 import torch
 from torch import nn
 
+from kvscope.engine import packed_linear
+
 _HEAD_WEIGHT = "_kvscope_fp32_head_weight"
 _EMBEDDING_HOOK = "_kvscope_fp32_embedding_hook"
 _WRAPPED = "_kvscope_forward_before_fp32"   # the instance's own forward before ours (a packed one), or None
@@ -49,7 +51,7 @@ def keep_fp32(model: nn.Module, dtype: torch.dtype) -> None:
     setattr(model, _EMBEDDING_HOOK, embeddings.register_forward_hook(_upcast_output))
     head = model.get_output_embeddings()
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module is not head:
+        if isinstance(module, nn.Linear) and module is not head and not packed_linear.rounds_its_input(module):
             _cast_input(module, dtype)
     if isinstance(head, nn.Linear):
         _fp32_head(head)
@@ -93,7 +95,15 @@ def _cast_input(module: nn.Linear, dtype: torch.dtype) -> None:
 def _fp32_head(head: nn.Linear) -> None:
     """The LM head on an fp32 copy of its weight (exact: every bf16 value is an fp32 value), packed for oneDNN
     on CPU. The copy costs 4 bytes per vocabulary entry and hidden unit (113 MiB for SmolLM2); measured on 2
-    cores, an fp32 head takes 2.5x a bf16 head's time for one row and no more than it from 64 rows up."""
+    cores, an fp32 head takes 2.5x a bf16 head's time for one row and no more than it from 64 rows up.
+    Where kvscope's C++ linear serves, the same fp32 product is computed from the bf16 weights themselves, widened
+    in registers (``packed_linear.exact_head``): half the bytes read per step, and no fp32 copy."""
+    exact = packed_linear.exact_head(head)
+    if exact is not None:
+        forward, packed = exact
+        _replace_forward(head, forward)
+        setattr(head, _HEAD_WEIGHT, packed)
+        return
     weight = head.weight.detach().float().contiguous()
     bias = None if head.bias is None else head.bias.detach().float()
     if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():

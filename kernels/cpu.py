@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (``paged_attention_cpu.cpp``): built once per machine, loaded as torch ops.
+"""The C++ CPU kernels (paged attention, the packed linear, RMSNorm, thread pinning): built once per machine,
+loaded as torch ops.
 
 The torch reference path moves every context byte several times (gather, upcast, matmul, softmax,
 embedding_bag); the C++ kernels read each key and value row out of the pool once. They are compiled on first
@@ -29,16 +30,21 @@ import torch
 from kvscope.kernels import reference
 from kvscope.kernels.reference import copy_blocks, store_kv, swap_blocks
 
-__all__ = ["available", "copy_blocks", "huge_page_zeros", "paged_decode_attention", "paged_prefill_attention",
-           "status", "store_kv", "supports", "swap_blocks"]
+__all__ = ["available", "bind_threads", "copy_blocks", "huge_page_zeros", "is_packed_linear_weight", "linear",
+           "linear_available", "pack_linear_weight", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
+           "status", "store_kv", "supports", "swap_blocks", "unpack_linear_weight"]
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+# One library: attention, the packed linear, RMSNorm and thread pinning, each its own source file.
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp", "norm_cpu.cpp", "threads_cpu.cpp"))
 DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the C++ code's instances: head_dim is a compile-time constant there
 _FORCE_TORCH = "KVSCOPE_CPU_KERNELS"
 _BUILD_TIMEOUT_S = 900
 _HUGE_PAGE = 2 * 2**20
 _MADV_HUGEPAGE = 14  # Linux
+_PANEL = 16          # output columns per panel of a packed linear weight (linear_cpu.cpp's kLanes)
+_NEVER = 2**62       # bf16_min_rows that keeps a linear on the exact (fp32-activation) path
 
 
 class BuildError(RuntimeError):
@@ -71,7 +77,8 @@ def _cpu_flags() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), compiler.encode(), _cpu_flags().encode()):
+    for part in (*(source.read_bytes() for source in SOURCES), torch.__version__.encode(), compiler.encode(),
+                 _cpu_flags().encode()):
         key.update(part)
     return build_dir() / f"kvscope_cpu-{key.hexdigest()[:16]}.so"
 
@@ -82,7 +89,7 @@ def _compile_command(compiler: str, output: Path) -> list[str]:
     return [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++20",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             "-isystem", str(include), "-isystem", str(include / "torch" / "csrc" / "api" / "include"),
-            str(SOURCE), "-o", str(output), "-L", str(lib), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+            *map(str, SOURCES), "-o", str(output), "-L", str(lib), "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -161,6 +168,56 @@ def _register_fakes() -> None:
     """Shapes for torch.compile and meta tensors: both ops return a tensor shaped like the query."""
     for name in ("paged_decode_attention", "paged_prefill_attention"):
         torch.library.register_fake(f"kvscope_cpu::{name}")(lambda query, *args: torch.empty_like(query))
+    torch.library.register_fake("kvscope_cpu::rms_norm")(
+        lambda x, weight, eps: x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)))
+    torch.library.register_fake("kvscope_cpu::linear")(
+        lambda x, packed, out_features, bias, out_dtype, min_rows: x.new_empty((*x.shape[:-1], out_features),
+                                                                               dtype=out_dtype))
+
+
+def linear_available() -> bool:
+    """Whether kvscope's own packed linear (``linear_cpu.cpp``) serves; it is part of the same library."""
+    return available()
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] (fp32 or bf16) in the layout ``linear`` reads: panels of 16 output columns."""
+    return torch.ops.kvscope_cpu.pack_linear_weight(weight)
+
+
+def is_packed_linear_weight(packed: torch.Tensor) -> bool:
+    return packed.dim() in (3, 4) and packed.shape[-1 if packed.dim() == 3 else -2] == _PANEL
+
+
+def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The dense [N, K] weight back, exactly (packing only moves values)."""
+    if packed.dim() == 4:   # bf16: [panels, K/2, 16, 2]
+        dense = packed.permute(0, 2, 1, 3).reshape(packed.shape[0] * _PANEL, -1)
+    else:                   # fp32: [panels, K, 16]
+        dense = packed.permute(0, 2, 1).reshape(packed.shape[0] * _PANEL, -1)
+    return dense[:out_features, :in_features].contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None, exact: bool = False) -> torch.Tensor:
+    """``x @ W.T + bias`` on a packed weight; the output has ``x``'s dtype unless ``out_dtype`` says otherwise.
+
+    With bf16 weights the product is of ``x`` rounded to bf16 (as a stock bf16 linear computes it), unless
+    ``exact``: then ``x`` stays fp32 and the result is the fp32 product of the bf16 weights (the LM head's logits).
+    """
+    out_dtype = out_dtype or x.dtype
+    return torch.ops.kvscope_cpu.linear(x, packed, out_features, bias, out_dtype, _NEVER if exact else 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm formula in one op (``norm_cpu.cpp``): ``weight * normalized(x).to(x.dtype)``."""
+    return torch.ops.kvscope_cpu.rms_norm(x, weight, eps)
+
+
+def bind_threads(cpus: list[int]) -> list[int]:
+    """Pin the calling thread's OpenMP team, thread i to ``cpus[i]`` (``threads_cpu.cpp``); torch then runs that
+    many threads. Returns the core each thread was bound to, -1 where the OS refused."""
+    return list(torch.ops.kvscope_cpu.bind_threads(list(cpus)))
 
 
 def _rows(query: torch.Tensor) -> torch.Tensor:

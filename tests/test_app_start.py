@@ -55,14 +55,15 @@ def test_the_window_runs_the_engine_that_was_checked(capsys, monkeypatch):
         built.append(fake_engine(config))
         return built[-1]
 
-    def run_app(config, *, db_path, log_enabled, engine):
-        opened.update(config=config, engine=engine)
+    def run_app(config, *, db_path, log_enabled, engine, serve):
+        opened.update(config=config, engine=engine, serve=serve)
         return 0
 
     monkeypatch.setattr("kvscope.engine.LLMEngine", llm_engine)
     monkeypatch.setattr(app_module, "run_app", run_app)
     status, _, _ = run_cli(capsys, "--num-blocks", "32", "--no-log")
     assert status == 0 and opened["engine"] is built[0] and opened["config"].num_blocks == 32
+    assert opened["serve"] is None     # no --serve: no server
 
 
 def test_the_first_build_hands_out_the_checked_engine_and_later_ones_are_built():

@@ -61,7 +61,7 @@ def test_parallel_sampling_and_overload_shapes():
     assert recompute.kv_cache_tokens == 4 * recompute.max_model_len == 4 * (512 + 256)
     assert len(recompute.requests) == 64
     assert [w.name for w in build_workloads("all", num_requests=2)] == [
-        "mixed", "shared-prefix", "parallel-sampling", "overload-recompute", "overload-swap"]
+        "mixed", "shared-prefix", "parallel-sampling", "overload-recompute", "overload-swap", "chat"]
     with pytest.raises(ValueError, match="unknown workload"):
         build_workloads("nope")
 

@@ -117,7 +117,7 @@ def test_a_vllm_row_reports_its_load_time_apart(fake_python):
     table = format_table(rows, bench.notes)
     assert "vllm load and compile: 12.5s (outside its timed run)" in table
     header, row = table.splitlines()[1:3]
-    assert header.split()[-4:] == ["MiB", "load", "paged", "x"] and row.split()[-2:] == ["12s", "-"]
+    assert header.split()[-4:] == ["MFU", "load", "paged", "x"] and row.split()[-2:] == ["12s", "-"]
 
 
 def test_the_runner_counts_the_memory_of_the_processes_it_started():

@@ -17,21 +17,23 @@ from kvscope.app.runlog.reader import RunLogReader
 VALUES = {"model": "/nonexistent/model", "device": "cpu", "dtype": "float32", "block_size": "32", "num_blocks": "64",
           "kv_cache_memory": "64MiB", "gpu_memory_utilization": "0.5", "swap_space": "16MiB", "max_model_len": "512",
           "max_num_seqs": "8", "max_num_batched_tokens": "256", "preemption_mode": "swap",
-          "allocator": "contiguous", "seed": "7", "db": "/tmp/elsewhere.db"}
+          "allocator": "contiguous", "seed": "7", "db": "/tmp/elsewhere.db", "serve": "8123",
+          "cpu_threads_bind": "auto"}
 
 
 def top_level_flags() -> list[tuple[str, list[str], object]]:
     """(dest, the words that type it, the value it should give) for every top-level flag but -h and --version."""
-    flags = []
-    for action in cli.build_parser()._actions:
+    flags, parser = [], cli.build_parser()
+    for action in parser._actions:
         if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
             continue
         if isinstance(action, argparse.BooleanOptionalAction):       # default on: type the "off" spelling
             flags.append((action.dest, [action.option_strings[1]], False))
         elif action.nargs == 0:
             flags.append((action.dest, [action.option_strings[0]], True))
-        else:
-            text = VALUES[action.dest]
+        else:   # a flag added later gets a value of its kind: a choice other than its default, or its type's
+            other = [c for c in action.choices or () if c != parser.typed_defaults[action.dest]]
+            text = VALUES.get(action.dest) or (other[0] if other else {int: "3", float: "0.5"}.get(action.type, "x1"))
             flags.append((action.dest, [action.option_strings[0], text], (action.type or str)(text)))
     return flags
 

@@ -18,7 +18,7 @@ import torch
 from invariants import check_invariants
 from models import TINY_ARCHS, load_smollm2, reference_generate, tiny_model
 
-from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
+from kvscope.engine import EngineConfig, LLMEngine, SamplingParams, fused_ops, packed_linear
 from kvscope.engine.packed_linear import is_packed
 from kvscope.kernels import cpu, reference
 
@@ -132,10 +132,13 @@ def cpp_attention_only(monkeypatch):
 
 
 def test_the_default_cpu_path_is_the_cpp_kernels_on_packed_linears(case, cpp_attention_only):
-    """What every test above runs on by default: exact tokens from the C++ attention and prepacked linears."""
+    """What every test above runs on by default: exact tokens from the C++ attention, kvscope's own packed linears
+    (the C++ ones; no oneDNN packs) and the C++ RMSNorm."""
     engine = build_engine(case, max_num_batched_tokens=40)   # chunked prefills beside decodes
-    assert all(is_packed(layer.self_attn.q_proj) and is_packed(layer.mlp.down_proj)
-               for layer in engine.runner.model.model.layers)
+    for layer in engine.runner.model.model.layers:
+        for linear in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.down_proj):
+            assert is_packed(linear) and cpu.is_packed_linear_weight(getattr(linear, packed_linear._PACKED))
+        assert fused_ops.is_fused(layer.input_layernorm) and fused_ops.is_fused(layer.post_attention_layernorm)
     assert_matches(case, run_all(engine, case, range(NUM_PROMPTS)))
 
 

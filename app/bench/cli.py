@@ -22,7 +22,8 @@ from kvscope.app.bench.systems import SYSTEMS
 from kvscope.app.bench.workloads import WORKLOAD_NAMES
 from kvscope.app.flags import add_engine_flags
 
-WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons", "startup")
+MATCHED = (128, 4096)   # vLLM 0.32's CPU defaults: block size, max_num_batched_tokens
+WHAT = ("workloads", "scheduler", "logging", "ui", "kernels", "attach", "lessons", "startup", "serve")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -58,7 +59,8 @@ def register(subparsers) -> None:
                             "micro-benchmark; logging: run log on vs off; ui: app rendering cost; "
                             "kernels: per-layer paged attention time; attach: the vLLM attach client's CPU at an event "
                             "rate and memory for a big pool; lessons: each lesson's duration; startup: a fresh "
-                            "process's time until the engine is ready, and its peak memory")
+                            "process's time until the engine is ready, and its peak memory; serve: kvscope serve "
+                            "against vLLM's server under the same client and request rates")
     bench.add_argument("--workload", default="mixed", choices=(*WORKLOAD_NAMES, "all"),
                        help="for workloads and logging (default: mixed)")
     bench.add_argument("--systems", default=None,
@@ -76,6 +78,14 @@ def register(subparsers) -> None:
     bench.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     bench.add_argument("--no-log", action="store_true", help="do not record the kvscope runs in the run log")
     bench.add_argument("--no-floor", action="store_true", help="skip timing the forward-only floor")
+    engine = bench.add_argument_group("engine settings for kvscope and vLLM alike (default: each system's own)")
+    engine.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block")
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, default=None, help="token budget of one step")
+    engine.add_argument("--cpu-threads-bind", default="none", metavar="CORES",
+                        help="kvscope: pin its compute threads, one per core (none, auto, or cores like 0-1)")
+    engine.add_argument("--matched", action="store_true",
+                        help=f"both at vLLM's CPU defaults: --block-size {MATCHED[0]} --max-num-batched-tokens "
+                             f"{MATCHED[1]} (unless those flags say otherwise)")
     peers = bench.add_argument_group("transformers peers")
     peers.add_argument("--hf-batch-size", type=positive_int, default=32,   # StaticSettings' tuned default
                        help="hf-static: requests per static batch")
@@ -91,6 +101,14 @@ def register(subparsers) -> None:
     attach.add_argument("--seconds", type=positive_float, default=10.0, help="how long to replay them (default 10)")
     attach.add_argument("--pool-blocks", type=positive_int, default=1_000_000,
                         help="pool size for the memory figure (default 1,000,000)")
+    serve = bench.add_argument_group("serve (kvscope serve against vLLM's server)")
+    serve.add_argument("--rates", default="1,4",
+                       help="request rates to try, requests/s, comma-separated; inf sends all at once (default 1,4)")
+    serve.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (default 256)")
+    serve.add_argument("--output-len", type=positive_int, default=64, help="output tokens (default 64)")
+    serve.add_argument("--client", default="auto", choices=("auto", "vllm", "openai"),
+                       help="vllm: `vllm bench serve` from the vLLM venv; openai: kvscope's own load generator "
+                            "(default: vllm when the vLLM venv exists)")
     bench.add_argument("--repeats", type=positive_int, default=None,
                        help="logging: off/on/on/off rounds (default 1); kernels: timed calls per case (default 20); "
                             "startup: fresh processes (default 3)")
@@ -100,7 +118,44 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     return {"workloads": run_workloads, "scheduler": run_scheduler, "logging": run_logging,
             "ui": run_ui, "kernels": run_kernels, "attach": run_attach,
-            "lessons": run_lessons, "startup": run_startup}[args.what](args)
+            "lessons": run_lessons, "startup": run_startup, "serve": run_serve}[args.what](args)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvscope.app.bench.serve_bench import ServeBenchSettings, format_table, run_serve_bench
+    from kvscope.app.bench.vllm_system import SystemUnavailable, find_python
+    from kvscope.engine.loader import resolve_model_path
+
+    rates = tuple(float(rate) for rate in args.rates.split(","))
+    if not rates or any(not rate > 0 for rate in rates):
+        raise SystemExit(f"kvscope bench serve: --rates takes positive numbers or inf, got {args.rates!r}")
+    systems = _parse_serve_systems(args.systems)
+    try:
+        vllm_python = str(find_python(args.vllm_python))
+    except SystemUnavailable as exc:
+        if args.vllm_python or args.client == "vllm":
+            raise SystemExit(f"kvscope bench serve: {exc}") from None
+        print(f"kvscope bench serve: {exc}; measuring kvscope only, with kvscope's own client", file=sys.stderr)
+        vllm_python, systems = None, tuple(s for s in systems if s != "vllm")
+    model_dir = resolve_model_path(args.model)
+    settings = ServeBenchSettings(
+        model_dir=model_dir, dtype=_parse_dtypes(args.dtype, "bfloat16")[0], rates=rates,
+        num_prompts=args.requests or 32, input_len=args.input_len, output_len=args.output_len,
+        systems=systems, vllm_python=vllm_python, client=args.client, seed=args.seed)
+    from transformers import AutoTokenizer
+
+    vocab_size = len(AutoTokenizer.from_pretrained(model_dir))
+    rows, notes = run_serve_bench(settings, vocab_size,
+                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps([dataclasses.asdict(row) for row in rows]) if args.json else format_table(rows, settings, notes))
+    return 1 if notes or any(row.failed for row in rows) else 0
+
+
+def _parse_serve_systems(text: str | None) -> tuple[str, ...]:
+    systems = tuple(s.strip() for s in (text or "kvscope,vllm").split(",") if s.strip())
+    if not systems or set(systems) - {"kvscope", "vllm"}:
+        raise SystemExit(f"kvscope bench serve: --systems takes kvscope and/or vllm, got {text!r}")
+    return systems
 
 
 def run_startup(args: argparse.Namespace) -> int:
@@ -201,6 +256,10 @@ def run_workloads(args: argparse.Namespace) -> int:
     workloads = build_workloads(args.workload, args.requests, args.seed)
     device = _setup(args)
     print(f"kvscope bench: {environment_line()}", file=sys.stderr)
+    block_size, step_budget = engine_settings(args)
+    peaks = matmul_peaks(device)
+    print(f"kvscope bench: matmul peak {', '.join(f'{d} {g:,.0f} GFLOP/s' for d, g in peaks.items())}",
+          file=sys.stderr)
     rows, notes = [], {}
     for dtype in dtypes:
         model, tokenizer = _load(args, dtype, device)
@@ -211,6 +270,8 @@ def run_workloads(args: argparse.Namespace) -> int:
                                           max_batch_tokens=args.hf_cb_batch_tokens,
                                           max_requests_per_batch=args.hf_cb_max_requests),
             vllm=VllmSettings(python=args.vllm_python),
+            block_size=block_size, max_num_batched_tokens=step_budget, peak_gflops=peaks.get(dtype),
+            cpu_threads_bind=args.cpu_threads_bind,
         )
         open_log = None if args.no_log else _log_opener(args.db)
         bench = Bench(model, tokenizer, options, open_log=open_log)
@@ -221,6 +282,13 @@ def run_workloads(args: argparse.Namespace) -> int:
     add_ratios(rows)
     print(json_lines(rows) if args.json else format_table(rows, notes))
     return 0
+
+
+def engine_settings(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(block size, step budget) for kvscope and vLLM alike: the flags, else --matched's, else None (each
+    system's own defaults)."""
+    matched = MATCHED if args.matched else (None, None)
+    return args.block_size or matched[0], args.max_num_batched_tokens or matched[1]
 
 
 def run_logging(args: argparse.Namespace) -> int:
@@ -287,13 +355,23 @@ def run_kernels(args: argparse.Namespace) -> int:
     print(f"kvscope bench kernels: {environment_line()}", file=sys.stderr)
     progress = None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     bandwidth = copy_bandwidth(device)
+    peaks = matmul_peaks(device)
     rows = run_kernel_bench(dtypes=dtypes, repeats=args.repeats or 20, device=device, seed=args.seed,
                             progress=progress, copy_gb_per_s=bandwidth)
     if args.json:
-        print("\n".join(json.dumps(row | {"copy_gb_per_s": bandwidth}) for row in rows))
+        print("\n".join(json.dumps(row | {"copy_gb_per_s": bandwidth, "matmul_gflops": peaks}) for row in rows))
     else:
-        print(format_table(rows, copy_gb_per_s=bandwidth))
+        print(format_table(rows, copy_gb_per_s=bandwidth, matmul_gflops=peaks))
     return 0
+
+
+def matmul_peaks(device: str) -> dict[str, float]:
+    """The machine's matmul throughput per dtype, on the bench's threads (app/bench/peak.py)."""
+    import torch
+
+    from kvscope.app.bench.peak import matmul_peak_gflops
+
+    return {name: matmul_peak_gflops(getattr(torch, name), device=device) for name in ("float32", "bfloat16")}
 
 
 def run_attach(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from kvscope.app.bench.hf_cb import ContinuousBatchRun, ContinuousSettings
 from kvscope.app.bench.hf_static import StaticBatchRun, StaticSettings
 from kvscope.app.bench.kvscope_system import OVERHEAD_BATCH, VARIANTS, KvscopeRun, engine_config
 from kvscope.app.bench.metrics import PeakRss, RunRecord, summarise
+from kvscope.app.bench.peak import model_flops, utilisation
 from kvscope.app.bench.systems import HF_CB, HF_STATIC, PAGED, SYSTEMS, VLLM, systems_for
 from kvscope.app.bench.vllm_system import SystemUnavailable, VllmRun, VllmSettings
 from kvscope.app.bench.workloads import BenchRequest, Workload, warm_up_request
@@ -37,6 +38,12 @@ class BenchOptions:
     continuous: ContinuousSettings = field(default_factory=ContinuousSettings)
     vllm: VllmSettings = field(default_factory=VllmSettings)
     forward_floor: bool = True
+    # Block size and step budget for kvscope and vLLM alike; None: each system's own defaults.
+    block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    cpu_threads_bind: str = "none"              # kvscope's thread pinning (engine/threads.py)
+    # The machine's matmul GFLOP/s in this dtype (app/bench/peak.py), for each row's model FLOP utilisation.
+    peak_gflops: float | None = None
 
 
 class Bench:
@@ -55,6 +62,7 @@ class Bench:
         self.progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
         self.pad_token_id = _pad_token_id(model, tokenizer)
         self.floor = ForwardFloor(model) if options.forward_floor else None
+        self.flops = model_flops(model)
         self.notes: dict[tuple[str, str], list[str]] = {}
 
     def run(self, workloads: list[Workload]) -> list[dict]:
@@ -68,6 +76,8 @@ class Bench:
                     continue
                 row = summarise(record, workload.name, self.options.dtype, len(workload.requests))
                 row["settings"] = record.settings
+                row["mfu"] = utilisation(self.flops, workload.num_prompt_tokens, record.num_output_tokens,
+                                         record.wall_s, self.options.peak_gflops)
                 if system == FLOOR_SYSTEM and self.floor is not None:
                     self._add_floor(row, record, workload)
                 rows.append(row)
@@ -103,10 +113,14 @@ class Bench:
             from kvscope.engine.loader import resolve_model_path
 
             run = VllmRun(resolve_model_path(self.options.model), self.options.dtype, torch.get_num_threads(),
-                          self.options.vllm)
+                          self.options.vllm, block_size=self.options.block_size,
+                          max_num_batched_tokens=self.options.max_num_batched_tokens)
             return run.run(workload, warm_up)
         config = engine_config(VARIANTS[system], workload, model=self.options.model,
-                               device=self.options.device, dtype=self.options.dtype)
+                               device=self.options.device, dtype=self.options.dtype,
+                               block_size=self.options.block_size,
+                               max_num_batched_tokens=self.options.max_num_batched_tokens,
+                               cpu_threads_bind=self.options.cpu_threads_bind)
         return KvscopeRun(VARIANTS[system], self.make_engine, self.open_log).run(workload, warm_up, config)
 
     def make_engine(self, config):

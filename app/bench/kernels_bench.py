@@ -206,7 +206,7 @@ def format_row(row: dict) -> str:
 
 
 def format_table(rows: list[dict], shape: AttentionShape = AttentionShape(),
-                 copy_gb_per_s: float | None = None) -> str:
+                 copy_gb_per_s: float | None = None, matmul_gflops: dict[str, float] | None = None) -> str:
     header = "  ".join(f"{_HEADERS.get(key, key):{'<' if spec == 's' else '>'}{width}}"
                        for key, width, spec in _COLUMNS)
     title = (f"paged attention, one layer per call · Hq={shape.num_q_heads} Hkv={shape.num_kv_heads} "
@@ -215,4 +215,8 @@ def format_table(rows: list[dict], shape: AttentionShape = AttentionShape(),
     if copy_gb_per_s:
         lines.append(f"copy bandwidth: {copy_gb_per_s:.1f} GB/s (read + written by one {_COPY_BYTES // 2**20} MiB "
                      f"copy_); GB/s above counts K/V bytes read, 'of copy' is that against it")
+    if matmul_gflops:
+        reached = ", ".join(f"{dtype} {gflops:,.0f} GFLOP/s" for dtype, gflops in matmul_gflops.items())
+        lines.append(f"matmul peak: {reached} (best [2048, 576] x [576, 3072] product through the engine's packed "
+                     f"linear): the denominator of the workload table's MFU")
     return "\n".join(lines)

@@ -35,9 +35,16 @@ VARIANTS = {v.name: v for v in (
 
 
 def engine_config(variant: KvscopeVariant, workload, *, model: str, device: str, dtype: str,
-                  block_size: int = 16) -> EngineConfig:
+                  block_size: int | None = None, max_num_batched_tokens: int | None = None,
+                  cpu_threads_bind: str = "none") -> EngineConfig:
+    """The engine for ``workload``: its KV budget and max_model_len; block size and step budget the engine's
+    defaults unless given (the bench's matched settings)."""
+    defaults = EngineConfig()
+    block_size = block_size or defaults.block_size
     return EngineConfig(
         model=model, device=device, dtype=dtype, block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens or defaults.max_num_batched_tokens,
+        cpu_threads_bind=cpu_threads_bind,
         num_blocks=-(-workload.kv_cache_tokens // block_size), max_model_len=workload.max_model_len,
         preemption_mode=workload.preemption_mode, allocator=variant.allocator,
         enable_prefix_caching=variant.enable_prefix_caching,

@@ -52,6 +52,7 @@ _COLUMNS = (
     ("preempt", "preemptions", "{}"),
     ("prefill computed", "prefill_tokens_computed", "{:,}"),
     ("RSS MiB", "peak_rss_mb", "{:,.0f}"),
+    ("MFU", "mfu", "{:.0%}"),      # model FLOPs over wall time, against the measured matmul peak
     ("load", "load_s", "{:.0f}s"),   # outside the timed run: vLLM's load and compile
     ("paged x", RATIO_KEY, "{:.2f}x"),
 )

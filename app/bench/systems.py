@@ -22,6 +22,8 @@ DEFAULT_SYSTEMS = {
     # Pool pressure is a kvscope setting; the peers have no equivalent knob to squeeze.
     "overload-recompute": (PAGED, CONTIGUOUS),
     "overload-swap": (PAGED, CONTIGUOUS),
+    # One request: batching has nothing to do; vLLM is the peer to beat on latency.
+    "chat": (PAGED, HF_STATIC, VLLM),
 }
 
 

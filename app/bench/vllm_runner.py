@@ -40,6 +40,27 @@ def _generate(llm, vllm, requests: list[dict], temperature: float):
     return llm.generate(prompts, [_params(vllm, r, temperature) for r in requests], use_tqdm=False)
 
 
+def _stepped(llm, vllm, requests: list[dict], temperature: float, begin: float):
+    """The requests through vLLM's engine, stepped here so that each token's time is known (as kvscope's bench
+    records its own): (the final outputs in request order, per request the seconds since ``begin`` of each
+    token of its first sample)."""
+    engine = llm.llm_engine
+    ids = [str(i) for i in range(len(requests))]
+    for request_id, request in zip(ids, requests):
+        engine.add_request(request_id, vllm.TokensPrompt(prompt_token_ids=request["prompt_token_ids"]),
+                           _params(vllm, request, temperature))
+    finals, times, seen = {}, {request_id: [] for request_id in ids}, dict.fromkeys(ids, 0)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            now = time.perf_counter() - begin
+            count = len(output.outputs[0].token_ids)
+            times[output.request_id].extend([now] * (count - seen[output.request_id]))
+            seen[output.request_id] = count
+            if output.finished:
+                finals[output.request_id] = output
+    return [finals[request_id] for request_id in ids], [times[request_id] for request_id in ids]
+
+
 def _ttft(output) -> float | None:
     metrics = getattr(output, "metrics", None)
     latency = getattr(metrics, "first_token_latency", None)
@@ -82,12 +103,13 @@ def run(job: dict) -> dict:
 
     settings = {"max_model_len": job["max_model_len"], "enable_prefix_caching": job["enable_prefix_caching"],
                 "kv_cache_memory_bytes": job["kv_cache_tokens"] * _kv_bytes_per_token(job["model"], job["dtype"])}
+    settings |= {key: job[key] for key in ("block_size", "max_num_batched_tokens") if job.get(key)}
     llm = vllm.LLM(model=job["model"], tokenizer=job["model"], dtype=job["dtype"], seed=0,
                    disable_log_stats=False, **settings)
     load_s = time.perf_counter() - start
     _generate(llm, vllm, [job["warm_up"]], job["temperature"])
     begin = time.perf_counter()
-    outputs = _generate(llm, vllm, job["requests"], job["temperature"])
+    outputs, token_times = _stepped(llm, vllm, job["requests"], job["temperature"], begin)
     wall_s = time.perf_counter() - begin
     config = llm.llm_engine.vllm_config
     settings |= {"block_size": config.cache_config.block_size,
@@ -95,7 +117,8 @@ def run(job: dict) -> dict:
                  "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens}
     return {
         "vllm_version": vllm.__version__, "load_s": load_s, "wall_s": wall_s, "settings": settings,
-        "outputs": [{"num_tokens": [len(c.token_ids) for c in o.outputs], "ttft_s": _ttft(o)} for o in outputs],
+        "outputs": [{"num_tokens": [len(c.token_ids) for c in o.outputs], "ttft_s": _ttft(o), "token_times": times}
+                    for o, times in zip(outputs, token_times)],
         "peak_rss_mb": _peak_rss_mb(),
     }
 

@@ -67,38 +67,51 @@ def _request(request: BenchRequest, seed: int | None = None) -> dict:
 
 
 def build_job(workload: Workload, warm_up: BenchRequest, *, model_dir: str, dtype: str,
-              enable_prefix_caching: bool = True) -> dict:
+              enable_prefix_caching: bool = True, block_size: int | None = None,
+              max_num_batched_tokens: int | None = None) -> dict:
+    """The runner's job; block_size and max_num_batched_tokens None leave vLLM's own defaults."""
     return {"model": model_dir, "dtype": dtype, "max_model_len": workload.max_model_len,
+            "block_size": block_size, "max_num_batched_tokens": max_num_batched_tokens,
             "kv_cache_tokens": workload.kv_cache_tokens, "temperature": workload.temperature,
             "enable_prefix_caching": enable_prefix_caching, "warm_up": _request(warm_up, seed=0),
             "requests": [_request(r, seed=i) for i, r in enumerate(workload.requests)]}
 
 
 def record_from_result(result: dict, workload: Workload, threads: int) -> RunRecord:
-    """The RunRecord of a runner result. vLLM's offline API gives each request's time to first token, not
-    each token's time, so inter-token latency is left unreported."""
+    """The RunRecord of a runner result: each token's time where the runner stepped the engine itself, else
+    (an older runner) each request's time to first token only, and no inter-token latency."""
     outputs = result["outputs"]
     return RunRecord(
         system=SYSTEM, settings={"vllm": result["vllm_version"], "threads": threads, **result["settings"]},
         wall_s=result["wall_s"], num_prompt_tokens=workload.num_prompt_tokens,
         num_output_tokens=sum(sum(o["num_tokens"]) for o in outputs),
-        token_times=[[o["ttft_s"]] if o["ttft_s"] is not None else [] for o in outputs],
+        token_times=[o["token_times"] if o.get("token_times") else [o["ttft_s"]] if o["ttft_s"] is not None else []
+                     for o in outputs],
         peak_rss_mb=result["peak_rss_mb"], extra={"load_s": result["load_s"]},
     )
+
+
+def _every_core() -> None:
+    """In the child before exec: every core again. kvscope's engine pins the thread that built it (engine/threads.py),
+    and a child inherits that thread's single core; vLLM then binds its own threads as it is told."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
 class VllmRun:
     """One pass of a workload through vLLM in a subprocess; ``run()`` returns its RunRecord."""
 
-    def __init__(self, model_dir: str, dtype: str, threads: int, settings: VllmSettings) -> None:
+    def __init__(self, model_dir: str, dtype: str, threads: int, settings: VllmSettings,
+                 block_size: int | None = None, max_num_batched_tokens: int | None = None) -> None:
         self.model_dir = model_dir
         self.dtype = dtype
         self.threads = threads
         self.settings = settings
+        self.engine_settings = {"block_size": block_size, "max_num_batched_tokens": max_num_batched_tokens}
 
     def run(self, workload: Workload, warm_up: BenchRequest) -> RunRecord:
         python = find_python(self.settings.python)
-        job = build_job(workload, warm_up, model_dir=self.model_dir, dtype=self.dtype)
+        job = build_job(workload, warm_up, model_dir=self.model_dir, dtype=self.dtype, **self.engine_settings)
         with tempfile.TemporaryDirectory(prefix="kvscope-vllm-") as scratch:
             job_path, result_path, log_path = (Path(scratch) / name for name in ("job.json", "result.json", "log"))
             job_path.write_text(json.dumps(job))
@@ -114,7 +127,7 @@ class VllmRun:
             try:
                 completed = subprocess.run([str(python), str(RUNNER), str(job_path), str(result_path)], env=env,
                                            stdout=log, stderr=subprocess.STDOUT, timeout=self.settings.timeout_s,
-                                           check=False)
+                                           check=False, preexec_fn=_every_core)
             except subprocess.TimeoutExpired as exc:
                 raise SystemUnavailable(f"vLLM did not finish within {self.settings.timeout_s:.0f} s") from exc
         if completed.returncode != 0 or not result_path.exists():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-WORKLOAD_NAMES = ("mixed", "shared-prefix", "parallel-sampling", "overload")
+WORKLOAD_NAMES = ("mixed", "shared-prefix", "parallel-sampling", "overload", "chat")
 # Synthetic ids stay clear of the special and byte tokens at the bottom of the vocabulary.
 TOKEN_ID_RANGE = (1000, 40000)
 # Pool for the workloads that are not about memory pressure: room for every request of
@@ -97,6 +97,20 @@ def overload(num_requests: int = 64, seed: int = 0, preemption_mode: str = "reco
                                 f"requests, {preemption_mode} preemption")
 
 
+CHAT_PROMPT_TOKENS = 40
+CHAT_OUTPUT_TOKENS = 256
+
+
+def chat(seed: int = 0) -> Workload:
+    """One user at a time: a chat-sized prompt and a long reply; what a person waiting on the reply feels is
+    the inter-token latency."""
+    rng = random.Random(seed)
+    request = BenchRequest(_random_ids(rng, CHAT_PROMPT_TOKENS), CHAT_OUTPUT_TOKENS)
+    return Workload("chat", (request,), max_model_len=CHAT_PROMPT_TOKENS + CHAT_OUTPUT_TOKENS,
+                    kv_cache_tokens=AMPLE_KV_TOKENS,
+                    description=f"one request: a {CHAT_PROMPT_TOKENS}-token prompt, {CHAT_OUTPUT_TOKENS} output tokens")
+
+
 def warm_up_request(n: int = 1) -> BenchRequest:
     """The small untimed generation every system runs before its timed one."""
     return BenchRequest(tuple(range(TOKEN_ID_RANGE[0], TOKEN_ID_RANGE[0] + 32)), max_tokens=8, n=n)
@@ -112,6 +126,7 @@ def build_workloads(name: str, num_requests: int | None = None, seed: int = 0) -
         "shared-prefix": lambda: [shared_prefix(count(64), seed)],
         "parallel-sampling": lambda: [parallel_sampling(count(16), seed)],
         "overload": lambda: [overload(count(64), seed, mode) for mode in ("recompute", "swap")],
+        "chat": lambda: [chat(seed)],
     }
     if name == "all":
         return [w for key in WORKLOAD_NAMES for w in builders[key]()]

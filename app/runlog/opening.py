@@ -17,7 +17,7 @@ from kvscope.app.runlog.writer import RunLogger, utc_now
 from kvscope.engine.config import EngineConfig
 from kvscope.settings import settings
 
-SOURCES = ("app", "bench", "chat", "script", "vllm")
+SOURCES = ("app", "bench", "chat", "script", "serve", "vllm")
 
 
 def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, model: str,

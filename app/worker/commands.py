@@ -96,6 +96,14 @@ class Stop:
     """End the engine thread; the run log is closed as finished."""
 
 
+@dataclass(frozen=True)
+class RunOnEngine:
+    """Run ``call`` on the engine thread between steps: the engine calls of a server in front of this engine
+    (kvscope --serve: its requests' adds and aborts), which then step with everyone else's."""
+
+    call: Callable[[], None]
+
+
 # A union, so isinstance(x, WorkerCommand) checks every command at once.
 WorkerCommand = (AddRequest | AddChatTurn | AbortRequest | SetPaused | StepOnce | SetRateCap | LaunchPreset
-                 | LaunchPlan | RunUntil | Rebuild | Stop)
+                 | LaunchPlan | RunUntil | Rebuild | Stop | RunOnEngine)

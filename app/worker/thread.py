@@ -48,6 +48,7 @@ from kvscope.app.worker.commands import (
     LaunchPlan,
     LaunchPreset,
     Rebuild,
+    RunOnEngine,
     RunUntil,
     SetPaused,
     SetRateCap,
@@ -270,6 +271,8 @@ class EngineWorker:
                 self._set_paused(False)
             case Rebuild(config):
                 self._rebuild(config)
+            case RunOnEngine(call):
+                call()
             case Stop():
                 self._stopping.set()
             case _:     # send() refuses these; reaching here means something bypassed it

@@ -1,0 +1,98 @@
+"""What keeps one client from exhausting the server: a bound on request bodies, on requests in flight, and the
+API key.
+
+The body bound is an ASGI middleware: a declared Content-Length over the bound is refused before a byte is
+read, and a chunked body is refused as soon as it passes the bound, so memory never holds more than the bound.
+The key is compared in constant time (hmac.compare_digest), so response timing says nothing about it.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from kvscope.app.serve.errors import APIError
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_CONCURRENT_REQUESTS = 512
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server accepts ({limit:,} bytes; "
+                         "kvscope serve --max-request-bytes sets it)")
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413.
+
+    Before answering, what the client is still sending is read and dropped, up to DRAIN_BYTES: a server that
+    closes a connection with unread data makes the kernel reset it, and the client would see a broken
+    connection instead of the 413 that says why."""
+
+    DRAIN_BYTES = 1024 * 1024
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._drain(receive, more=True)
+            await body_too_large(self.limit).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def bounded_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    await self._drain(receive, message.get("more_body", False))
+                    raise body_too_large(self.limit)    # the app's APIError handler answers it
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+    async def _drain(self, receive, more: bool) -> None:
+        dropped = 0
+        while more and dropped < self.DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            dropped += len(message.get("body", b""))
+            more = message.get("more_body", False)
+
+
+class ConcurrencyLimit:
+    """Generation requests in flight, at most ``limit``; one over it is refused with 503 and Retry-After."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    def acquire(self) -> None:
+        """Take a slot (event-loop thread only), or raise the refusal."""
+        if self.in_flight >= self.limit:
+            raise APIError(503, f"The server is busy: it is already serving its maximum of {self.limit} "
+                                "requests at once (kvscope serve --max-concurrent-requests); retry shortly",
+                           headers={"retry-after": "1"})
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+
+def check_api_key(expected: str | None, authorization: str | None) -> None:
+    """Raise 401 unless ``authorization`` is ``Bearer <expected>``; anything goes when no key is set."""
+    if expected is None:
+        return
+    if not authorization:
+        raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' (the openai "
+                            "client's api_key).")
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+        raise APIError(401, "Incorrect API key provided.")
