@@ -167,7 +167,7 @@ class QueuesTable(ScrollView, can_focus=True):
             self.finished.pop(view.request_id, None)    # an id used again
         gone = self.rows.keys() - live.keys()
         if snapshot.step >= self._step:
-            for request_id in gone:
+            for request_id in sorted(gone, key=self._arrival.get):
                 self._finish(request_id, snapshot.step)
         reorder |= bool(gone) or snapshot.step < self._step or self._expire(snapshot.step)
         self._step = snapshot.step
@@ -201,7 +201,8 @@ class QueuesTable(ScrollView, can_focus=True):
 
     def _expire(self, step: int) -> bool:
         """Drop finished rows older than FINISHED_KEEP_STEPS, and beyond FINISHED_MAX_ROWS."""
-        keep = sorted(self.finished.items(), key=lambda item: -item[1][1])
+        # Newest first, and among those of one step the earliest arrival: never the order of a set.
+        keep = sorted(self.finished.items(), key=lambda item: (-item[1][1], self._arrival.get(item[0], 0)))
         keep = [(rid, entry) for rid, entry in keep[:FINISHED_MAX_ROWS] if step - entry[1] < FINISHED_KEEP_STEPS]
         if len(keep) == len(self.finished):
             return False
