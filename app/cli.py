@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import io
 import os
 import sys
 
@@ -186,12 +187,35 @@ def _chat(args: argparse.Namespace) -> int:
                     on_failure=lambda warning: print(f"\nkvscope: {warning}", file=sys.stderr)) as log:
         if log.warning:
             print(f"kvscope: {log.warning}", file=sys.stderr)
-        engine.add_request([{"role": "user", "content": args.prompt}], params)
-        while engine.has_unfinished_requests():
-            for output in engine.step().outputs:
-                print(output.text_delta, end="", flush=True)
+        request_id = engine.add_request([{"role": "user", "content": args.prompt}], params)
+        final = None
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step().outputs:
+                    print(output.text_delta, end="", flush=True)
+                    final = output if output.finished else final
+        except BrokenPipeError:     # the reader went away (`| head`): stop generating, end the run, say nothing
+            silence_stdout()
+            engine.abort_request(request_id)
+            while engine.has_unfinished_requests():
+                engine.step()
+            return PIPE_CLOSED
+        if final is not None and final.finish_reason == "length":     # as the app marks it; not part of the answer
+            print(" [max tokens]", end="", file=sys.stderr, flush=True)
         print()
     return 0
+
+
+PIPE_CLOSED = 141   # 128 + SIGPIPE, what `git log | head` leaves
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null once its reader has gone, so nothing (the exit's own flush included) tries to
+    write to the closed pipe and prints "Broken pipe" after all."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass    # not a real file (a test's captured stdout)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -212,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:     # `kvscope runs export 1 | head`: the reader has what it wanted
+        silence_stdout()
+        return PIPE_CLOSED
 
 
 def console_main() -> None:

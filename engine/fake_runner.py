@@ -26,7 +26,7 @@ import numpy as np
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.outputs import KVLayout
-from kvscope.engine.runner import RunnerInfo, RunnerOutput
+from kvscope.engine.runner import RunnerInfo, RunnerOutput, format_banner
 
 _MASK64 = (1 << 64) - 1
 # The shape the fake pretends its K/V has (SmolLM2-135M's), so a --kv-cache-memory budget sizes its pool as the
@@ -119,15 +119,13 @@ class FakeRunner:
         self.fault_at: str | None = None        # "moves" | "forward" | "sample": the next execute() raises there
         # Set by fake_engine(): the tokens a sequence should hold, to check the context read back.
         self.expected_tokens: Callable[[BatchItem], Sequence[int]] | None = None
-        tokens = num_device_blocks * self.block_size
         # The header and the run log show the configured names: there is no model, device or dtype to report.
         self.info = RunnerInfo(
             model_name=config.model, device=config.device, dtype=config.dtype, block_size=self.block_size,
             num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks, max_model_len=max_model_len,
             vocab_size=self.tokenizer.vocab_size, eos_token_ids=frozenset({self.tokenizer.eos_token_id}),
             kv_cache_bytes=None, kv_layout=self.kv_layout,
-            banner=(f"KV cache: {num_device_blocks} blocks x {self.block_size} = {tokens} tokens (fake runner); "
-                    f"maximum concurrency for {max_model_len} tokens per request: {tokens / max_model_len:.2f}x"))
+            banner=format_banner(num_device_blocks, self.block_size, None, max_model_len) + " (fake runner)")
         self.pool = np.full((num_device_blocks, self.block_size), -1, dtype=np.int64)
         self.host_pool = np.full((max(num_host_blocks, 1), self.block_size), -1, dtype=np.int64)
         self._weights = np.random.default_rng(0).integers(1, 2**63, max_model_len, dtype=np.uint64)

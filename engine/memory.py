@@ -61,9 +61,3 @@ def _cuda_blocks(runner) -> int:
     peak = runner.profile_forward_peak_bytes()
     budget = total * runner.config.gpu_memory_utilization - used_by_others - peak
     return int(budget // runner.bytes_per_block)
-
-
-def format_banner(num_blocks: int, block_size: int, pool_bytes: int, max_model_len: int) -> str:
-    tokens = num_blocks * block_size
-    return (f"KV cache: {num_blocks} blocks x {block_size} = {tokens} tokens ({pool_bytes / MIB:,.0f} MiB); "
-            f"maximum concurrency for {max_model_len} tokens per request: {tokens / max_model_len:.2f}x")

@@ -22,9 +22,9 @@ from kvscope.engine import fused_ops, packed_linear, precision, threads
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.loader import ModelError, load_model
-from kvscope.engine.memory import format_banner, size_pool
+from kvscope.engine.memory import size_pool
 from kvscope.engine.outputs import KVLayout
-from kvscope.engine.runner import RunnerInfo, RunnerOutput
+from kvscope.engine.runner import RunnerInfo, RunnerOutput, format_banner
 from kvscope.engine.sampler import Sampler, SampleRow
 
 ATTENTION_NAME = "kvscope"
@@ -145,7 +145,7 @@ class ModelRunner:
         self.host_cache = self._allocate_host_cache()
         self.kv_cache_bytes = self.num_device_blocks * self.bytes_per_block
         self.banner = format_banner(self.num_device_blocks, self.block_size, self.kv_cache_bytes,
-                                    self.max_model_len)
+                                    self.max_model_len, str(self.device))
         self.info = RunnerInfo(
             model_name=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             block_size=self.block_size, num_device_blocks=self.num_device_blocks,

@@ -87,6 +87,8 @@ def _with_reader(action, *, writable: bool = False):
             return _fail(str(exc))
         except sqlite3.Error as exc:
             return _fail(f"cannot read {path}: {exc}")
+        except BrokenPipeError:
+            raise       # the reader of a pipe went away: kvscope's main ends quietly
         except OSError as exc:
             return _fail(f"cannot write {exc.filename or 'the output'}: {exc.strerror}")
         finally:
