@@ -34,6 +34,7 @@ from kvscope.app.messages import (
     QueueChanged,
     RequestRejected,
     RunLogFailed,
+    RunState,
     RunStateChanged,
     RunUntilDone,
 )
@@ -46,9 +47,10 @@ from kvscope.app.screens.main import MainScreen
 from kvscope.app.screens.quit import ConfirmAbort, ConfirmQuit, ShuttingDown
 from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
+from kvscope.app.widgets.key_bar import key_label
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
-from kvscope.app.worker.commands import AddChatTurn, RunOnEngine
+from kvscope.app.worker.commands import AddChatTurn, RunOnEngine, SetPaused
 from kvscope.app.worker.factory import build_engine, first_engine_then_build
 from kvscope.app.worker.thread import EngineWorker
 from kvscope.engine.config import EngineConfig, model_sampling
@@ -99,6 +101,7 @@ class KVScopeApp(ThemedApp):
         self.run_logger = None      # the run log of the engine now running (set on the engine thread)
         self.lesson_screen: LessonScreen | None = None
         self._lesson_log_dir: tempfile.TemporaryDirectory | None = None
+        self._state_before_lesson: RunState | None = None   # paused or not, and the step cap, to come back to
         self._first_lesson = first_lesson
         self._refused: list[tuple[str, str]] = []
         # kvscope --serve: the API in front of this window's engine (app/serve/hosted.py's HostedServe, made by
@@ -242,7 +245,7 @@ class KVScopeApp(ThemedApp):
             if command.title not in REPLACED_SYSTEM_COMMANDS:
                 yield command
         for action in ACTIONS:
-            key = f" ({action.keys.split(',')[0]})" if action.keys else ""
+            key = f" ({key_label(self, Binding(action.keys.split(',')[0], action.action))})" if action.keys else ""
             yield SystemCommand(action.title + key, action.help, partial(self.run_action, action.action))
         for lesson in LESSONS.values():
             yield SystemCommand(f"Lesson: {lesson.name}", lesson.summary, partial(self.start_lesson, lesson.name))
@@ -265,6 +268,8 @@ class KVScopeApp(ThemedApp):
     def _start_lesson(self, name: str, aborted: str | None = None) -> None:
         if self.lesson_screen is not None:
             self.leave_lesson(rebuild=False)
+        else:
+            self._state_before_lesson = self.worker.state
         if aborted:
             self.notify(f"{aborted} aborted", title=f"Lesson {name}", timeout=5)
         lesson = LESSONS[name]
@@ -278,6 +283,11 @@ class KVScopeApp(ThemedApp):
             self.pop_screen() if self.screen is screen else screen.dismiss()
         if rebuild:
             self.worker.rebuild(self.config)
+            before, self._state_before_lesson = self._state_before_lesson, None
+            if before is not None:      # the app as it was: a lesson leaves the engine paused, its cap on
+                self.rate_cap = before.steps_per_s_cap
+                self.worker.set_rate_cap(before.steps_per_s_cap)
+                self.worker.send(SetPaused(before.paused))
 
     def _ensure_run_log(self) -> None:
         """Lessons go back by replaying the run log: with the log off, they keep one for this session only."""

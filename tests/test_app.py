@@ -328,3 +328,29 @@ async def test_a_restart_with_nothing_in_flight_asks_nothing():
         await pilot.press("f8")
         await until(pilot, lambda: len(engines.built) == 2)
         assert app.screen is app.main
+
+
+async def test_the_palette_names_keys_as_the_footer_does_and_the_chat_says_how_it_samples():
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(160, 48)) as pilot:
+        await started(pilot)
+        titles = [command.title for command in app.get_system_commands(app.screen)]
+        assert "Keys (?)" in titles and "Explain (F1)" in titles and not any("question_mark" in t for t in titles)
+        assert app.main.chat.border_subtitle == "greedy · generation_config"     # SmolLM2's, and the fake's
+        legend = str(app.main.query_one("#legend").render())
+        assert "shared by 2 (+ 10+)" in legend
+
+
+async def test_the_map_keeps_one_scale_on_one_pool_whatever_the_lines_around_it_say():
+    """Issue 25 defect 13: the map switched between 1 cell = 6 and 7 blocks on the same pool, as the event line
+    and the status line above and below it grew and shrank with their text."""
+    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=4096, max_model_len=2048))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        app.worker.launch_preset("shared", 6)
+        app.worker.launch_preset("overload", 24)
+        scales = set()
+        for _ in range(12):
+            await single_steps(pilot, 1)
+            scales.add(app.main.view.block_map.map_layout.blocks_per_cell)
+        assert len(scales) == 1 and scales.pop() > 1

@@ -159,10 +159,10 @@ async def test_new_conversation_forgets_the_history_sent_to_the_model_and_turns_
 
 
 async def test_long_request_ids_and_numbers_are_never_cut():
-    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=2048))
+    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=2048, max_num_batched_tokens=512))
     async with app.run_test(size=(120, 40)) as pilot:
         await started(pilot)
-        app.worker.launch_preset("long", 1)          # a 1,900-token prompt: "1936/1936" in prefill
+        app.worker.launch_preset("long", 1)          # a 1,500-token prompt: "512/1536" in prefill
         app.worker.launch_preset("overload", 12)     # ids up to overload-12
         await single_steps(pilot, 1)
         table = app.main.query_one(QueuesTable)
@@ -170,6 +170,7 @@ async def test_long_request_ids_and_numbers_are_never_cut():
         rows = [table.render_line(y).text for y in range(1, table.size.height)]
         rows = [row for row in rows if row.strip()]
         assert len(rows) >= 4 and any(row.startswith("overload-1") for row in rows)
+        assert any(row.startswith("long-") for row in rows)
         for row in rows:
             view = views[row.split()[0]]                # the whole id, never "long-…"
             assert f"{min(view.num_computed_tokens, view.num_prompt_tokens)}/{view.num_prompt_tokens}" in row

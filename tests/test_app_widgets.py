@@ -228,3 +228,10 @@ def test_ui_bench_rate_is_generated_tokens_over_the_busy_span():
                      generation_tokens_per_s=2.0)]       # 4 tokens, ends at 14.0
     assert generation_rate(steps) == pytest.approx(8 / 4.0)
     assert generation_rate([]) == 0.0
+
+
+def test_the_kv_use_sparkline_is_a_share_of_the_pool_not_of_its_own_peak():
+    """Issue 25 defect 13: 0.17% of the KV cache drew a full-height bar."""
+    assert bar_levels([0.17, 0.17], 10, ceiling=100.0) == (0, 0)
+    assert bar_levels([50.0, 100.0], 10, ceiling=100.0) == (4, 7)
+    assert bar_levels([0.17, 0.17], 10) == (7, 7)        # a rate still scales to its window's peak

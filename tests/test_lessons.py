@@ -179,3 +179,17 @@ def test_a_beat_that_builds_a_new_engine_lets_the_old_one_finish_its_requests_fi
     runner.until_done(runner.latest.stats.step, True)
     assert [type(c) for c in sent] == [RunUntil, Rebuild, LaunchPlan, RunUntil]    # then the new one is built
     assert sent[1].config.allocator == "contiguous" and shown == ["First"]
+
+
+async def test_leaving_a_lesson_gives_the_app_back_running_as_it_was():
+    """Issue 25 defect 13: leaving a lesson landed in a paused app, the lesson's step cap still on."""
+    engines = FakeEngines(fixed_clock=True)
+    app = make_app(engines, paused=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        assert not app.worker.state.paused
+        await play(pilot, "copy-on-write", beat_timeout=60)
+        assert app.worker.state.paused                    # a lesson stops at its beats
+        await pilot.press("escape")
+        await until(pilot, lambda: app.screen is app.main and app.main.engine_info.config.num_blocks == 128)
+        await until(pilot, lambda: not app.worker.state.paused and app.worker.state.steps_per_s_cap is None)

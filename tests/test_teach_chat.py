@@ -32,6 +32,8 @@ async def test_a_question_on_the_teaching_pool_is_answered_by_the_real_model():
     async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: app.main.engine_info is not None, timeout=300)
         chat = app.main.chat
+        # SmolLM2's generation_config asks for no sampling: the app chats greedily, as `kvscope chat` and vLLM do.
+        assert chat.border_subtitle == "greedy · generation_config"
         await type_chat(pilot, QUESTION)
         # The first words streamed are enough to know it was accepted; the whole reply would take minutes here.
         await until(pilot, lambda: len(chat._reply.split()) >= 2 or chat.current_request is None, timeout=300)

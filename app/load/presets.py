@@ -172,6 +172,11 @@ def plan_long_prompts(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     if target < 32:
         raise ValueError(f"max_model_len {ctx.max_model_len:,} and a pool of {ctx.num_blocks:,} blocks leave no "
                          "room for a long prompt")
+    if target <= ctx.max_num_batched_tokens:     # the teaching pool: 256-token requests, 2,048-token steps
+        raise ValueError(f"a prompt can hold at most {target:,} tokens here (max_model_len {ctx.max_model_len:,}) "
+                         f"and one step takes {ctx.max_num_batched_tokens:,}, so none would be split into chunks; "
+                         f"start with --max-num-batched-tokens {max(16, target // 4):,}, or see the chunked-prefill "
+                         "lesson")
     document = fit_text(_document(target, ctx), target, ctx)
     instructions = prompt_lines("long_prompt_tasks.txt")
     return [PlannedRequest(_user(f"{document}\n\n{instructions[i % len(instructions)]}"),

@@ -106,6 +106,7 @@ class MainScreen(Screen):
             line.reset(info.device)
         self.view.show_empty(info.num_blocks, info.block_size, info.config.allocator, info.num_host_blocks)
         self.chat.set_engine_waiting(False)
+        self.chat.show_sampling(info.sampling_defaults)
 
     def engine_not_ready(self, still_running: EngineInfo | None, error: str) -> None:
         """A build failed: back to the engine that goes on serving, or say there is none."""

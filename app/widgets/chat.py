@@ -20,6 +20,7 @@ from textual.widgets import Input, Static
 
 from kvscope.app.messages import ChatSubmitted
 from kvscope.app.widgets.chat_input import ChatInput
+from kvscope.engine.config import model_sampling
 from kvscope.engine.outputs import RequestOutput
 
 PLACEHOLDER = "Ask the model…"
@@ -96,6 +97,18 @@ class ChatPane(Vertical):
             self.chat_log.scroll_end(animate=False)
         if output.finished:
             self._finish(output)
+
+    def show_sampling(self, defaults: tuple[tuple[str, float | int], ...]) -> None:
+        """Say on the pane's border how replies are sampled: the model's own generation_config, as vLLM and
+        `kvscope chat` take it (greedy for SmolLM2)."""
+        params = model_sampling(defaults)
+        if params.temperature == 0.0:
+            how = "greedy"
+        else:
+            how = ", ".join(f"{name} {value:g}" for name, value in (("temperature", params.temperature),
+                                                                   ("top_p", params.top_p), ("top_k", params.top_k))
+                            if (name, value) not in (("top_p", 1.0), ("top_k", -1)))
+        self.border_subtitle = f"{how} · generation_config"
 
     def set_engine_waiting(self, waiting: bool) -> None:
         self.engine_waiting = waiting
