@@ -267,3 +267,28 @@ async def test_a_multi_line_paste_is_sent_whole():
         assert chat_input.value == "" and chat_input.expanded("[pasted 25 lines") == "[pasted 25 lines"
         bubble = str(app.main.query(".bubble.user").last().render())
         assert "line 0:" in bubble and "line 24:" in bubble
+
+
+async def test_a_paste_with_the_focus_off_the_chat_goes_to_the_chat_and_a_first_question_mark_shows_the_keys():
+    """Issue 25 defect 8: after Esc the focus left the input and a paste went nowhere; `?` typed into the input."""
+    from textual import events
+
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(pilot)
+        chat_input = app.main.query_one("#chat-input")
+        await pilot.press("escape")                                  # no reply: Esc leaves the input for the map
+        assert app.focused is app.main.view.block_map
+        app.main.view.block_map.post_message(events.Paste("Why page the cache?"))
+        await until(pilot, lambda: chat_input.value == "Why page the cache?")
+        assert app.focused is chat_input
+        chat_input.value = ""
+        await pilot.press("question_mark")                          # empty input: the keys, as everywhere
+        assert app.screen.query(HelpPanel) and chat_input.value == ""
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert not app.screen.query(HelpPanel)
+        await pilot.press("W", "h", "y", "question_mark")           # inside a question: a question mark
+        assert chat_input.value == "Why?"
+        text = _bar_text(app.main.query_one(KeyBar))
+        assert "F10 Quit" in text

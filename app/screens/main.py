@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 
+from textual import events
 from textual.app import ComposeResult
 from textual.screen import Screen
 
@@ -30,6 +31,7 @@ from kvscope.app.actions import FOOTER_RANKS
 from kvscope.app.messages import EngineInfo, RunState
 from kvscope.app.widgets.box import titled
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
+from kvscope.app.widgets.chat_input import ChatInput
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.key_bar import KeyBar
 from kvscope.app.widgets.load_generator import LoadGenerator
@@ -88,6 +90,13 @@ class MainScreen(Screen):
 
     def on_mount(self) -> None:
         self.set_interval(1 / FRAME_RATE, self.paint)
+
+    def on_paste(self, event: events.Paste) -> None:
+        """A paste that reached no input (the focus on the map, after Esc) goes to the chat, not nowhere."""
+        event.stop()
+        chat_input = self.query_one("#chat-input", ChatInput)
+        chat_input.focus()
+        chat_input.post_message(events.Paste(event.text))
 
     # --- fed by the app ---------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from kvscope.app.widgets.chat_input import ChatInput
 from kvscope.engine.config import model_sampling
 from kvscope.engine.outputs import RequestOutput
 
-PLACEHOLDER = "Ask the model…"
+PLACEHOLDER = "Ask the model…  (? keys · Esc leaves the input · F10 quits)"
 DEFAULT_MAX_TOKENS = 256
 WAITING = "waiting for the engine…"
 SPEAKERS = {"user": "you", "assistant": "assistant"}

@@ -5,6 +5,10 @@ word (a 25-line paste became its first line). A chat must send what was pasted,
 and a one-line input cannot show it: a paste of more than one line goes in as a
 marker, "[pasted 25 lines, 9,424 characters]", which can be typed around, moved
 or deleted like any text, and is sent as the whole paste.
+
+"?" typed into an empty input shows the keys, as it does everywhere else: a
+question rarely starts with one, and a newcomer's first "?" should do what the
+footer says rather than vanish into the input.
 """
 
 from __future__ import annotations
@@ -20,6 +24,12 @@ class ChatInput(Input):
         super().__init__(**kwargs)
         self._pastes: dict[str, str] = {}     # marker -> the text it stands for
         self._numbers = itertools.count(1)
+
+    def _on_key(self, event: events.Key) -> None:
+        if event.character == "?" and not self.value:
+            event.prevent_default()
+            event.stop()
+            self.app.action_show_keys()
 
     def _on_paste(self, event: events.Paste) -> None:
         text = event.text.replace("\r\n", "\n").replace("\r", "\n")
