@@ -193,3 +193,23 @@ async def test_leaving_a_lesson_gives_the_app_back_running_as_it_was():
         await pilot.press("escape")
         await until(pilot, lambda: app.screen is app.main and app.main.engine_info.config.num_blocks == 128)
         await until(pilot, lambda: not app.worker.state.paused and app.worker.state.steps_per_s_cap is None)
+
+
+async def test_captions_say_what_the_screen_shows():
+    """Issue 25 defect 9: "its blocks (3)" read as three blocks; "prompts of 48 tokens or fewer" was their sum;
+    block-tables counted one table's jumps, then every table's; the last beat still said "Space: next"."""
+    from kvscope.app.widgets.lesson_panel import KEYS, LAST_KEYS
+
+    app = lesson_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        beats = {beat.title: beat.caption for beat in (await play(pilot, "preemption", beat_timeout=60)).beats}
+        preempt = beats["Out of blocks: the latest arrival goes"]
+        assert "its block " in preempt or "its 2 blocks (" in preempt
+        assert "of 48 tokens or fewer" not in beats["Recompute mode: all done"]
+        assert "tokens in all: the" in beats["Recompute mode: all done"]
+        panel = str(app.lesson_screen.panel.render())
+        assert "Space: next" not in panel and "The end of the lesson" in panel
+        assert "Space: next" in KEYS and "Space" not in LAST_KEYS
+        figures = (await play(pilot, "block-tables", beat_timeout=60)).beats[-1].caption
+        assert "jumps in r5's table" in figures and "jumps in every table then" in figures
