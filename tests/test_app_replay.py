@@ -128,3 +128,23 @@ async def test_after_a_jump_the_recently_finished_rows_are_the_ones_the_live_win
         await pilot.pause()
         assert not table.finished
     reader.close()
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)], ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_the_history_list_shows_every_column_whole(tmp_path, size):
+    """Issue 25 defect 10: at 120 columns the model read "SmolL" beside empty space and the status "fi"."""
+    from test_runlog_cli import log_run
+
+    path = tmp_path / "runs.db"
+    for seed in range(2):
+        log_run(path, 20, seed, model="SmolLM2-135M-Instruct")
+    app = make_app(FakeEngines(), db_path=path, log_enabled=True)
+    async with app.run_test(size=size) as pilot:
+        await started(pilot)
+        await pilot.press("f9")
+        runs = app.screen.query_one("#runs")
+        await until(pilot, lambda: runs.row_count >= 2 and len(runs.columns) == 8)
+        await pilot.pause()
+        assert runs.virtual_size.width <= runs.scrollable_content_region.width    # nothing off to the right
+        row = [str(cell) for cell in runs.get_row_at(runs.row_count - 1)]
+        assert row[1] == "finished" and row[-1].startswith("SmolLM2-135M")      # whole status, most of the name

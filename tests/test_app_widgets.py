@@ -235,3 +235,16 @@ def test_the_kv_use_sparkline_is_a_share_of_the_pool_not_of_its_own_peak():
     assert bar_levels([0.17, 0.17], 10, ceiling=100.0) == (0, 0)
     assert bar_levels([50.0, 100.0], 10, ceiling=100.0) == (4, 7)
     assert bar_levels([0.17, 0.17], 10) == (7, 7)        # a rate still scales to its window's peak
+
+
+def test_a_counter_and_its_word_wrap_together():
+    """Issue 25 defect 10: Counters wrapped "(194" / "cached)"."""
+    from textual.content import Content
+
+    from kvscope.app.widgets.counters import describe_stats
+    from kvscope.app.widgets.snapshot_view import empty_step
+
+    _, stats = empty_step(5825, 16, "paged")
+    text = Content.from_markup(describe_stats(replace(stats, num_cached_free_blocks=194)))
+    lines = [line.plain for line in text.wrap(30)]
+    assert any(line.startswith("(194") and "cached)" in line for line in lines), lines

@@ -213,3 +213,15 @@ async def test_captions_say_what_the_screen_shows():
         assert "Space: next" in KEYS and "Space" not in LAST_KEYS
         figures = (await play(pilot, "block-tables", beat_timeout=60)).beats[-1].caption
         assert "jumps in r5's table" in figures and "jumps in every table then" in figures
+
+
+async def test_the_lesson_pickers_title_wraps_inside_its_dialog():
+    """Issue 25 defect 10: the picker's title ran past the dialog's edge and was cut."""
+    app = lesson_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        app.action_lessons()
+        await pilot.pause()
+        dialog = app.screen.query_one("#lesson-menu")
+        title = dialog.query_one(".dialog-text")
+        assert title.region.width <= dialog.content_region.width and title.region.height >= 2
