@@ -148,7 +148,7 @@ class HistoryScreen(Screen):
         if not table.size.width:
             return
         highlighted = self.run_id
-        widths = [max(len(header), *(len(cells[i]) for cells in self._runs)) for i, header in enumerate(COLUMNS)]
+        widths = [max([len(header), *(len(cells[i]) for cells in self._runs)]) for i, header in enumerate(COLUMNS)]
         model = COLUMNS.index("model")
         room = table.scrollable_content_region.width - sum(w + 2 for i, w in enumerate(widths) if i != model) - 2
         widths[model] = max(MIN_MODEL_WIDTH, min(widths[model], room))
