@@ -133,7 +133,11 @@ class KVScopeApp(ThemedApp):
     def _record_run(self, engine):
         if self.serve is not None:
             self.serve.engine_installed(engine)
-        self.run_logger = record_run(engine, source="app", db_path=self.db_path, enabled=self.log_enabled,
+        # A lesson's engines are the lesson's, named for it; an engine replaced before anything was asked of it
+        # (the app's, when a lesson starts) leaves no run behind.
+        lesson = self.lesson_screen.lesson.name if self.lesson_screen is not None else None
+        self.run_logger = record_run(engine, source="lesson" if lesson else "app", label=lesson, keep_empty=False,
+                                     db_path=self.db_path, enabled=self.log_enabled,
                                      on_failure=lambda warning: self.post_message(RunLogFailed(warning)))
         return self.run_logger
 

@@ -225,3 +225,27 @@ async def test_the_lesson_pickers_title_wraps_inside_its_dialog():
         dialog = app.screen.query_one("#lesson-menu")
         title = dialog.query_one(".dialog-text")
         assert title.region.width <= dialog.content_region.width and title.region.height >= 2
+
+
+async def test_lesson_runs_are_named_for_their_lesson_and_leave_no_empty_runs(tmp_path, capsys):
+    """Issue 25 defect 11: every lesson start added an empty 0-request run (8 of 25), lesson runs said only
+    "started by app", and `kvscope runs` had no source column."""
+    from kvscope.app.runlog import RunLogReader
+
+    path = tmp_path / "runs.db"
+    app = make_app(FakeEngines(fixed_clock=True), db_path=path, log_enabled=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        for name in ("copy-on-write", "continuous-batching"):
+            await play(pilot, name, beat_timeout=60)
+            await pilot.press("escape")
+            await until(pilot, lambda: app.screen is app.main and app.main.engine_info.config.num_blocks == 128)
+    reader = RunLogReader(path)
+    runs = reader.list_runs()
+    assert all(run["num_requests"] > 0 for run in runs), [(r["id"], r["source"]) for r in runs]   # none empty
+    assert sorted({(run["source"], run["label"]) for run in runs}) == [
+        ("lesson", "continuous-batching"), ("lesson", "copy-on-write")]
+    reader.close()
+    assert cli.main(["runs", "--db", str(path)]) == 0
+    listed = capsys.readouterr().out
+    assert "source" in listed.splitlines()[0] and "lesson copy-on-write" in listed

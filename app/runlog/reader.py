@@ -46,6 +46,12 @@ def _decoding(run_id: int, step: int):
                             f"({type(exc).__name__}: {exc})") from exc
 
 
+def run_origin(run: dict) -> str:
+    """What started a run: its source, and its label when it has one ("lesson fragmentation")."""
+    label = run.get("label")
+    return f"{run.get('source') or '-'} {label}" if label else run.get("source") or "-"
+
+
 @dataclass(frozen=True)
 class ReplayFrame:
     """Everything the live view shows for one step, rebuilt from the log."""

@@ -20,7 +20,7 @@ from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import DataTable, Label, Sparkline, Static
 
-from kvscope.app.runlog import RunLogReader, SchemaError
+from kvscope.app.runlog import RunLogReader, SchemaError, run_origin
 from kvscope.app.screens.replay import ReplayScreen
 from kvscope.app.widgets.formatting import compact
 from kvscope.app.widgets.key_bar import KeyBar
@@ -57,7 +57,7 @@ def describe_run(run: dict) -> str:
     detail = run.get("status_detail")
     lines = [
         f"[b]Run {run['id']}[/b] · {run.get('status')} · started {(run.get('started_at') or '')[:19]} by "
-        f"{run.get('source')}",
+        f"{run_origin(run)}",
         *(["$detail"] if detail else []),
         f"$model · {run.get('device')} · {run.get('dtype')} · {config.get('allocator', '?')} · "
         f"preempt {config.get('preemption_mode', '?')} · prefix cache "
