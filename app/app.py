@@ -34,6 +34,7 @@ from kvscope.app.messages import (
     QueueChanged,
     RequestRejected,
     RunLogFailed,
+    RunState,
     RunStateChanged,
     RunUntilDone,
 )
@@ -43,9 +44,10 @@ from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.screens.lesson import LessonScreen
 from kvscope.app.screens.lesson_menu import LessonMenu
 from kvscope.app.screens.main import MainScreen
-from kvscope.app.screens.quit import ConfirmQuit, ShuttingDown
+from kvscope.app.screens.quit import ConfirmAbort, ConfirmQuit, ShuttingDown
 from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
+from kvscope.app.widgets.key_bar import key_label
 from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
 from kvscope.app.worker.commands import (
@@ -110,6 +112,7 @@ class KVScopeApp(ThemedApp):
         self.run_logger = None      # the run log of the engine now running (set on the engine thread)
         self.lesson_screen: LessonScreen | None = None
         self._lesson_log_dir: tempfile.TemporaryDirectory | None = None
+        self._state_before_lesson: RunState | None = None   # paused or not, and the step cap, to come back to
         self._first_lesson = first_lesson
         self._refused: list[tuple[str, str]] = []
         # kvscope --serve: the API in front of this window's engine (app/serve/hosted.py's HostedServe, made by
@@ -141,7 +144,11 @@ class KVScopeApp(ThemedApp):
     def _record_run(self, engine):
         if self.serve is not None:
             self.serve.engine_installed(engine)
-        self.run_logger = record_run(engine, source="app", db_path=self.db_path, enabled=self.log_enabled,
+        # A lesson's engines are the lesson's, named for it; an engine replaced before anything was asked of it
+        # (the app's, when a lesson starts) leaves no run behind.
+        lesson = self.lesson_screen.lesson.name if self.lesson_screen is not None else None
+        self.run_logger = record_run(engine, source="lesson" if lesson else "app", label=lesson, keep_empty=False,
+                                     db_path=self.db_path, enabled=self.log_enabled,
                                      on_failure=lambda warning: self.post_message(RunLogFailed(warning)))
         return self.run_logger
 
@@ -253,7 +260,7 @@ class KVScopeApp(ThemedApp):
             if command.title not in REPLACED_SYSTEM_COMMANDS:
                 yield command
         for action in ACTIONS:
-            key = f" ({action.keys.split(',')[0]})" if action.keys else ""
+            key = f" ({key_label(self, Binding(action.keys.split(',')[0], action.action))})" if action.keys else ""
             yield SystemCommand(action.title + key, action.help, partial(self.run_action, action.action))
         for lesson in LESSONS.values():
             yield SystemCommand(f"Lesson: {lesson.name}", lesson.summary, partial(self.start_lesson, lesson.name))
@@ -265,9 +272,21 @@ class KVScopeApp(ThemedApp):
             self.push_screen(LessonMenu(), lambda name: name and self.start_lesson(name))
 
     def start_lesson(self, name: str) -> None:
-        """Run a lesson on a fresh engine with the teaching pool; Esc in it comes back here."""
+        """Run a lesson on a fresh engine with the teaching pool; Esc in it comes back here. Asks first when it
+        would abort the app's requests in flight (a lesson's own go with it without a word)."""
+        if self.lesson_screen is not None:
+            self._start_lesson(name)
+            return
+        self.confirm_abort(f"Start the lesson {name}?", "starting a lesson on its own engine",
+                           lambda aborted: self._start_lesson(name, aborted), yes="start it")
+
+    def _start_lesson(self, name: str, aborted: str | None = None) -> None:
         if self.lesson_screen is not None:
             self.leave_lesson(rebuild=False)
+        else:
+            self._state_before_lesson = self.worker.state
+        if aborted:
+            self.notify(f"{aborted} aborted", title=f"Lesson {name}", timeout=5)
         lesson = LESSONS[name]
         self._ensure_run_log()
         self.lesson_screen = LessonScreen(lesson, teach_config(self.config, **lesson.config))
@@ -279,6 +298,11 @@ class KVScopeApp(ThemedApp):
             self.pop_screen() if self.screen is screen else screen.dismiss()
         if rebuild:
             self.worker.send(Rebuild(self.config))
+            before, self._state_before_lesson = self._state_before_lesson, None
+            if before is not None:      # the app as it was: a lesson leaves the engine paused, its cap on
+                self.rate_cap = before.steps_per_s_cap
+                self.worker.send(SetRateCap(before.steps_per_s_cap))
+                self.worker.send(SetPaused(before.paused))
 
     def _ensure_run_log(self) -> None:
         """Lessons go back by replaying the run log: with the log off, they keep one for this session only."""
@@ -288,12 +312,28 @@ class KVScopeApp(ThemedApp):
         self.db_path = Path(self._lesson_log_dir.name) / "lessons.db"
         self.log_enabled = True
 
-    # --- quitting ------------------------------------------------------------------------------------
+    # --- aborting what is in flight: quitting, restarting ---------------------------------------------
 
     def _in_flight(self) -> str | None:
-        """What quitting would abort, in words; None when nothing is in flight."""
+        """What a restart or quitting would abort, in words ("24 requests"); None when nothing is in flight."""
         count = len(self.main.requests_in_flight())
         return f"{count} request{'s' if count != 1 else ''}" if count else None
+
+    def confirm_abort(self, question: str, doing: str, go: Callable[[str | None], None], yes: str) -> None:
+        """``go(aborted)`` at once when nothing is in flight; else after the user says yes to ``question``
+        (``doing`` aborts them), with ``aborted`` saying how many ("24 requests") for the toast that follows."""
+        in_flight = self._in_flight()
+        if in_flight is None:
+            go(None)
+            return
+        if isinstance(self.screen, ConfirmAbort):
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                go(in_flight)
+
+        self.push_screen(ConfirmAbort(question, in_flight, doing, yes=yes), answered)
 
     async def action_quit(self) -> None:
         if isinstance(self.screen, (ConfirmQuit, ShuttingDown)):
@@ -369,11 +409,17 @@ class KVScopeApp(ThemedApp):
         return self.main.engine_info.config if self.main.engine_info else self.config
 
     def _rebuild(self, **changes) -> None:
+        """Restart the engine with ``changes``, asking first while requests are in flight (it aborts them)."""
+        what = ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in changes.items())
+        self.confirm_abort(f"Restart the engine{' with ' + what if what else ''}?", "restarting the engine",
+                           lambda aborted: self._restart(changes, what, aborted), yes="restart")
+
+    def _restart(self, changes: dict, what: str, aborted: str | None) -> None:
         config = dataclasses.replace(self.running_config, **changes)
         self.config = config
         self.worker.send(Rebuild(config))
-        self.notify(", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in changes.items()) or "restarting",
-                    title="Restarting the engine", timeout=4)
+        said = [what or "restarting"] + ([f"{aborted} aborted"] if aborted else [])
+        self.notify(" · ".join(said), title="Restarting the engine", timeout=5)
 
     def action_toggle_preemption(self) -> None:
         current = self.running_config.preemption_mode

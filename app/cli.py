@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import io
 import os
 import sys
 
 from kvscope import __version__
 from kvscope.app import screenshots
+from kvscope.app.arguments import CommandLine, FlagRefused
 from kvscope.app.attach import cli as attach_cli
 from kvscope.app.bench import cli as bench_cli
 from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args, first_engine
@@ -23,18 +25,24 @@ from kvscope.engine.loader import ModelError
 USER_ERRORS = (ConfigError, RequestError, ModelError)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+TEACH_HELP = ("a pool for teaching: 64 blocks of 16 tokens (one map cell each, every shared block's digit "
+              "visible), max_model_len 256; flags given explicitly still win")
+
+
+def build_parser() -> CommandLine:
+    """The whole command line. Its top-level flags may also be typed after a subcommand that takes them, and a
+    subcommand that does not take one refuses it in one line wherever it is typed (app/arguments.py)."""
+    parser = CommandLine(
         prog="kvscope",
-        description="Watch a real paged-attention LLM engine work. With no subcommand, opens the app.",
+        description="Watch a real paged-attention LLM engine work. With no subcommand, opens the app. The flags "
+                    "below may come before or after a subcommand that takes them.",
     )
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
-    parser.add_argument("--teach", action="store_true",
-                        help="a pool for teaching: 64 blocks of 16 tokens (one map cell each, every shared "
-                             "block's digit visible), max_model_len 256; flags given explicitly still win")
+    parser.add_argument("--teach", action="store_true", help=TEACH_HELP)
     add_serve_flag(parser)
     add_engine_flags(parser)
     add_log_flags(parser)
+    parser.flags_unset_until_typed()
     parser.set_defaults(func=_open_app)
     sub = parser.add_subparsers(title="subcommands", metavar="COMMAND")
     for register in SUBCOMMANDS:
@@ -54,6 +62,7 @@ def _register_chat(subparsers) -> None:
     chat.add_argument("--temperature", type=float, default=None,
                       help="sampling temperature, 0 for greedy (default: the model's generation_config, which "
                            "for SmolLM2 is greedy)")
+    chat.add_argument("--teach", action="store_true", help=TEACH_HELP)
     add_engine_flags(chat)
     add_log_flags(chat)
     chat.set_defaults(func=_chat)
@@ -70,9 +79,10 @@ def _register_lesson(subparsers) -> None:
     parser.add_argument("name", nargs="?", choices=list(LESSONS), metavar="NAME",
                         help=f"one of: {', '.join(LESSONS)}")
     parser.add_argument("--list", action="store_true", help="print the lesson names, one per line, and exit")
-    parser.add_argument("--model", default="default", help="as for the app (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--teach", action="store_true",
+                        help="accepted for symmetry with the app: a lesson always runs on the teaching pool")
+    # The pool is the lesson's: of the engine flags, only what the model runs on.
+    add_engine_flags(parser, names=("model", "device", "dtype"))
     parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     parser.add_argument("--no-log", action="store_true",
                         help="do not keep the lesson's runs (Backspace then replays from a temporary log)")
@@ -119,7 +129,7 @@ def _open_app(args: argparse.Namespace) -> int:
     from kvscope.app.app import run_app
 
     serve = _hosted_serve(args)
-    engine = first_engine(teaching_pool(args) if args.teach else config_from_args(args))
+    engine = first_engine(engine_config(args))
     if engine is None:
         return 2
     return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine, serve=serve)
@@ -145,11 +155,15 @@ def teaching_pool(args: argparse.Namespace) -> EngineConfig:
     """The config of ``--teach``: the teaching pool wherever the user left a pool flag at its default."""
     from kvscope.app.lessons.load import TEACH_POOL
 
-    defaults = build_parser()
+    defaults = {spec.name: spec.default for spec in dataclasses.fields(EngineConfig)}
     config = config_from_args(args)
-    changes = {name: value for name, value in TEACH_POOL.items()
-               if getattr(args, name) == defaults.get_default(name)}
+    changes = {name: value for name, value in TEACH_POOL.items() if getattr(args, name) == defaults[name]}
     return dataclasses.replace(config, **changes)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine the flags ask for: the teaching pool under --teach."""
+    return teaching_pool(args) if args.teach else config_from_args(args)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -167,25 +181,56 @@ def _chat(args: argparse.Namespace) -> int:
 
     chosen = {"max_tokens": args.max_tokens} | ({} if args.temperature is None else {"temperature": args.temperature})
     model_sampling(**chosen).validate()   # a bad flag fails before the model loads
-    engine = LLMEngine(config_from_args(args))
+    engine = LLMEngine(engine_config(args))
     params = model_sampling(engine.info.sampling_defaults, **chosen)
     print(engine.banner, file=sys.stderr)
     with record_run(engine, source="chat", db_path=args.db, enabled=not args.no_log,
                     on_failure=lambda warning: print(f"\nkvscope: {warning}", file=sys.stderr)) as log:
         if log.warning:
             print(f"kvscope: {log.warning}", file=sys.stderr)
-        engine.add_request([{"role": "user", "content": args.prompt}], params)
-        while engine.has_unfinished_requests():
-            for output in engine.step().outputs:
-                # What the model writes may hold escape sequences (a title, OSC 52 to the clipboard).
-                print(clean(output.text_delta), end="", flush=True)
+        request_id = engine.add_request([{"role": "user", "content": args.prompt}], params)
+        final = None
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step().outputs:
+                    # What the model writes may hold escape sequences (a title, OSC 52 to the clipboard).
+                    print(clean(output.text_delta), end="", flush=True)
+                    final = output if output.finished else final
+        except BrokenPipeError:     # the reader went away (`| head`): stop generating, end the run, say nothing
+            silence_stdout()
+            engine.abort_request(request_id)
+            while engine.has_unfinished_requests():
+                engine.step()
+            return PIPE_CLOSED
+        if final is not None and final.finish_reason == "length":     # as the app marks it; not part of the answer
+            print(" [max tokens]", end="", file=sys.stderr, flush=True)
         print()
     return 0
 
 
+PIPE_CLOSED = 141   # 128 + SIGPIPE, what `git log | head` leaves
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null once its reader has gone, so nothing (the exit's own flush included) tries to
+    write to the closed pipe and prints "Broken pipe" after all."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass    # not a real file (a test's captured stdout)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line read as `kvscope` reads it; FlagRefused for a flag the subcommand does not take."""
+    return build_parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except FlagRefused as exc:
+        print(f"kvscope: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except USER_ERRORS as exc:
@@ -193,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:     # `kvscope runs export 1 | head`: the reader has what it wanted
+        silence_stdout()
+        return PIPE_CLOSED
 
 
 def console_main() -> None:

@@ -144,6 +144,9 @@ SCENES = {
                                                 "max_model_len": 2048}),
     "lesson-fragmentation": (_scene_lesson("fragmentation", 0), {}),
     "lesson-prefix-sharing": (_scene_lesson("prefix-sharing", 1), {}),
+    "lesson-latency": (_scene_lesson("latency", 3), {}),
+    "lesson-throughput": (_scene_lesson("throughput", 2), {}),
+    "lesson-sizing": (_scene_lesson("sizing", 1), {}),
 }
 
 

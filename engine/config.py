@@ -69,7 +69,8 @@ class EngineConfig:
     num_blocks: int | None = field(default=None, metadata=_help(
         "KV pool size in blocks; overrides --kv-cache-memory and --gpu-memory-utilization"))
     kv_cache_memory: int | str | None = field(default=None, metadata=_help(
-        "CPU KV pool size, e.g. 512MiB (default: 10% of RAM, at most 2GiB)", "SIZE"))
+        "KV pool size, e.g. 512MiB; on a GPU it replaces --gpu-memory-utilization's sizing, as vLLM's "
+        "kv_cache_memory_bytes does (default: on a CPU 10% of RAM, at most 2GiB)", "SIZE"))
     gpu_memory_utilization: float = field(default=0.90, metadata=_help(
         "fraction of GPU memory for weights, activations and the KV pool"))
     swap_space: int | str = field(default="1GiB", metadata=_help(

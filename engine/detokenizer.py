@@ -12,6 +12,11 @@ assembled).
 Stop strings: text that could still be the start of a stop string is held back,
 so a stop string is never streamed and then retracted. When one matches, it and
 everything after it are cut.
+
+A sample that ends in the middle of a character (max_tokens cut it between the
+bytes of an emoji) leaves that character out of its text, as vLLM does: its
+tokens stay in the output's token ids, but the text never ends in U+FFFD, on
+screen or in the run log.
 """
 
 from __future__ import annotations
@@ -40,9 +45,9 @@ class _DecodeStreamText:
         return text
 
     def flush(self) -> str:
-        """Whatever the pending tokens decode to on their own, replacement characters included."""
+        """What the pending tokens decode to on their own, less the unfinished character they end in."""
         pending, self._unreleased = self._unreleased, []
-        return self._backend.decode(pending, skip_special_tokens=True) if pending else ""
+        return _complete(self._backend.decode(pending, skip_special_tokens=True)) if pending else ""
 
 
 class _WindowText:
@@ -75,7 +80,12 @@ class _WindowText:
             return ""
         rest = self._decode(self._token_ids[self._prefix_offset:])[len(self._prefix_text):]
         self._read_offset = len(self._token_ids)
-        return rest
+        return _complete(rest)
+
+
+def _complete(text: str) -> str:
+    """``text`` without the replacement characters it ends in: the bytes of a character cut short."""
+    return text.rstrip(_REPLACEMENT_CHAR)
 
 
 def _text_stream(tokenizer, prompt_token_ids):
@@ -124,7 +134,7 @@ class IncrementalDetokenizer:
         return 0
 
     def finish(self, stopped_by_string: bool = False) -> None:
-        """The sample is done: release everything, including an unfinished character."""
+        """The sample is done: release everything but an unfinished character at the end."""
         if not stopped_by_string:
             rest = self._stream.flush()
             if rest and self._append_text(rest):

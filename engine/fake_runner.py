@@ -25,9 +25,13 @@ import numpy as np
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig, SamplingParams
-from kvscope.engine.runner import RunnerInfo, RunnerOutput
+from kvscope.engine.outputs import KVLayout
+from kvscope.engine.runner import RunnerInfo, RunnerOutput, format_banner
 
 _MASK64 = (1 << 64) - 1
+# The shape the fake pretends its K/V has (SmolLM2-135M's), so a --kv-cache-memory budget sizes its pool as the
+# real runner's would: 2 x 30 layers x 3 KV heads x 64 x 4 bytes = 45 KiB a token in float32.
+_LAYERS, _KV_HEADS, _HEAD_DIM = 30, 3, 64
 _ALPHABET = b"abcdefghijklmnopqrstuvwxyz "
 
 
@@ -82,14 +86,18 @@ class FakeTokenizer:
         return "".join(parts)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True,
-                            **kwargs) -> list[int] | str:
+                            return_dict: bool = True, **kwargs) -> dict[str, list[int]] | list[int] | str:
+        """As transformers 5 answers: tokenized, a dict of ``input_ids`` and ``attention_mask`` (a BatchEncoding
+        there) unless ``return_dict=False``, so code that takes len() of it is caught here too."""
         ids: list[int] = []
         for message in messages:
             text = f"{message['role']}\n{message['content']}"
             ids += [self.im_start_id, *self.encode(text), self.im_end_id, *self.encode("\n")]
         if add_generation_prompt:
             ids += [self.im_start_id, *self.encode("assistant\n")]
-        return ids if tokenize else self.decode(ids)
+        if not tokenize:
+            return self.decode(ids)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)} if return_dict else ids
 
 
 class FakeRunner:
@@ -100,7 +108,10 @@ class FakeRunner:
                  fail_on: Sequence[str] = ()) -> None:
         self.tokenizer = FakeTokenizer()
         self.block_size = config.block_size
-        num_device_blocks = num_blocks or config.num_blocks or 512
+        self.kv_layout = KVLayout(_LAYERS, _KV_HEADS, _HEAD_DIM, 2 if config.dtype in ("bfloat16", "float16") else 4)
+        from_budget = (config.kv_cache_memory // (self.kv_layout.bytes_per_token * self.block_size)
+                       if config.kv_cache_memory else None)
+        num_device_blocks = num_blocks or config.num_blocks or from_budget or 512
         max_model_len = max_model_len or config.max_model_len or 1024
         self.verify = verify
         self.eos_period = eos_period            # about one token in eos_period is EOS; None: never
@@ -108,15 +119,13 @@ class FakeRunner:
         self.fault_at: str | None = None        # "moves" | "forward" | "sample": the next execute() raises there
         # Set by fake_engine(): the tokens a sequence should hold, to check the context read back.
         self.expected_tokens: Callable[[BatchItem], Sequence[int]] | None = None
-        tokens = num_device_blocks * self.block_size
         # The header and the run log show the configured names: there is no model, device or dtype to report.
         self.info = RunnerInfo(
             model_name=config.model, device=config.device, dtype=config.dtype, block_size=self.block_size,
             num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks, max_model_len=max_model_len,
             vocab_size=self.tokenizer.vocab_size, eos_token_ids=frozenset({self.tokenizer.eos_token_id}),
-            kv_cache_bytes=None,
-            banner=(f"KV cache: {num_device_blocks} blocks x {self.block_size} = {tokens} tokens (fake runner); "
-                    f"maximum concurrency for {max_model_len} tokens per request: {tokens / max_model_len:.2f}x"))
+            kv_cache_bytes=None, kv_layout=self.kv_layout,
+            banner=format_banner(num_device_blocks, self.block_size, None, max_model_len) + " (fake runner)")
         self.pool = np.full((num_device_blocks, self.block_size), -1, dtype=np.int64)
         self.host_pool = np.full((max(num_host_blocks, 1), self.block_size), -1, dtype=np.int64)
         self._weights = np.random.default_rng(0).integers(1, 2**63, max_model_len, dtype=np.uint64)

@@ -85,6 +85,11 @@ class LLMEngine:
                 self._notify(lambda observer: observer.request_added(request_id, text, num_tokens, n))
         return request.request_id
 
+    def prompt_token_ids(self, prompt) -> list[int]:
+        """The token ids ``add_request`` would give ``prompt`` (the chat template applied to messages), without
+        adding it: what a caller sizing a request against max_model_len must count. RequestError as there."""
+        return self._tokenize(prompt)[0]
+
     def _make_request(self, prompt, params: SamplingParams | None, request_id: str | None) -> Request:
         """Check everything about a new request, changing nothing; the Request if it is acceptable."""
         if request_id is not None:

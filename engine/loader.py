@@ -8,6 +8,7 @@ directory in the cache, and every later load reads that (about 0.2 s).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import importlib.util
@@ -172,10 +173,26 @@ def load_model(model: str, dtype, device):
     check_architecture(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        with _no_progress_bars():
+            hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load weights from {source}: {exc}") from exc
     return hf_model.to(device).eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers draws a "Loading weights" bar per load, which stays on the terminal above `kvscope chat`'s
+    answer and the app's window; kvscope says "loading" itself."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def check_architecture(config) -> None:

@@ -26,14 +26,16 @@ def size_pool(runner) -> tuple[int, int]:
     if config.num_blocks is not None:
         return config.num_blocks, host
     min_blocks = -(-runner.max_model_len // runner.block_size)
-    if runner.device.type == "cuda":
+    if runner.device.type == "cuda" and config.kv_cache_memory is None:
         device_blocks = _cuda_blocks(runner)
         where = (f"gpu_memory_utilization {config.gpu_memory_utilization:.2f} of "
                  f"{torch.cuda.get_device_properties(runner.device).total_memory / MIB:,.0f} MiB")
         fix = "raise --gpu-memory-utilization, lower --max-model-len, or pick a smaller model"
     else:
+        # A budget given on a GPU is the pool's, as vLLM's kv_cache_memory_bytes: gpu_memory_utilization is unused.
         budget = config.kv_cache_memory or default_cpu_kv_cache_memory()
-        _check_host_fits(runner, budget)
+        if runner.device.type != "cuda":
+            _check_host_fits(runner, budget)
         device_blocks = budget // per_block
         where = f"kv_cache_memory {budget / MIB:,.0f} MiB"
         fix = "raise --kv-cache-memory or lower --max-model-len"
@@ -59,9 +61,3 @@ def _cuda_blocks(runner) -> int:
     peak = runner.profile_forward_peak_bytes()
     budget = total * runner.config.gpu_memory_utilization - used_by_others - peak
     return int(budget // runner.bytes_per_block)
-
-
-def format_banner(num_blocks: int, block_size: int, pool_bytes: int, max_model_len: int) -> str:
-    tokens = num_blocks * block_size
-    return (f"KV cache: {num_blocks} blocks x {block_size} = {tokens} tokens ({pool_bytes / MIB:,.0f} MiB); "
-            f"maximum concurrency for {max_model_len} tokens per request: {tokens / max_model_len:.2f}x")

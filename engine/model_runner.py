@@ -22,8 +22,9 @@ from kvscope.engine import fused_ops, packed_linear, precision, threads
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.loader import ModelError, load_model
-from kvscope.engine.memory import format_banner, size_pool
-from kvscope.engine.runner import RunnerInfo, RunnerOutput
+from kvscope.engine.memory import size_pool
+from kvscope.engine.outputs import KVLayout
+from kvscope.engine.runner import RunnerInfo, RunnerOutput, format_banner
 from kvscope.engine.sampler import Sampler, SampleRow
 
 ATTENTION_NAME = "kvscope"
@@ -136,20 +137,21 @@ class ModelRunner:
         self.head_dim = (getattr(text_config, "head_dim", None)
                          or text_config.hidden_size // text_config.num_attention_heads)
         element = torch.empty((), dtype=self.dtype).element_size()
-        self.bytes_per_block = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        self.kv_layout = KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, element)
+        self.bytes_per_block = self.kv_layout.bytes_per_token * self.block_size
         self.sampler = Sampler(config.seed)
         self.num_device_blocks, self.num_host_blocks = size_pool(self)
         self.kv_cache = self._allocate_cache(self.num_device_blocks)
         self.host_cache = self._allocate_host_cache()
         self.kv_cache_bytes = self.num_device_blocks * self.bytes_per_block
         self.banner = format_banner(self.num_device_blocks, self.block_size, self.kv_cache_bytes,
-                                    self.max_model_len)
+                                    self.max_model_len, str(self.device))
         self.info = RunnerInfo(
             model_name=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             block_size=self.block_size, num_device_blocks=self.num_device_blocks,
             num_host_blocks=self.num_host_blocks, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids, kv_cache_bytes=self.kv_cache_bytes, banner=self.banner,
-            sampling_defaults=sampling_defaults(self.model.generation_config))
+            sampling_defaults=sampling_defaults(self.model.generation_config), kv_layout=self.kv_layout)
         _freeze_heap()
 
     def _attach_attention(self) -> None:

@@ -231,3 +231,18 @@ class EngineEvent(NamedTuple):
     request_id: str | None
     blocks: tuple[int, ...] = ()
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token's keys and values take in the pool, from the model's own config: what a KV cache is
+    sized by (the sizing lesson works it out on screen, as vLLM does before it prints its concurrency)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    element_bytes: int              # of the cache's dtype: 4 for float32, 2 for bfloat16 and float16
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.element_bytes    # K and V

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvscope.engine.batch import ScheduledBatch
+from kvscope.engine.outputs import KVLayout
 
 # One entry per BatchItem: the token drawn for each of its sample_indices, or None when the item failed
 # (non-finite logits), which finishes that request with an error and lets the rest of the batch go on.
@@ -38,6 +39,7 @@ class RunnerInfo:
     # empty for a model that asks for greedy decoding, as transformers' generate then decodes. The chat pane,
     # `kvscope chat` and the server start from these, as vLLM takes its defaults from the generation_config.
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    kv_layout: KVLayout | None = None   # None for a runner that holds no real K/V and pretends no shape
 
 
 @runtime_checkable
@@ -49,3 +51,15 @@ class Runner(Protocol):
         """Perform the batch's cache moves (swap out, swap in, copy, in that order), run one forward over its
         items, and sample. The engine's bookkeeping for the step happens only after this returns."""
         ...
+
+
+def format_banner(num_blocks: int, block_size: int, pool_bytes: int | None, max_model_len: int,
+                  device: str = "cpu") -> str:
+    """vLLM's start-up line, in its words and number format, with the blocks it is made of:
+    "CPU KV cache size: 46,592 tokens (2,912 blocks x 16, 2,048 MiB), Maximum concurrency for 1,024 tokens
+    per request: 45.50x"."""
+    tokens = num_blocks * block_size
+    size = f", {pool_bytes / 2**20:,.0f} MiB" if pool_bytes is not None else ""
+    return (f"{'GPU' if device.startswith('cuda') else 'CPU'} KV cache size: {tokens:,} tokens ({num_blocks:,} blocks "
+            f"x {block_size}{size}), Maximum concurrency for {max_model_len:,} tokens per request: "
+            f"{tokens / max_model_len:.2f}x")

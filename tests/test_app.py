@@ -285,3 +285,73 @@ async def test_selecting_a_request_in_the_queues_highlights_its_blocks():
         await pilot.press("down", "enter")
         await pilot.pause()
         assert block_map.selected_request == table.order[2]
+
+
+@pytest.mark.parametrize("key", ["f7", "f8", "lesson"])
+async def test_a_restart_or_a_lesson_with_requests_in_flight_asks_first_and_says_how_many_it_aborted(key):
+    """Issue 25 defect 5: F7, F8 or a lesson dropped 24 requests without a word."""
+    from kvscope.app.screens.quit import ConfirmAbort
+
+    engines = FakeEngines()
+    app = make_app(engines)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await started(pilot)
+        app.worker.send(LaunchPreset("overload", 24))
+        await until(pilot, lambda: app.main.queued is not None and len(app.main.queued.requests) == 24)
+        app.main.view.block_map.focus()
+
+        async def ask():
+            if key == "lesson":
+                app.start_lesson("copy-on-write")
+            else:
+                await pilot.press(key)
+            await pilot.pause()
+
+        await ask()
+        assert isinstance(app.screen, ConfirmAbort)
+        assert "24 requests still in flight" in str(app.screen.query_one(".dialog-text").render())
+        await pilot.press("n")                                      # keep them: nothing restarts
+        await pilot.pause()
+        assert app.screen is app.main and len(engines.built) == 1 and app.lesson_screen is None
+        await ask()
+        notices = []
+        app.notify = lambda message, **kwargs: notices.append(message)
+        await pilot.press("y")
+        await until(pilot, lambda: len(engines.built) == 2)
+        assert any("24 requests aborted" in notice for notice in notices), notices
+
+
+async def test_a_restart_with_nothing_in_flight_asks_nothing():
+    engines = FakeEngines()
+    app = make_app(engines)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await started(pilot)
+        await pilot.press("f8")
+        await until(pilot, lambda: len(engines.built) == 2)
+        assert app.screen is app.main
+
+
+async def test_the_palette_names_keys_as_the_footer_does_and_the_chat_says_how_it_samples():
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(160, 48)) as pilot:
+        await started(pilot)
+        titles = [command.title for command in app.get_system_commands(app.screen)]
+        assert "Keys (?)" in titles and "Explain (F1)" in titles and not any("question_mark" in t for t in titles)
+        assert app.main.chat.border_subtitle == "greedy · generation_config"     # SmolLM2's, and the fake's
+        legend = str(app.main.query_one("#legend").render())
+        assert "shared by 2 (+ 10+)" in legend
+
+
+async def test_the_map_keeps_one_scale_on_one_pool_whatever_the_lines_around_it_say():
+    """Issue 25 defect 13: the map switched between 1 cell = 6 and 7 blocks on the same pool, as the event line
+    and the status line above and below it grew and shrank with their text."""
+    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=4096, max_model_len=2048))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        app.worker.send(LaunchPreset("shared", 6))
+        app.worker.send(LaunchPreset("overload", 24))
+        scales = set()
+        for _ in range(12):
+            await single_steps(pilot, 1)
+            scales.add(app.main.view.block_map.map_layout.blocks_per_cell)
+        assert len(scales) == 1 and scales.pop() > 1

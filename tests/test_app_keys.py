@@ -159,10 +159,10 @@ async def test_new_conversation_forgets_the_history_sent_to_the_model_and_turns_
 
 
 async def test_long_request_ids_and_numbers_are_never_cut():
-    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=2048))
+    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=2048, max_num_batched_tokens=512))
     async with app.run_test(size=(120, 40)) as pilot:
         await started(pilot)
-        app.worker.send(LaunchPreset("long", 1))          # a 1,900-token prompt: "1936/1936" in prefill
+        app.worker.send(LaunchPreset("long", 1))          # a 1,500-token prompt: "512/1536" in prefill
         app.worker.send(LaunchPreset("overload", 12))     # ids up to overload-12
         await single_steps(pilot, 1)
         table = app.main.query_one(QueuesTable)
@@ -170,6 +170,7 @@ async def test_long_request_ids_and_numbers_are_never_cut():
         rows = [table.render_line(y).text for y in range(1, table.size.height)]
         rows = [row for row in rows if row.strip()]
         assert len(rows) >= 4 and any(row.startswith("overload-1") for row in rows)
+        assert any(row.startswith("long-") for row in rows)
         for row in rows:
             view = views[row.split()[0]]                # the whole id, never "long-…"
             assert f"{min(view.num_computed_tokens, view.num_prompt_tokens)}/{view.num_prompt_tokens}" in row
@@ -192,3 +193,102 @@ async def test_the_block_table_scrolls_when_a_table_is_longer_than_the_panel():
         last = table._row_map()[-1]
         assert table.render_line(table.size.height - 1).text.strip() == \
             "".join(s.text for s in table._wrapped[last[0]][last[1]]).strip()
+
+
+def _in_sight(app, widget) -> bool:
+    """The whole widget is on screen, between the header and the footer (not scrolled off, not clipped)."""
+    body = app.main.view.region
+    return widget.region.height == widget.outer_size.height and body.contains_region(widget.region)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_each_panel_key_brings_its_panel_into_sight(size):
+    """Issue 25 defect 4: at 120x40 the queues sat below the fold and R focused them unseen."""
+    app = make_app(FakeEngines())
+    async with app.run_test(size=size) as pilot:
+        await started(pilot)
+        await burst_steps(pilot, 4, 2)
+        queues, block_map, chat_input = app.main.view.queues, app.main.view.block_map, app.main.query_one("#chat-input")
+        block_map.focus()
+        await pilot.pause()
+        for key, panel in (("r", queues), ("m", block_map), ("r", queues), ("c", chat_input)):
+            await pilot.press(key)
+            await pilot.pause()
+            assert app.focused is panel and _in_sight(app, panel), (key, panel.region, app.main.view.region)
+
+
+async def test_at_120x40_the_row_below_the_fold_shows_its_title_as_the_cue():
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        view, queues = app.main.view, app.main.view.queues
+        assert view.has_class("-scrolls") and view.max_scroll_y > 0          # there is more, and it scrolls
+        assert view.region.contains(queues.region.x + 2, queues.region.y)   # the Queues' title is on screen
+        await pilot.resize_terminal(160, 50)                                 # tall enough: no scrolling
+        await pilot.pause()
+        assert not view.has_class("-scrolls") and _in_sight(app, queues)
+
+
+@pytest.mark.parametrize("width", [80, 120, 160])
+async def test_the_footer_drops_the_least_needed_keys_first(width):
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(width, 40)) as pilot:
+        await started(pilot)
+        app.main.view.block_map.focus()
+        await pilot.pause()
+        text = _bar_text(app.main.query_one(KeyBar))
+        for needed in ("q Quit", "? Keys", "l Lessons", "c Chat", "m Map", "r Requests"):   # the way back included
+            assert needed in text, text
+        if "F7 Preempt mode" in text or "^t Theme" in text:
+            assert "F9 History" in text and "F3 Step" in text
+
+
+async def test_a_multi_line_paste_is_sent_whole():
+    """Issue 25 defect 3: Textual's Input kept the first line of a 25-line paste, silently."""
+    from textual import events
+
+    pasted = "\n".join(f"line {i}: some pasted code, 40 characters." for i in range(25)) + "\n"
+    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=4096))
+    sent = []
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        chat_input = app.main.query_one("#chat-input")
+        chat_input.focus()
+        await pilot.press("R", "e", "a", "d", ":", "space")
+        chat_input.post_message(events.Paste(pasted))
+        await pilot.pause()
+        assert chat_input.value == f"Read: [pasted 25 lines, {len(pasted):,} characters]"   # what goes, in view
+        await pilot.press("space", "o", "k")
+        send = app.worker.send
+        app.worker.send = lambda command: (isinstance(command, AddChatTurn) and sent.append(command), send(command))
+        await pilot.press("enter")
+        await until(pilot, lambda: sent)
+        assert sent[0].messages[-1]["content"] == f"Read: {pasted} ok"          # every line of it
+        assert chat_input.value == "" and chat_input.expanded("[pasted 25 lines") == "[pasted 25 lines"
+        bubble = str(app.main.query(".bubble.user").last().render())
+        assert "line 0:" in bubble and "line 24:" in bubble
+
+
+async def test_a_paste_with_the_focus_off_the_chat_goes_to_the_chat_and_a_first_question_mark_shows_the_keys():
+    """Issue 25 defect 8: after Esc the focus left the input and a paste went nowhere; `?` typed into the input."""
+    from textual import events
+
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(pilot)
+        chat_input = app.main.query_one("#chat-input")
+        await pilot.press("escape")                                  # no reply: Esc leaves the input for the map
+        assert app.focused is app.main.view.block_map
+        app.main.view.block_map.post_message(events.Paste("Why page the cache?"))
+        await until(pilot, lambda: chat_input.value == "Why page the cache?")
+        assert app.focused is chat_input
+        chat_input.value = ""
+        await pilot.press("question_mark")                          # empty input: the keys, as everywhere
+        assert app.screen.query(HelpPanel) and chat_input.value == ""
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert not app.screen.query(HelpPanel)
+        await pilot.press("W", "h", "y", "question_mark")           # inside a question: a question mark
+        assert chat_input.value == "Why?"
+        text = _bar_text(app.main.query_one(KeyBar))
+        assert "F10 Quit" in text

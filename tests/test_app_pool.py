@@ -23,7 +23,9 @@ pytestmark = pytest.mark.anyio
 @pytest.mark.parametrize("key", list(PRESETS))
 def test_every_preset_request_fits_the_pool_it_runs_on(key, num_blocks, max_model_len):
     """"Long prompts" on a 96-block pool refused all three of its requests: each one was longer than the pool."""
-    engine = fake_engine(EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len))
+    # Long prompts must outgrow a step to mean anything: a budget they can (one they cannot is refused, below).
+    budget = {"max_num_batched_tokens": 64} if key == "long" else {}
+    engine = fake_engine(EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, **budget))
     context = PresetContext.from_engine(engine)
     for item in build(key, PRESETS[key].default_count, context):
         engine.add_request(item.prompt, item.params)     # RequestError would fail the test
@@ -41,6 +43,8 @@ def test_the_chat_reply_shrinks_to_what_max_model_len_leaves():
     context = PresetContext.from_engine(engine)
     messages = [{"role": "user", "content": "Hello"}]
     max_tokens = fit_reply(context, messages, 256)
+    # The templated prompt as the engine counts it (a transformers 5 BatchEncoding's len() is its 2 keys).
+    assert context.chat_tokens(messages) == len(engine.prompt_token_ids(messages)) > 2
     assert max_tokens == 256 - context.chat_tokens(messages)
     with pytest.raises(RequestError):
         engine.add_request(messages, SamplingParams(max_tokens=256))
@@ -202,3 +206,17 @@ async def test_a_finished_row_shows_the_requests_final_numbers_not_the_last_draw
         await single_steps(pilot, 1)                # the third token, and the finish
         row, _ = table.finished["short"]
         assert row[1] == "✓ length" and row[4] == "3/3"
+
+
+def test_long_prompts_on_the_teaching_pool_say_why_nothing_would_chunk_and_what_would():
+    """Issue 25 defect 13: the preset promised chunks, and on --teach (2,048-token steps, 256-token requests) none
+    came."""
+    from kvscope.app.lessons.load import teach_config
+
+    engine = fake_engine(teach_config(EngineConfig()))
+    context = PresetContext.from_engine(engine)
+    with pytest.raises(ValueError, match="none would be split into chunks; start with --max-num-batched-tokens"):
+        build("long", 3, context)
+    engine = fake_engine(teach_config(EngineConfig(), max_num_batched_tokens=32))
+    planned = build("long", 3, PresetContext.from_engine(engine))
+    assert all(len(engine.prompt_token_ids(p.prompt)) > 32 for p in planned)

@@ -16,7 +16,7 @@ from kvscope.app.widgets.block_map import BlockMap
 from kvscope.app.widgets.counters import Counters
 from kvscope.app.widgets.queues import QueuesTable
 from kvscope.app.widgets.snapshot_view import SnapshotView
-from kvscope.engine.config import EngineConfig
+from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
 
 pytestmark = pytest.mark.anyio
@@ -98,3 +98,58 @@ def test_both_step_views_are_what_the_replay_draws_with():
     for view in (SnapshotView(), VllmReplayView()):
         assert isinstance(view, StepView), type(view).__name__
         assert inspect.signature(type(view).show) == inspect.signature(StepView.show), type(view).__name__
+
+
+async def test_after_a_jump_the_recently_finished_rows_are_the_ones_the_live_window_showed(tmp_path):
+    """Issue 25 defect 6: after End, "chat-6 ✓ done 56/256" where chat-6 had finished "stop" at 89 tokens, and the
+    request that finished at that step was missing."""
+    path = tmp_path / "runs.db"
+    engine = fake_engine(EngineConfig(num_blocks=128, max_model_len=256), eos_period=23)
+    with record_run(engine, db_path=path) as logger:
+        for i in range(6):
+            engine.add_request(f"question number {i}", SamplingParams(max_tokens=40 + 5 * i, seed=i),
+                               request_id=f"chat-{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+    reader = RunLogReader(path)
+    ended = {row["request_id"]: row for row in reader.rows("requests", logger.run_id)}
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(160, 48)) as pilot:
+        await started(pilot)
+        replay = ReplayScreen(reader, logger.run_id)
+        await app.push_screen(replay)
+        await pilot.press("end")
+        await pilot.pause()
+        table = replay.view.queues
+        shown = {rid: table.finished[rid][0] for rid in table.finished}
+        assert shown, "no recently finished rows after End"
+        last_step = replay.steps[-1]
+        assert any(step == last_step for _, step in table.finished.values())   # the one that ended right there
+        for rid, row in shown.items():
+            logged = ended[rid]
+            assert row[1] == {"stop": "✓ stop", "length": "✓ length"}[logged["finish_reason"]], (rid, row)
+            assert row[4].startswith(f"{logged['num_output_tokens']}/"), (rid, row, logged)
+        await pilot.press("home")                                    # and back: nothing has finished at step 1
+        await pilot.pause()
+        assert not table.finished
+    reader.close()
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)], ids=lambda size: f"{size[0]}x{size[1]}")
+async def test_the_history_list_shows_every_column_whole(tmp_path, size):
+    """Issue 25 defect 10: at 120 columns the model read "SmolL" beside empty space and the status "fi"."""
+    from test_runlog_cli import log_run
+
+    path = tmp_path / "runs.db"
+    for seed in range(2):
+        log_run(path, 20, seed, model="SmolLM2-135M-Instruct")
+    app = make_app(FakeEngines(), db_path=path, log_enabled=True)
+    async with app.run_test(size=size) as pilot:
+        await started(pilot)
+        await pilot.press("f9")
+        runs = app.screen.query_one("#runs")
+        await until(pilot, lambda: runs.row_count >= 2 and len(runs.columns) == 8)
+        await pilot.pause()
+        assert runs.virtual_size.width <= runs.scrollable_content_region.width    # nothing off to the right
+        row = [str(cell) for cell in runs.get_row_at(runs.row_count - 1)]
+        assert row[1] == "finished" and row[-1].startswith("SmolLM2-135M")      # whole status, most of the name

@@ -46,6 +46,17 @@ def test_main_screen(snap_compare, size):
     assert snap_compare(_app(), terminal_size=size, run_before=_busy_pool)
 
 
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=lambda size: f"{size[0]}x{size[1]}")
+def test_the_requests_key_scrolls_the_queues_into_view(snap_compare, size):
+    """R on a window too short for every row (issue 25 defect 4): the view scrolls to the queues."""
+    async def to_the_queues(pilot) -> None:
+        await _busy_pool(pilot)
+        await pilot.press("r")
+        await pilot.pause()
+
+    assert snap_compare(_app(), terminal_size=size, run_before=to_the_queues)
+
+
 async def _two_turn_chat(pilot) -> None:
     app = pilot.app
     await started(pilot)
@@ -109,9 +120,10 @@ def test_replay_screen(snap_compare, tmp_path):
 
 
 # Each lesson's key beats: where the claim is on screen (issue 15).
-LESSON_BEATS = [("fragmentation", 0), ("fragmentation", 4), ("block-tables", 2), ("prefix-sharing", 1),
-                ("prefix-sharing", 3), ("copy-on-write", 1), ("preemption", 0), ("preemption", 3),
-                ("chunked-prefill", 1), ("continuous-batching", 2)]
+LESSON_BEATS = [("fragmentation", 0), ("fragmentation", 3), ("fragmentation", 4), ("block-tables", 2),
+                ("prefix-sharing", 1), ("prefix-sharing", 3), ("copy-on-write", 1), ("preemption", 0),
+                ("preemption", 3), ("chunked-prefill", 1), ("latency", 0), ("latency", 3), ("continuous-batching", 2),
+                ("throughput", 1), ("throughput", 2), ("sizing", 0), ("sizing", 1), ("sizing", 5)]
 
 
 @pytest.mark.parametrize("name, beat", LESSON_BEATS, ids=[f"{name}-{beat + 1}" for name, beat in LESSON_BEATS])

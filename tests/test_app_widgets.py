@@ -181,10 +181,9 @@ def test_every_preset_is_accepted_by_an_engine(key):
         except RequestError as exc:
             pytest.fail(f"{key}: {exc}")
     if key == "long":
-        assert all(len(engine.tokenizer.apply_chat_template(p.prompt)) > 256 for p in planned)
+        assert all(len(engine.prompt_token_ids(p.prompt)) > 256 for p in planned)
     if key == "overload":
-        template = engine.tokenizer.apply_chat_template
-        demand = sum(len(template(p.prompt)) + p.params.max_tokens for p in planned)
+        demand = sum(len(engine.prompt_token_ids(p.prompt)) + p.params.max_tokens for p in planned)
         assert demand > 1.3 * 256 * 16
     if key == "shared":
         assert planned[0].delay_steps == 0 and all(p.delay_steps > 0 for p in planned[1:])
@@ -228,3 +227,23 @@ def test_ui_bench_rate_is_generated_tokens_over_the_busy_span():
                      generation_tokens_per_s=2.0)]       # 4 tokens, ends at 14.0
     assert generation_rate(steps) == pytest.approx(8 / 4.0)
     assert generation_rate([]) == 0.0
+
+
+def test_the_kv_use_sparkline_is_a_share_of_the_pool_not_of_its_own_peak():
+    """Issue 25 defect 13: 0.17% of the KV cache drew a full-height bar."""
+    assert bar_levels([0.17, 0.17], 10, ceiling=100.0) == (0, 0)
+    assert bar_levels([50.0, 100.0], 10, ceiling=100.0) == (4, 7)
+    assert bar_levels([0.17, 0.17], 10) == (7, 7)        # a rate still scales to its window's peak
+
+
+def test_a_counter_and_its_word_wrap_together():
+    """Issue 25 defect 10: Counters wrapped "(194" / "cached)"."""
+    from textual.content import Content
+
+    from kvscope.app.widgets.counters import describe_stats
+    from kvscope.app.widgets.snapshot_view import empty_step
+
+    _, stats = empty_step(5825, 16, "paged")
+    text = Content.from_markup(describe_stats(replace(stats, num_cached_free_blocks=194)))
+    lines = [line.plain for line in text.wrap(30)]
+    assert any(line.startswith("(194") and "cached)" in line for line in lines), lines

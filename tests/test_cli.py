@@ -218,3 +218,48 @@ def test_chat_prints_the_models_text_without_control_sequences(capsys, monkeypat
                                "--db", str(tmp_path / "runs.db"))
     assert status == 0, err
     assert out == "Hi ]0;pwned é€… ]52;c;ZXZpbA== ok2J\n"
+
+
+def test_chat_leaves_no_loading_bars_prints_the_banner_as_vllm_does_and_marks_a_cut_reply(tmp_path):
+    """Issue 25 defect 12: transformers' "Loading weights" bars stayed on the terminal, the banner read 93200 and
+    8192, and a reply cut by --max-tokens just stopped."""
+    result = subprocess.run([sys.executable, "-m", "kvscope.app.cli", "chat", "What is a KV cache?", "--max-tokens",
+                             "6", "--no-log", "--num-blocks", "2912", "--max-model-len", "1024"],
+                            capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "Loading weights" not in result.stderr and "%|" not in result.stderr
+    assert "KV cache size: 46,592 tokens (2,912 blocks x 16" in result.stderr
+    assert "Maximum concurrency for 1,024 tokens per request: 45.50x" in result.stderr
+    assert result.stderr.rstrip().endswith("[max tokens]")           # on stderr: the answer itself stays clean
+    assert result.stdout.strip() and "[max tokens]" not in result.stdout
+
+
+def test_a_reader_that_stops_early_ends_runs_export_quietly(tmp_path):
+    """`kvscope runs export 1 | head` printed "cannot write the output: Broken pipe"."""
+    from test_runlog_cli import log_run
+
+    run_id, _ = log_run(tmp_path / "runs.db", 400, seed=1)      # an export far bigger than a pipe's buffer
+    export = subprocess.Popen([sys.executable, "-m", "kvscope.app.cli", "runs", "export", str(run_id), "--db",
+                               str(tmp_path / "runs.db")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              cwd=tmp_path)
+    assert export.stdout.read(100)
+    export.stdout.close()                                           # as head does once it has its lines
+    assert export.wait(timeout=120) == 141
+    with export.stderr:
+        assert export.stderr.read() == b""
+
+
+def test_a_reader_that_stops_early_ends_chat_quietly_and_the_run_log_says_aborted(tmp_path):
+    from kvscope.app.runlog import RunLogReader
+
+    chat = subprocess.Popen([sys.executable, "-m", "kvscope.app.cli", "chat", "Tell me a long story.", "--max-tokens",
+                             "60", "--num-blocks", "64", "--db", str(tmp_path / "runs.db")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert chat.stdout.read(1)
+    chat.stdout.close()
+    assert chat.wait(timeout=300) == 141
+    with chat.stderr:
+        assert "Broken pipe" not in chat.stderr.read().decode()
+    (run,) = RunLogReader(tmp_path / "runs.db").list_runs()
+    (request,) = RunLogReader(tmp_path / "runs.db").rows("requests", run["id"])
+    assert run["status"] == "finished" and request["finish_reason"] == "abort"

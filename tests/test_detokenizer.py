@@ -82,12 +82,22 @@ def test_special_tokens_are_skipped():
     assert detok.output_text == "hi"
 
 
-def test_invalid_bytes_are_flushed_at_finish():
+def test_a_character_cut_short_at_the_end_is_left_out_not_shown_as_a_replacement_character():
+    """Issue 25 defect 7: a reply cut by max_tokens inside a character ended in U+FFFD."""
     detok = IncrementalDetokenizer(TOKENIZER, [], ())
-    detok.add_token(0xE6)   # the first byte of a three-byte character that never completes
-    assert detok.take_delta() == ""
+    for token in [*TOKENIZER.encode("ok "), 0xE6, 0x97]:   # two of 日's three bytes, then the cut
+        detok.add_token(token)
     detok.finish()
-    assert detok.take_delta() == "\ufffd"
+    assert detok.output_text == "ok " == detok.take_delta()
+
+
+def test_invalid_bytes_inside_the_text_are_kept():
+    """Only a character cut short at the end goes: a byte that is no character, followed by more text, shows."""
+    detok = IncrementalDetokenizer(TOKENIZER, [], ())
+    for token in [0x61, 0xFF, 0x62]:
+        detok.add_token(token)
+    detok.finish()
+    assert detok.output_text == "a\ufffdb"
 
 
 # The same behaviour through a real fast tokenizer, where tokenizers' own DecodeStream does the decoding.
@@ -132,12 +142,33 @@ def test_fast_tokenizer_stop_string_and_special_tokens(smollm2_tokenizer):
     assert detok.output_text == "one two "
 
 
-def test_fast_tokenizer_flushes_an_unfinished_character(smollm2_tokenizer):
+def test_fast_tokenizer_leaves_out_an_unfinished_character(smollm2_tokenizer):
     tok = smollm2_tokenizer
     emoji_ids = tok.encode("🎉", add_special_tokens=False)
     assert len(emoji_ids) > 1, "the emoji must span tokens for this test to mean anything"
     detok = IncrementalDetokenizer(tok, [], ())
-    detok.add_token(emoji_ids[0])
-    assert detok.take_delta() == ""
+    for token in [*tok.encode("Party", add_special_tokens=False), emoji_ids[0]]:
+        detok.add_token(token)
     detok.finish()
-    assert detok.take_delta() == "\ufffd"
+    assert detok.output_text == "Party" and "\ufffd" not in detok.take_delta()
+
+
+def test_a_reply_cut_inside_a_character_has_no_replacement_character_in_its_output_or_the_run_log(
+        monkeypatch, tmp_path):
+    from kvscope.app.runlog import RunLogReader, record_run
+    from kvscope.engine.config import EngineConfig, SamplingParams
+    from kvscope.engine.fake_runner import FakeRunner, fake_engine
+
+    reply = iter(TOKENIZER.encode("ok 日本"))     # max_tokens 4 cuts after the first byte of 日
+    monkeypatch.setattr(FakeRunner, "_next_token", lambda self, *args: next(reply))
+    engine = fake_engine(EngineConfig(num_blocks=16, max_model_len=64))
+    streamed = []
+    with record_run(engine, db_path=tmp_path / "runs.db") as log:
+        engine.add_request("hi", SamplingParams(max_tokens=4, temperature=0.0))
+        while engine.has_unfinished_requests():
+            (output,) = engine.step().outputs
+            streamed.append(output.text_delta)
+    assert output.finish_reason == "length" and len(output.token_ids) == 4
+    assert output.text == "".join(streamed) == "ok "        # what the chat pane streams and shows
+    (row,) = RunLogReader(tmp_path / "runs.db").rows("requests", log.run_id)
+    assert row["output_text"] == "ok "

@@ -9,7 +9,7 @@ import sqlite_utils
 from invariants import check_invariants
 
 from kvscope.app.runlog import RunLogReader, record_run
-from kvscope.app.runlog.schema import _create_v1
+from kvscope.app.runlog.schema import MIGRATIONS, _create_v1
 from kvscope.app.widgets.counters import describe_stats
 from kvscope.app.widgets.event_line import narrate
 from kvscope.engine.config import EngineConfig, SamplingParams
@@ -79,3 +79,21 @@ def test_the_copies_are_narrated_and_counted_on_screen():
     line = narrate(copied.stats, copied.events, copied.snapshot, forked.snapshot)
     assert f"copy-on-write {', '.join(pairs)}" in line
     assert "CoW/evicted  3 / 0 blocks" in describe_stats(copied.stats).splitlines()
+
+
+def test_an_older_log_gains_the_run_label(tmp_path):
+    path = tmp_path / "runs.db"
+    old = sqlite3.connect(path)      # a run log as version 3 wrote it
+    for version in (1, 2, 3):
+        MIGRATIONS[version](sqlite_utils.Database(old))
+    old.execute("PRAGMA user_version = 3")
+    old.commit()
+    old.close()
+    engine = fake_engine(EngineConfig(block_size=16, num_blocks=32, max_model_len=256))
+    with record_run(engine, db_path=path, source="lesson", label="sizing") as log:
+        engine.add_request([1] * 20, SamplingParams(max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
+    reader = RunLogReader(path)
+    assert reader.run(log.run_id)["label"] == "sizing" and reader.list_runs()[0]["label"] == "sizing"
+    reader.close()

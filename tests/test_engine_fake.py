@@ -32,7 +32,7 @@ def greedy(max_tokens=8, **kwargs):
 def test_public_attributes():
     engine = make_engine(num_blocks=40)
     assert engine.num_blocks == 40 and isinstance(engine.runner, FakeRunner)
-    assert engine.banner.startswith("KV cache: 40 blocks x 4 = 160 tokens")
+    assert engine.banner.startswith("CPU KV cache size: 160 tokens (40 blocks x 4), Maximum concurrency for")
     assert engine.tokenizer is engine.runner.tokenizer and engine.config.block_size == 4
     assert not engine.has_unfinished_requests()
 
@@ -71,7 +71,7 @@ def test_chat_messages_go_through_the_chat_template():
     engine = make_engine()
     messages = [{"role": "user", "content": "hi"}]
     (output,) = engine.generate([messages], greedy(2))
-    expected = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
     assert list(output.prompt_token_ids) == expected
 
 

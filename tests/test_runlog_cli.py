@@ -50,11 +50,11 @@ def test_list_shows_one_line_per_run_newest_first(db, capsys):
     path, first, second, results = db
     assert kvscope("runs", "--db", str(path)) == 0
     header, *lines = capsys.readouterr().out.splitlines()
-    assert header.split() == ["id", "started", "model", "requests", "tokens", "tok/s", "status"]
+    assert header.split() == ["id", "started", "source", "model", "requests", "tokens", "tok/s", "status"]
     assert [line.split()[0] for line in lines] == [str(second), str(first)]
     cells = lines[0].split()
-    assert cells[3] == "model-b" and cells[-1] == "finished"
-    assert cells[5] == f"{sum(r.stats.num_decode_tokens for r in results):,}"
+    assert cells[3] == "bench" and cells[4] == "model-b" and cells[-1] == "finished"
+    assert cells[6] == f"{sum(r.stats.num_decode_tokens for r in results):,}"
 
 
 def test_list_without_a_database_says_so(tmp_path, capsys):

@@ -64,6 +64,6 @@ def format_table(load_seconds: float, timings: list[LessonTiming]) -> str:
              f"{'lesson':<22}{'beats':>6}{'steps':>7}{'engine s':>10}{'wall s':>9}"]
     lines += [f"{t.name:<22}{t.beats:>6}{t.steps:>7}{t.engine_seconds:>10.1f}{t.seconds:>9.1f}" for t in timings]
     total = sum(t.seconds for t in timings)
-    lines.append(f"{'all seven' if len(timings) == len(LESSONS) else 'total':<22}{'':>6}"
+    lines.append(f"{'all ' + str(len(timings)) if len(timings) == len(LESSONS) else 'total':<22}{'':>6}"
                  f"{sum(t.steps for t in timings):>7}{sum(t.engine_seconds for t in timings):>10.1f}{total:>9.1f}")
     return "\n".join(lines)

@@ -13,11 +13,15 @@ from kvscope.app.lessons import (
     continuous_batching,
     copy_on_write,
     fragmentation,
+    latency,
     preemption,
     prefix_sharing,
+    sizing,
+    throughput,
 )
 from kvscope.app.lessons.script import Lesson
 
 LESSONS: dict[str, Lesson] = {module.LESSON.name: module.LESSON for module in (
-    fragmentation, block_tables, prefix_sharing, copy_on_write, preemption, chunked_prefill, continuous_batching,
+    fragmentation, block_tables, prefix_sharing, copy_on_write, preemption, chunked_prefill, latency,
+    continuous_batching, throughput, sizing,
 )}

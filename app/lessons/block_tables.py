@@ -78,11 +78,13 @@ def say_figures(moment: Moment) -> str:
     entries = [table for view in late.requests for table in view.block_tables if table]
     jumps = sum(scattered(table) for table in entries)
     links = sum(max(len(table) - 1, 0) for table in entries)
+    table = next(v.block_tables[0] for v in late.requests if v.request_id == LATE[0])
     steps = moment.run_steps()
     peak = max(record.stats.num_total_blocks - record.stats.num_free_blocks for record in steps)
     return figures([("requests", str(len(FIRST) + 1)), ("steps", str(len(steps))),
                     ("peak blocks in use", f"{peak} of {steps[-1].stats.num_total_blocks}"),
-                    (f"jumps when {LATE[0]} came", f"{jumps} of {links} table links")],
+                    (f"jumps in {LATE[0]}'s table", f"{scattered(table)} of its {len(table) - 1} links"),
+                    ("jumps in every table then", f"{jumps} of {links} links")],
                    "Paging turns \"find room for this request\" into \"find any free block\": with blocks of "
                    f"{late.block_size} tokens, no free space is ever too fragmented to use.")
 

@@ -40,7 +40,15 @@ def say_full(moment: Moment) -> str:
     running, waiting = _queue(moment, "running"), _queue(moment, "waiting")
     return (f"{', '.join(running)} are running: the batch is full (max_num_seqs = {BATCH}). "
             f"{', '.join(waiting) or 'Nobody'} {'waits' if len(waiting) == 1 else 'wait'} for a place. Each step "
-            "computes one token for every running request.")
+            f"computes one token for every running request.{_cached_note(moment)}")
+
+
+def _cached_note(moment: Moment) -> str:
+    """Why the queues say "cached 16" for requests that share no text: the chat template's system prompt."""
+    cached = max((v.num_cached_tokens for v in moment.snapshot.requests), default=0)
+    return (f" (The queues' [i]cached {cached}[/i]: the chat template starts every conversation with the same "
+            "default system prompt, so a later request finds those tokens' blocks in the prefix cache.)"
+            if cached else "")
 
 
 def say_left(moment: Moment) -> str:
@@ -52,7 +60,7 @@ def say_joined(moment: Moment) -> str:
     running = _queue(moment, "running")
     return (f"…and in the very next step, {moment.stats.step}, r5 joined the batch while "
             f"{', '.join(r for r in running if r != 'r5')} carried on. The scheduler rebuilds the batch every step: "
-            "that is [b]continuous batching[/b].")
+            f"that is [b]continuous batching[/b].{_cached_note(moment)}")
 
 
 def static_steps(lengths: list[int]) -> int:

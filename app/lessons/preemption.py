@@ -52,13 +52,18 @@ def back_from_recompute(result) -> bool:
     return any(o.request_id == VICTIM and o.new_token_ids for o in result.outputs)
 
 
+def which_blocks(blocks) -> str:
+    """"block 3" or "2 blocks (3, 4)": a block's number never read as a count."""
+    return f"block {blocks[0]}" if len(blocks) == 1 else f"{len(blocks)} blocks ({', '.join(map(str, blocks))})"
+
+
 def say_preempt(moment: Moment) -> str:
     event = _event(moment, EventKind.PREEMPT)
     view = moment.view(event.request_id)
     tokens = view.num_prompt_tokens + view.num_output_tokens
     return (f"The pool is out of blocks: every request needed a new one in the same step. The scheduler "
-            f"[b]preempted {event.request_id}[/b], the latest arrival: its blocks ({', '.join(map(str, event.blocks))}"
-            ") went back to the pool for the others to take. In "
+            f"[b]preempted {event.request_id}[/b], the latest arrival: its {which_blocks(event.blocks)} went back "
+            "to the pool for the others to take. In "
             f"[b]recompute[/b] mode {event.request_id} returns to the front of the waiting queue; its {tokens} "
             "tokens (prompt and output so far) will be computed again.")
 
@@ -74,19 +79,20 @@ def say_back(moment: Moment) -> str:
 def say_done(moment: Moment) -> str:
     steps = moment.run_steps()
     prefill = sum(r.stats.num_prefill_tokens for r in steps)
-    return (f"All four finished after [b]{len(steps)} steps[/b], computing {prefill} prompt tokens for prompts "
-            f"of {len(NAMES) * PROMPT_TOKENS} tokens or fewer: the difference is what {VICTIM} computed twice. "
-            "Next: the same requests in swap mode.")
+    prompts = sum(v.num_prompt_tokens for v in moment.earlier["preempt"].snapshot.requests)
+    return (f"All four finished after [b]{len(steps)} steps[/b]. They computed {prefill} prompt tokens for four "
+            f"prompts of {prompts} tokens in all: the {prefill - prompts} more are what {VICTIM} computed twice "
+            "(its prompt and the output it had). Next: the same requests in swap mode.")
 
 
 def say_swapped(moment: Moment) -> str:
     event = _event(moment, EventKind.SWAP_OUT)
     view = moment.view(event.request_id)
     host = view.host_block_tables[0] if view.host_block_tables else ()
-    return (f"[b]Swap[/b] mode, same requests, same moment: this time {event.request_id}'s blocks "
-            f"({', '.join(map(str, event.blocks))}) were copied to the host pool (the line under the map, host "
-            f"blocks {arrows(host)}) instead of being thrown away. {event.request_id} waits in the "
-            "[b]swapped[/b] queue.")
+    return (f"[b]Swap[/b] mode, same requests, same moment: this time {event.request_id}'s "
+            f"{which_blocks(event.blocks)} {'was' if len(event.blocks) == 1 else 'were'} copied to the host pool "
+            f"(the line under the map: host {which_blocks(host)}) instead of being thrown away. "
+            f"{event.request_id} waits in the [b]swapped[/b] queue.")
 
 
 def say_swapped_in(moment: Moment) -> str:

@@ -2,10 +2,14 @@
 
 Forward (Space), the next beat's commands go to the engine thread (rebuild,
 requests, run until its moment), and the beat is shown once the thread says it
-stopped there. Backward (Backspace) never rewinds the engine: the earlier
-beat's step is read back from the run log (each engine the lesson builds is
-one logged run) and shown with the caption it had, and Space walks forward
-through the replayed beats until it reaches the live one again.
+stopped there. A beat that builds a new engine first lets the old one finish its
+requests, unseen, so every run of a lesson ends whole (its figures count every
+step, and the run log has no request aborted by the lesson itself).
+
+Backward (Backspace) never rewinds the engine: the earlier beat's step is read
+back from the run log (each engine the lesson builds is one logged run) and
+shown with the caption it had, and Space walks forward through the replayed
+beats until it reaches the live one again.
 
 The runner holds no widget: it sends worker commands through ``send`` and
 tells a ``display`` what to show (see LessonDisplay), so it can be driven and
@@ -18,7 +22,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, StepRecord
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, StepRecord, all_done
+from kvscope.app.messages import EngineInfo
 from kvscope.app.worker.commands import LaunchPlan, Rebuild, RunUntil, WorkerCommand
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.outputs import StepResult
@@ -35,6 +40,9 @@ class BeatRecord:
     run_id: int | None
     step: int
     met: bool
+
+
+FINISH_MAX_STEPS = 1000
 
 
 class LessonDisplay(Protocol):
@@ -55,9 +63,12 @@ class LessonRunner:
         self.records: list[BeatRecord] = []
         self.showing = -1           # the beat on screen
         self.running: int | None = None   # the beat the engine is running towards
+        self._finishing = False     # the engine is finishing the last beat's requests before this one starts
         self.steps: list[StepRecord] = []
         self.earlier: dict[str, StepResult] = {}
+        self.earlier_runs: dict[str, int] = {}
         self.run = 0                # engines built for the lesson so far
+        self.infos: list[EngineInfo] = []   # each one's facts, in order
         self.latest: StepResult | None = None
 
     # --- driven by the screen ---------------------------------------------------------------
@@ -93,8 +104,10 @@ class LessonRunner:
 
     # --- fed by the app -------------------------------------------------------------------------
 
-    def engine_ready(self) -> None:
+    def engine_ready(self, info: EngineInfo | None = None) -> None:
         self.run += 1
+        if info is not None:
+            self.infos.append(info)
         self.latest = None
 
     def stepped(self, result: StepResult) -> None:
@@ -102,11 +115,18 @@ class LessonRunner:
         finished = tuple((o.request_id, sum(len(s.token_ids) for s in o.samples) or len(o.token_ids))
                          for o in result.outputs if o.finished)
         batch = sum(1 for v in result.snapshot.requests if v.queue == "running")
-        self.steps.append(StepRecord(self.run, result.stats, result.events, finished, batch))
+        generated = tuple((v.request_id, v.num_output_tokens) for v in result.snapshot.requests) + \
+            tuple((o.request_id, len(o.token_ids)) for o in result.outputs if o.finished)
+        self.steps.append(StepRecord(self.run, result.stats, result.events, finished, batch, generated))
 
     def until_done(self, step: int, met: bool) -> None:
-        if self.running is not None:
-            self._reach(met)
+        if self.running is None:
+            return
+        if self._finishing:
+            self._finishing = False
+            self._start(self.running)
+            return
+        self._reach(met)
 
     # --- beats ----------------------------------------------------------------------------------
 
@@ -117,6 +137,14 @@ class LessonRunner:
         beat = self.lesson.beats[index]
         self.running = index
         self._display.show_running(index, beat)
+        if beat.config is not None and self.latest is not None and self.latest.snapshot.requests:
+            self._finishing = True      # the engine about to be replaced finishes its requests first
+            self._command(RunUntil(all_done, FINISH_MAX_STEPS))
+            return
+        self._start(index)
+
+    def _start(self, index: int) -> None:
+        beat = self.lesson.beats[index]
         if beat.config is not None:
             self._command(Rebuild(dataclasses.replace(self.config, **beat.config)))
         if beat.load is not None:
@@ -134,10 +162,12 @@ class LessonRunner:
         result = self.latest
         if result is None:      # the beat ran no step (nothing to run): nothing to talk about
             result = self._empty_result()
-        moment = Moment(result, tuple(self.steps), dict(self.earlier), self.run, met)
+        moment = Moment(result, tuple(self.steps), dict(self.earlier), self.run, met, tuple(self.infos),
+                        dict(self.earlier_runs))
         caption, highlight = _words(beat, moment)
         record = BeatRecord(index, beat.title, caption, highlight, self._run_id(), result.stats.step, met)
         self.earlier[beat.key] = result
+        self.earlier_runs[beat.key] = self.run
         self.records.append(record)
         self.running = None
         self.showing = index

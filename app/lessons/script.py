@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvscope.app.load.presets import PlannedRequest, PresetContext
+from kvscope.app.messages import EngineInfo
+from kvscope.app.widgets.formatting import bar
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, RequestView, StepResult, StepStats
 
 Condition = Callable[[StepResult], bool]
@@ -32,6 +34,11 @@ class StepRecord:
     events: tuple[EngineEvent, ...]
     finished: tuple[tuple[str, int], ...]       # (request id, tokens generated) of requests that ended
     batch: int                                  # requests that ran this step
+    generated: tuple[tuple[str, int], ...] = ()   # (request id, tokens generated so far) of every request in it
+
+    def tokens_of(self, request_id: str) -> int | None:
+        """Tokens ``request_id`` had generated after this step; None if it was not in the engine."""
+        return next((count for rid, count in self.generated if rid == request_id), None)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,17 @@ class Moment:
     earlier: dict[str, StepResult]              # the results of earlier beats, by beat key
     run: int                                    # which engine of the lesson this step ran on
     met: bool = True                            # False when the beat ran out of steps before its moment
+    infos: tuple[EngineInfo, ...] = ()          # each engine the lesson built, in order (run 1 first)
+    earlier_runs: dict[str, int] = field(default_factory=dict)   # the run each earlier beat stopped in
+
+    @property
+    def info(self) -> EngineInfo | None:
+        """The engine this step ran on: its pool, model shape and dtype."""
+        return self.infos[self.run - 1] if 0 < self.run <= len(self.infos) else None
+
+    def info_at(self, key: str) -> EngineInfo:
+        """The engine an earlier beat stopped on."""
+        return self.infos[self.earlier_runs[key] - 1]
 
     @property
     def snapshot(self) -> CacheSnapshot:
@@ -152,6 +170,24 @@ def plural(count: int, word: str) -> str:
 
 def percent(fraction: float) -> str:
     return f"{100 * fraction:.1f}%"
+
+
+def bars(rows: list[tuple[str, float, str]], width: int = 18) -> list[str]:
+    """A horizontal bar chart: one "label ██████▌ value" line per (label, amount, value text), the longest bar
+    ``width`` cells, so amounts read against each other at a glance."""
+    longest = max((amount for _, amount, _ in rows), default=0) or 1
+    label_width = max(len(label) for label, _, _ in rows)
+    return [f"{label:<{label_width}} [$accent]{bar(amount / longest, width)}[/] {value}"
+            for label, amount, value in rows]
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def spark(values: list[float]) -> str:
+    """A one-line plot of ``values``, one cell each, the largest a full cell."""
+    top = max(values, default=0) or 1
+    return "".join(SPARKS[min(len(SPARKS) - 1, round(v / top * (len(SPARKS) - 1)))] for v in values)
 
 
 def figures(rows: list[tuple[str, str]], note: str = "") -> str:

@@ -77,9 +77,9 @@ class PresetContext:
         tokenizer = engine.tokenizer
         encode = getattr(tokenizer, "encode", None)
         count = (lambda text: len(encode(text))) if callable(encode) else (lambda text: len(text) // 4 + 1)
-        template = getattr(tokenizer, "apply_chat_template", None)
-        count_chat = (lambda messages: len(template(messages, add_generation_prompt=True))) \
-            if callable(template) else None
+        # The engine's own count, as add_request will make it: the chat template's tokens included. (len() of
+        # what apply_chat_template returns counts a transformers 5 BatchEncoding's keys: 2.)
+        count_chat = (lambda messages: len(engine.prompt_token_ids(messages))) if tokenizer is not None else None
         info = engine.info
         return cls(info.block_size, info.num_device_blocks, info.max_model_len,
                    engine.config.max_num_batched_tokens, count, count_chat, engine.config.allocator)
@@ -173,6 +173,11 @@ def plan_long_prompts(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     if target < 32:
         raise ValueError(f"max_model_len {ctx.max_model_len:,} and a pool of {ctx.num_blocks:,} blocks leave no "
                          "room for a long prompt")
+    if target <= ctx.max_num_batched_tokens:     # the teaching pool: 256-token requests, 2,048-token steps
+        raise ValueError(f"a prompt can hold at most {target:,} tokens here (max_model_len {ctx.max_model_len:,}) "
+                         f"and one step takes {ctx.max_num_batched_tokens:,}, so none would be split into chunks; "
+                         f"start with --max-num-batched-tokens {max(16, target // 4):,}, or see the chunked-prefill "
+                         "lesson")
     document = fit_text(_document(target, ctx), target, ctx)
     instructions = prompt_lines("long_prompt_tasks.txt")
     return [PlannedRequest(_user(f"{document}\n\n{instructions[i % len(instructions)]}"),

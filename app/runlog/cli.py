@@ -17,12 +17,19 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from kvscope.app.runlog.reader import EXPORT_TABLES, DamagedRunLog, RunInUse, RunLogReader, RunNotFound
+from kvscope.app.runlog.reader import (
+    EXPORT_TABLES,
+    DamagedRunLog,
+    RunInUse,
+    RunLogReader,
+    RunNotFound,
+    run_origin,
+)
 from kvscope.app.runlog.schema import SchemaError
 from kvscope.app.safe_text import one_line
 from kvscope.settings import settings
 
-_LIST_COLUMNS = ("id", "started", "model", "requests", "tokens", "tok/s", "status")
+_LIST_COLUMNS = ("id", "started", "source", "model", "requests", "tokens", "tok/s", "status")
 MAX_RUN_ID = 2**63 - 1     # SQLite's largest integer key
 
 
@@ -113,6 +120,8 @@ def _with_reader(action, *, writable: bool = False):
             return _fail(str(exc))
         except sqlite3.Error as exc:
             return failed(path, exc)
+        except BrokenPipeError:
+            raise       # the reader of a pipe went away: kvscope's main ends quietly
         except OSError as exc:
             return _fail(f"cannot write {exc.filename or 'the output'}: {exc.strerror}")
         finally:
@@ -140,15 +149,16 @@ def list_runs(args: argparse.Namespace) -> int:
 
 def _list(reader: RunLogReader, args: argparse.Namespace) -> int:
     rows = [
-        (str(r["id"]), _local_time(r["started_at"]), one_line(r["model"] or "-", 60), _number(r["num_requests"]),
-         _number(r["num_generated_tokens"]), _number(r["mean_tokens_per_s"], 1), one_line(r["status"]))
+        (str(r["id"]), _local_time(r["started_at"]), one_line(run_origin(r), 60), one_line(r["model"] or "-", 60),
+         _number(r["num_requests"]), _number(r["num_generated_tokens"]), _number(r["mean_tokens_per_s"], 1),
+         one_line(r["status"]))
         for r in reader.list_runs()
     ]
     if not rows:
         print(f"no runs logged yet in {reader.path}")
         return 0
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(_LIST_COLUMNS)]
-    right_aligned = {0, 3, 4, 5}
+    right_aligned = {0, 4, 5, 6}
     for row in [_LIST_COLUMNS, *rows]:
         cells = [cell.rjust(widths[i]) if i in right_aligned else cell.ljust(widths[i])
                  for i, cell in enumerate(row)]
@@ -161,7 +171,7 @@ def _show(reader: RunLogReader, args: argparse.Namespace) -> int:
     queries, hits = run["prefix_cache_queries"], run["prefix_cache_hits"]
     hit_rate = hits / queries if queries else None
     lines = [
-        ("run", f"{run['id']} ({run['status']}, started by {run['source']})"),
+        ("run", f"{run['id']} ({run['status']}, started by {run_origin(run)})"),
         *([("why", run["status_detail"])] if run.get("status_detail") else []),
         ("started", _local_time(run["started_at"])),
         ("ended", _local_time(run["ended_at"])),

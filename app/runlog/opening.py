@@ -17,26 +17,31 @@ from kvscope.app.runlog.writer import RunLogger, utc_now
 from kvscope.engine.config import EngineConfig
 from kvscope.settings import settings
 
-SOURCES = ("app", "bench", "chat", "script", "serve", "vllm")
+SOURCES = ("app", "bench", "chat", "lesson", "script", "serve", "vllm")
 
 
 def open_run_log(path: str | Path | None, *, source: str, config: EngineConfig, model: str,
                  device: str, dtype: str, enabled: bool = True,
-                 on_failure: Callable[[str], None] | None = None) -> RunLogger:
+                 on_failure: Callable[[str], None] | None = None, label: str | None = None,
+                 keep_empty: bool = True) -> RunLogger:
     """A logger for a new run in the database at ``path`` (default: the user data dir).
 
     Never raises for a bad file or directory: the logger comes back disabled, with
     ``warning`` saying what is wrong with which path and how to fix it. If the log
-    stops writing later (a full disk), ``on_failure(warning)`` is called once.
+    stops writing later (a full disk), ``on_failure(warning)`` is called once. ``label`` says what started
+    the run within its source (the lesson's name); ``keep_empty=False`` leaves no run behind if nothing was
+    asked of the engine.
     """
     return open_observed_run_log(
         path, source=source, model=model, device=device, dtype=dtype, block_size=config.block_size,
-        num_blocks=config.num_blocks, config=dataclasses.asdict(config), enabled=enabled, on_failure=on_failure)
+        num_blocks=config.num_blocks, config=dataclasses.asdict(config), enabled=enabled, on_failure=on_failure,
+        label=label, keep_empty=keep_empty)
 
 
 def open_observed_run_log(path: str | Path | None, *, source: str, model: str, device: str, dtype: str,
                           block_size: int, num_blocks: int | None, config: dict, enabled: bool = True,
-                          on_failure: Callable[[str], None] | None = None) -> RunLogger:
+                          on_failure: Callable[[str], None] | None = None, label: str | None = None,
+                          keep_empty: bool = True) -> RunLogger:
     """open_run_log for a run kvscope watches rather than runs (``kvscope attach``: source "vllm"),
     described by a plain ``config`` mapping instead of an EngineConfig."""
     if source not in SOURCES:
@@ -54,18 +59,19 @@ def open_observed_run_log(path: str | Path | None, *, source: str, model: str, d
         db = connect(str(path))
         prepare(db, str(path))
         mark_crashed_runs(db)
-        run_id = _insert_run(db, source, model, device, dtype, block_size, num_blocks, config)
+        run_id = _insert_run(db, source, model, device, dtype, block_size, num_blocks, config, label)
     except SchemaError as exc:
         _close_quietly(db)
         return RunLogger.disabled(path, f"run log off: {exc}")
     except (sqlite3.Error, OSError) as exc:
         _close_quietly(db)
         return RunLogger.disabled(path, explain(path, exc))
-    return RunLogger(path, db=db, run_id=run_id, on_failure=on_failure)
+    return RunLogger(path, db=db, run_id=run_id, on_failure=on_failure, keep_empty=keep_empty)
 
 
 def record_run(engine, *, source: str = "script", db_path: str | Path | None = None,
-               enabled: bool = True, on_failure: Callable[[str], None] | None = None) -> RunLogger:
+               enabled: bool = True, on_failure: Callable[[str], None] | None = None, label: str | None = None,
+               keep_empty: bool = True) -> RunLogger:
     """Log everything ``engine`` does from now on as one run; close the logger (or use it in a
     ``with`` block) to end the run. Like open_run_log, it never raises for a bad database.
 
@@ -75,7 +81,8 @@ def record_run(engine, *, source: str = "script", db_path: str | Path | None = N
     # The resolved max_model_len, so a replay can draw the contiguous comparison.
     config = dataclasses.replace(engine.config, max_model_len=engine.max_model_len)
     logger = open_run_log(db_path, source=source, config=config, enabled=enabled,
-                          model=info.model_name, device=info.device, dtype=info.dtype, on_failure=on_failure)
+                          model=info.model_name, device=info.device, dtype=info.dtype, on_failure=on_failure,
+                          label=label, keep_empty=keep_empty)
     if logger.enabled:
         engine.observers.append(logger)
     return logger
@@ -94,14 +101,14 @@ def explain(path: Path, exc: Exception) -> str:
 
 
 def _insert_run(db: sqlite_utils.Database, source: str, model: str, device: str, dtype: str,
-                block_size: int, num_blocks: int | None, config: dict) -> int:
+                block_size: int, num_blocks: int | None, config: dict, label: str | None = None) -> int:
     pid, pid_started_at, hostname = current_process_identity()
     row = {
         "started_at": utc_now(), "status": "running", "source": source,
         "kvscope_version": __version__, "model": model, "device": device, "dtype": dtype,
         "block_size": block_size, "num_blocks": num_blocks,
         "config": json.dumps(config, default=str),
-        "pid": pid, "pid_started_at": pid_started_at, "hostname": hostname,
+        "pid": pid, "pid_started_at": pid_started_at, "hostname": hostname, "label": label,
     }
     return db["runs"].insert(row).last_pk
 

@@ -47,6 +47,12 @@ def _decoding(run_id: int, step: int):
                             f"({type(exc).__name__}: {exc})") from exc
 
 
+def run_origin(run: dict) -> str:
+    """What started a run: its source, and its label when it has one ("lesson fragmentation")."""
+    label = run.get("label")
+    return f"{run.get('source') or '-'} {label}" if label else run.get("source") or "-"
+
+
 @dataclass(frozen=True)
 class ReplayFrame:
     """Everything the live view shows for one step, rebuilt from the log."""
@@ -218,6 +224,24 @@ class RunLogReader:
         """A cursor over the run's steps for the history screen (jump anywhere, step on cheaply)."""
         self._require(run_id)
         return Replay(self, run_id)
+
+    def frames(self, run_id: int, first: int, last: int) -> Iterator[ReplayFrame]:
+        """The frames of the recorded steps from ``first`` to ``last``, decoded from the keyframe before ``first``."""
+        self._require(run_id)
+        keyframe = self.db.execute("SELECT max(step) FROM snapshots WHERE run_id = ? AND keyframe = 1 AND step <= ?",
+                                   [run_id, first]).fetchone()[0]
+        if keyframe is None:
+            return
+        yield from (frame for frame in self._frames(run_id, keyframe, last) if frame.stats.step >= first)
+
+    def final_figures(self, run_id: int) -> dict[str, tuple[int, int, int, str]]:
+        """What each finished request of the run ended with, as its final output said it: (output tokens,
+        preemptions, cached prompt tokens, finish reason) by request id."""
+        self._require(run_id)
+        rows = self.db.query("SELECT request_id, num_output_tokens, num_preemptions, num_cached_tokens, "
+                             "finish_reason FROM requests WHERE run_id = ? AND finish_reason IS NOT NULL", [run_id])
+        return {row["request_id"]: (row["num_output_tokens"] or 0, row["num_preemptions"] or 0,
+                                    row["num_cached_tokens"] or 0, row["finish_reason"]) for row in rows}
 
     def snapshot_at(self, run_id: int, step: int) -> ReplayFrame:
         """The frame of ``step``, or of the last recorded step before it."""

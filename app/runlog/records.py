@@ -64,8 +64,10 @@ class RowBuilder:
         self._tokens_seen: dict[str, int] = {}
         self._seen_a_step = False
         self.unfinished: set[str] = set()   # added, no final output yet: the run is interrupted if it ends now
+        self.empty = True                   # no request and no step so far
 
     def add(self, rows: Rows, record: RequestAdded | StepResult | ObservedStep) -> None:
+        self.empty = False
         if isinstance(record, RequestAdded):
             rows.added_requests.append({"run_id": self.run_id, **dataclasses.asdict(record)})
             self.unfinished.add(record.request_id)

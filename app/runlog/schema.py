@@ -18,7 +18,7 @@ from pathlib import Path
 import sqlite_utils
 from sqlite_utils.db import ForeignKey
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 RUN_TABLES = ("runs", "requests", "steps", "events", "snapshots")
 BUSY_TIMEOUT_S = 1.0
 # How SQLite says it could not create the WAL index of a read-only connection.
@@ -88,7 +88,11 @@ def _create_v1(db: sqlite_utils.Database) -> None:
         not_null=["keyframe", "data"],
     )
     # One row per run with the figures `kvscope runs` lists; handy in Datasette too.
-    db.create_view("run_summary", """
+    db.create_view("run_summary", RUN_SUMMARY)
+
+
+# The listing view as version 1 made it; version 4 adds the run's label to it.
+RUN_SUMMARY = """
         SELECT runs.id, runs.started_at, runs.ended_at, runs.status, runs.source, runs.model,
                runs.device, runs.dtype, runs.pid, runs.hostname, runs.pid_started_at,
                coalesce(r.num_requests, 0) AS num_requests, r.num_output_tokens,
@@ -104,7 +108,7 @@ def _create_v1(db: sqlite_utils.Database) -> None:
             SELECT run_id, count(*) AS num_requests, sum(num_output_tokens) AS num_output_tokens
             FROM requests GROUP BY run_id
         ) r ON r.run_id = runs.id
-    """)
+"""
 
 
 def _add_status_detail(db: sqlite_utils.Database) -> None:
@@ -118,9 +122,16 @@ def _add_copy_and_eviction_counters(db: sqlite_utils.Database) -> None:
         db.execute(f"ALTER TABLE steps ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0")
 
 
+def _add_label(db: sqlite_utils.Database) -> None:
+    # What started the run, within its source: the lesson a "lesson" run belongs to. The listing view shows it.
+    db["runs"].add_column("label", str)
+    db.execute("DROP VIEW run_summary")
+    db.create_view("run_summary", RUN_SUMMARY.replace("runs.source,", "runs.source, runs.label,"))
+
+
 # MIGRATIONS[v] lifts a database at version v - 1 to version v.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
-    1: _create_v1, 2: _add_status_detail, 3: _add_copy_and_eviction_counters}
+    1: _create_v1, 2: _add_status_detail, 3: _add_copy_and_eviction_counters, 4: _add_label}
 
 
 def connect(path: str, *, read_only: bool = False, timeout: float = BUSY_TIMEOUT_S) -> sqlite_utils.Database:

@@ -58,12 +58,15 @@ class RunLogger(EngineObserver):
 
     def __init__(self, path: Path | None, *, db: sqlite_utils.Database | None = None,
                  run_id: int | None = None, warning: str | None = None,
-                 on_failure: Callable[[str], None] | None = None):
+                 on_failure: Callable[[str], None] | None = None, keep_empty: bool = True):
         self.path = path
         self.run_id = run_id
         self.warning = warning
         self.num_dropped_records = 0
         self.on_failure = on_failure    # called once, from the writer thread, if the log stops writing
+        # False: a run in which nothing was asked (an engine the app built, then replaced before any request)
+        # leaves no row behind, so starting lessons does not fill the log with empty runs.
+        self.keep_empty = keep_empty
         self._db = db
         self._failed = False
         self.failure: str | None = None     # why the log stopped writing, once it has
@@ -145,7 +148,10 @@ class RunLogger(EngineObserver):
                 closing = batch.pop()
             if not self._failed:
                 self._write_batch(rows_for, batch)
-        self._set_status(*self._final_status(closing, rows_for), ended=True)
+        if rows_for.empty and not self.keep_empty and not self._failed and not self.num_dropped_records:
+            self._remove_run()
+        else:
+            self._set_status(*self._final_status(closing, rows_for), ended=True)
         try:
             self._db.close()
         except Exception:
@@ -189,6 +195,13 @@ class RunLogger(EngineObserver):
             _insert(db, "snapshots", rows.snapshots, verb="INSERT OR REPLACE")
             _insert(db, "requests", rows.finished_requests, upsert_on=("run_id", "request_id"))
         self._num_written_steps += len(rows.steps)
+
+    def _remove_run(self) -> None:
+        try:
+            with self._db.atomic():
+                self._db.execute("DELETE FROM runs WHERE id = ?", [self.run_id])   # nothing else refers to it
+        except Exception:
+            self._set_status("finished", None, ended=True)    # kept after all: an empty run is no harm
 
     def _set_status(self, status: str, detail: str | None, ended: bool = False) -> None:
         """One small UPDATE, tried even after a failed batch: it often fits where a batch did not.

@@ -24,7 +24,8 @@ is the request that owns it (each request keeps its colour). The glyph's height 
 full the block is: only a request's *last* block is ever partly filled. **╌** is a block a
 request holds but has not written yet: the contiguous allocator reserves whole rows of
 them up front. A **digit on a coloured background** is a block **shared** by that many
-block tables (a common prompt prefix, or the samples of an `n > 1` request). **░** is a
+block tables (a common prompt prefix, or the samples of an `n > 1` request); **+** means ten or
+more. **░** is a
 **cached** block: nobody uses it, but it still holds a prompt prefix that a new request can
 reuse until the block is needed for something else. **·** is free. The bottom line shows the
 **host pool**, where swapped-out requests' blocks (**▚**) wait. When the pool has more blocks

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -22,9 +23,10 @@ from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import DataTable, Label, Sparkline, Static
 
-from kvscope.app.runlog import RunLogReader, SchemaError
+from kvscope.app.runlog import RunLogReader, SchemaError, run_origin
 from kvscope.app.safe_text import one_line
 from kvscope.app.screens.replay import ReplayScreen
+from kvscope.app.widgets.formatting import compact
 from kvscope.app.widgets.key_bar import KeyBar
 
 T = TypeVar("T")
@@ -35,7 +37,9 @@ T = TypeVar("T")
 ReplayFor = Callable[[RunLogReader, int], Screen]
 
 
-RUN_TEXT = ("status", "started_at", "source", "status_detail", "model", "device", "dtype")
+RUN_TEXT = ("status", "started_at", "status_detail", "model", "device", "dtype")
+COLUMNS = ("id", "status", "started", "source", "reqs", "tokens", "tok/s", "model")
+MIN_MODEL_WIDTH = 8
 
 
 def run_variables(run: dict) -> dict[str, str]:
@@ -43,9 +47,19 @@ def run_variables(run: dict) -> dict[str, str]:
     config = run.get("config") if isinstance(run.get("config"), dict) else {}
     values = {name: one_line(run.get(name) or "", 200) for name in RUN_TEXT}
     values["started_at"] = values["started_at"][:19]
+    values["source"] = one_line(run_origin(run), 200)
     values["allocator"] = one_line(config.get("allocator", "?"), 40)
     values["preemption_mode"] = one_line(config.get("preemption_mode", "?"), 40)
     return values
+
+
+def run_cells(run: dict) -> tuple[str, ...]:
+    """One run's row, in COLUMNS' order; the start without its year (the id already orders the runs)."""
+    rate = run.get("mean_tokens_per_s")
+    text = run_variables(run)
+    return (str(run["id"]), text["status"], text["started_at"][5:16].replace("T", " "), text["source"],
+            str(run.get("num_requests") or 0), f"{run.get('num_generated_tokens') or 0:,}",
+            "–" if rate is None else compact(rate), text["model"])
 
 
 def describe_run(run: dict) -> str:
@@ -86,6 +100,7 @@ class HistoryScreen(Screen):
         self.replay_for = replay_for
         self.reader: RunLogReader | None = None
         self.run_id: int | None = None
+        self._runs: list[tuple[str, ...]] = []
 
     def compose(self) -> ComposeResult:
         yield Static("[b]Run history[/b]", id="history-title")
@@ -100,10 +115,10 @@ class HistoryScreen(Screen):
         yield KeyBar(own_only=True, id="keys")
 
     def on_mount(self) -> None:
-        table = self.query_one("#runs", DataTable)
-        for column in ("id", "started", "model", "source", "requests", "tokens", "tok/s", "status"):
-            table.add_column(column, key=column)
         self.action_reload()
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._show_runs)     # once the list has its new width
 
     def _open(self) -> RunLogReader | None:
         if self.db_path is None:
@@ -134,20 +149,34 @@ class HistoryScreen(Screen):
             self.reader = self._open()
         if self.reader is None:
             return
-        table = self.query_one("#runs", DataTable)
-        table.clear()
         runs = self._read(self.reader.list_runs)
         if runs is None:
             return
-        for run in runs:
-            rate = run.get("mean_tokens_per_s")
-            text = run_variables(run)
-            table.add_row(str(run["id"]), Content(text["started_at"].replace("T", " ")), Content(text["model"]),
-                          Content(text["source"]), str(run.get("num_requests") or 0),
-                          f"{run.get('num_generated_tokens') or 0:,}", "–" if rate is None else f"{rate:,.1f}",
-                          Content(text["status"]), key=str(run["id"]))
+        self._runs = [run_cells(run) for run in runs]
+        self.call_after_refresh(self._show_runs)
         if not runs:
             self._say("The run log is empty.")
+
+    def _show_runs(self) -> None:
+        """Every column whole, the model's name taking what the others leave (cut with "…" only if it must)."""
+        table = self.query_one("#runs", DataTable)
+        if not table.size.width:
+            return
+        highlighted = self.run_id
+        widths = [max([len(header), *(len(cells[i]) for cells in self._runs)]) for i, header in enumerate(COLUMNS)]
+        model = COLUMNS.index("model")
+        room = table.scrollable_content_region.width - sum(w + 2 for i, w in enumerate(widths) if i != model) - 2
+        widths[model] = max(MIN_MODEL_WIDTH, min(widths[model], room))
+        table.clear(columns=True)
+        for header, width in zip(COLUMNS, widths, strict=True):
+            table.add_column(header, width=width, key=header)
+        for cells in self._runs:
+            name = cells[model]
+            cut = name if len(name) <= widths[model] else name[:widths[model] - 1] + "…"
+            # Text, never a str: DataTable would parse a str's square brackets as markup.
+            table.add_row(*(Text(cut) if i == model else Text(cell) for i, cell in enumerate(cells)), key=cells[0])
+        if highlighted is not None and str(highlighted) in table.rows:
+            table.move_cursor(row=table.get_row_index(str(highlighted)))
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         if event.row_key is None or self.reader is None:

@@ -79,7 +79,7 @@ class LessonScreen(Screen):
         self.status_line.reset(info.runner.device)
         self.view.show_empty(info.runner.num_device_blocks, info.runner.block_size, info.config.allocator,
                              info.runner.num_host_blocks)
-        self.runner.engine_ready()
+        self.runner.engine_ready(info)
 
     def ingest(self, result: StepResult) -> None:
         self.previous, self.latest = self.latest, result

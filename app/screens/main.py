@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import time
 
+from textual import events
 from textual.app import ComposeResult
 from textual.screen import Screen
 
+from kvscope.app.actions import FOOTER_RANKS
 from kvscope.app.messages import EngineInfo, RunState
 from kvscope.app.widgets.box import titled
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
+from kvscope.app.widgets.chat_input import ChatInput
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.key_bar import KeyBar
 from kvscope.app.widgets.load_generator import LoadGenerator
@@ -43,6 +46,9 @@ FRAME_RATE = 20
 UI_CPU_BUDGET = 0.04  # share of one core the UI thread may use for painting and handling steps
 MIN_FRAME_RATE = 1    # however busy the UI thread is, the view is at most this stale
 TEXT_RATE = 4         # the panels of numbers: as often as a person can read them
+# The map, its event line, legend and block inspector, and the chat beside them, all readable: under this plus
+# the figures and the queues (120x40), the view scrolls and the queues' title shows at the bottom as the cue.
+TOP_MIN_ROWS = 16
 
 
 class MainScreen(Screen):
@@ -55,6 +61,7 @@ class MainScreen(Screen):
         self.engine_info: EngineInfo | None = None
         self.latest: StepResult | None = None
         self.previous: StepResult | None = None   # the step before latest, for the event line
+        self.queued: CacheSnapshot | None = None   # the newest snapshot: of a step, or of requests added paused
         self._painted: StepResult | None = None
         self._texted: StepResult | None = None   # the step the panels of numbers show
         self._painted_at = 0.0
@@ -72,16 +79,24 @@ class MainScreen(Screen):
         self.view = SnapshotView(
             id="body", beside_map=[self.chat], beside_figures=[self.throughput, self.status_lines[1]],
             under_block_table=[self.system],
-            beside_queues=[titled(LoadGenerator(id="load", classes="panel"), "Load generator")])
+            beside_queues=[titled(LoadGenerator(id="load", classes="panel"), "Load generator")],
+            top_min_rows=TOP_MIN_ROWS)
 
     def compose(self) -> ComposeResult:
         yield self.header
         yield self.view
         yield self.status_lines[0]
-        yield KeyBar(id="keys")
+        yield KeyBar(keep_first=FOOTER_RANKS, id="keys")
 
     def on_mount(self) -> None:
         self.set_interval(1 / FRAME_RATE, self.paint)
+
+    def on_paste(self, event: events.Paste) -> None:
+        """A paste that reached no input (the focus on the map, after Esc) goes to the chat, not nowhere."""
+        event.stop()
+        chat_input = self.query_one("#chat-input", ChatInput)
+        chat_input.focus()
+        chat_input.post_message(events.Paste(event.text))
 
     # --- fed by the app ---------------------------------------------------------------------
 
@@ -93,7 +108,7 @@ class MainScreen(Screen):
         """A new engine: its empty pool in every panel at once, nothing of any engine before it."""
         self.engine_info = info
         self.view.max_model_len = info.runner.max_model_len
-        self.latest = self.previous = self._painted = self._texted = None
+        self.latest = self.previous = self._painted = self._texted = self.queued = None
         self.header.show_engine(info)
         self.throughput.clear()
         for line in self.status_lines:
@@ -101,6 +116,7 @@ class MainScreen(Screen):
         self.view.show_empty(info.runner.num_device_blocks, info.runner.block_size, info.config.allocator,
                              info.runner.num_host_blocks)
         self.chat.set_engine_waiting(False)
+        self.chat.show_sampling(info.runner.sampling_defaults)
 
     def engine_not_ready(self, still_running: EngineInfo | None, error: str) -> None:
         """A build failed: back to the engine that goes on serving, or say there is none."""
@@ -144,8 +160,9 @@ class MainScreen(Screen):
         return request_id
 
     def requests_in_flight(self) -> tuple[str, ...]:
-        """The requests of the newest step, and the chat's turn when it has not reached a step yet."""
-        ids = tuple(view.request_id for view in self.latest.snapshot.requests) if self.latest else ()
+        """The requests of the newest snapshot (a step's, or one taken when requests were added paused), and the
+        chat's turn when it has not reached a step yet."""
+        ids = tuple(view.request_id for view in self.queued.requests) if self.queued else ()
         pending = self.chat.current_request
         return ids if pending is None or pending in ids else (*ids, pending)
 
@@ -161,9 +178,11 @@ class MainScreen(Screen):
         for line in self.status_lines:
             line.push(result.stats)
         self.previous, self.latest = self.latest, result
+        self.queued = result.snapshot
 
     def show_queue(self, snapshot: CacheSnapshot) -> None:
         """Requests launched while the engine is paused: in "waiting" now, not at the next step."""
+        self.queued = snapshot
         self.view.queues.show_snapshot(snapshot)
         if self.latest is not None:
             for line in self.status_lines:

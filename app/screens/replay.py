@@ -5,6 +5,11 @@ open stream (one delta); any other move asks the reader for that step, which
 decodes from the keyframe before it. A step that cannot be read (a damaged
 blob or page) is reported in the status line; the screen stays on the last good
 frame and the other steps can still be shown.
+
+The queues' "recently finished" rows are what the live window showed at that
+step: a jump (End, a step number) first runs the queues through the steps a
+finished row stays for, and every finished row takes its last numbers and
+finish reason from the run log's requests table.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from textual.widgets import Input, Static
 from kvscope.app.runlog import ReplayFrame, RunLogReader
 from kvscope.app.safe_text import escape, one_line
 from kvscope.app.widgets.key_bar import KeyBar
+from kvscope.app.widgets.queues import FINISHED_KEEP_STEPS
 from kvscope.app.widgets.snapshot_view import SnapshotView
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepStats
 
@@ -93,6 +99,8 @@ class ReplayScreen(Screen):
         yield KeyBar(own_only=True, id="keys")
 
     def on_mount(self) -> None:
+        if self._queues is not None:
+            self._queues.note_logged_finals(self.reader.final_figures(self.run_id))
         if self.steps:
             self.show_index(0)
         else:
@@ -129,11 +137,32 @@ class ReplayScreen(Screen):
             self._say(f"[b]Replay[/b] · run {self.run_id} · cannot show step {self.steps[index]:,}: "
                       f"$error", error=f"{type(exc).__name__}: {exc}")
             return
+        if self.frame is not None and index != self.index + 1 and self._queues is not None:
+            self._catch_up_queues(index)
         previous, self.index, self.frame = self.frame, index, frame
         # The event line narrates the logged step; the step before (when it is the one shown last) lets
         # it count prefill chunks and admissions, as the live window does.
         self.view.show(frame.snapshot, frame.stats, frame.events, previous.snapshot if previous else None)
         self._update_status()
+
+    @property
+    def _queues(self):
+        """The view's queue table (an attached server's replay has none: vLLM publishes no requests)."""
+        return getattr(self.view, "queues", None)
+
+    def _catch_up_queues(self, index: int) -> None:
+        """Show the queues the steps before ``index`` that a finished row stays for, as the live window saw them
+        one by one (only the queues: nothing else keeps history)."""
+        queues, target = self._queues, self.steps[index]
+        queues.clear()
+        if index == 0:
+            return
+        first = self.steps[max(0, bisect.bisect_left(self.steps, target - FINISHED_KEEP_STEPS))]
+        try:
+            for frame in self.reader.frames(self.run_id, first, self.steps[index - 1]):
+                queues.show_snapshot(frame.snapshot, frame.events)
+        except Exception:   # a damaged step: the rows start from the target step, as before
+            queues.clear()
 
     def _say(self, markup: str, **variables: str) -> None:
         cleaned = {name: one_line(value, 200) for name, value in variables.items()}

@@ -18,7 +18,7 @@ ITEMS = (
     f"{_OWNERS} in use (colour = request)",
     "[$block-owner-0]▁▃▆[/] partly filled",
     "[$block-owner-0]╌[/] reserved, empty",
-    "[bold $block-shared-text on $block-owner-3]2[/] shared by 2",
+    "[bold $block-shared-text on $block-owner-3]2[/] shared by 2 ([bold $block-shared-text on $block-owner-3]+[/] 10+)",
     "[$block-cached]░[/] cached, free",
     "[$block-free]·[/] free",
     "[$block-swapped]▚[/] swapped out",

@@ -26,7 +26,8 @@ def describe_request(view: RequestView, snapshot: CacheSnapshot) -> str:
     """Markup, one line per table: the panel re-parses only the lines that changed since the last frame."""
     colour = "$" + owner_variable(view.arrival_index % NUM_OWNER_COLOURS)
     num_blocks = len({b for table in view.block_tables for b in table})
-    head = [f"[b {colour}]{escape(view.request_id)}[/] · {view.queue} · {num_blocks} device blocks"]
+    blocks = f"{num_blocks} device block{'' if num_blocks == 1 else 's'}"
+    head = [f"[b {colour}]{escape(view.request_id)}[/] · {view.queue} · {blocks}"]
     tables = [t for t in view.block_tables if t]
     if tables:
         last = tables[0][-1]

@@ -19,9 +19,11 @@ from textual.content import Content
 from textual.widgets import Input, Static
 
 from kvscope.app.messages import ChatSubmitted
+from kvscope.app.widgets.chat_input import ChatInput
+from kvscope.engine.config import model_sampling
 from kvscope.engine.outputs import RequestOutput
 
-PLACEHOLDER = "Ask the model…"
+PLACEHOLDER = "Ask the model…  (? keys · Esc leaves the input · F10 quits)"
 DEFAULT_MAX_TOKENS = 256
 WAITING = "waiting for the engine…"
 SPEAKERS = {"user": "you", "assistant": "assistant"}
@@ -48,7 +50,7 @@ class ChatPane(Vertical):
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="chat-log"):
             yield Static(HINT, classes="chat-hint")
-        chat_input = Input(placeholder=PLACEHOLDER, id="chat-input")
+        chat_input = ChatInput(placeholder=PLACEHOLDER, id="chat-input")
         # The input has the focus most of the time: a blinking cursor would repaint twice a second,
         # a repaint pass the engine pays for under load.
         chat_input.cursor_blink = False
@@ -68,7 +70,8 @@ class ChatPane(Vertical):
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        text = event.value.strip()
+        chat_input = self.query_one("#chat-input", ChatInput)
+        text = chat_input.expanded(event.value).strip()     # a multi-line paste whole, not its marker
         if not text:
             event.input.value = ""   # whitespace alone is nothing to send, and nothing to keep
             return
@@ -76,6 +79,7 @@ class ChatPane(Vertical):
             self.notify("A reply is still streaming; press Esc to abort it.", severity="warning")
             return
         event.input.value = ""
+        chat_input.clear_pastes()
         self.chat_log.query(".chat-hint").remove()
         self.messages.append({"role": "user", "content": text})
         self._bubble(text, "user")
@@ -93,6 +97,18 @@ class ChatPane(Vertical):
             self.chat_log.scroll_end(animate=False)
         if output.finished:
             self._finish(output)
+
+    def show_sampling(self, defaults: tuple[tuple[str, float | int], ...]) -> None:
+        """Say on the pane's border how replies are sampled: the model's own generation_config, as vLLM and
+        `kvscope chat` take it (greedy for SmolLM2)."""
+        params = model_sampling(defaults)
+        if params.temperature == 0.0:
+            how = "greedy"
+        else:
+            how = ", ".join(f"{name} {value:g}" for name, value in (("temperature", params.temperature),
+                                                                   ("top_p", params.top_p), ("top_k", params.top_k))
+                            if (name, value) not in (("top_p", 1.0), ("top_k", -1)))
+        self.border_subtitle = f"{how} · generation_config"
 
     def set_engine_waiting(self, waiting: bool) -> None:
         self.engine_waiting = waiting

@@ -8,6 +8,7 @@ from kvscope.app.widgets.line_panel import LinePanel
 from kvscope.engine.outputs import StepStats
 
 BAR_WIDTH = 8
+NBSP = "\u00a0"     # a figure and its word wrap as one: "(194 cached)", never "(194" / "cached)"
 
 
 def describe_stats(stats: StepStats) -> str:
@@ -16,11 +17,11 @@ def describe_stats(stats: StepStats) -> str:
     lines = [
         f"step         {stats.step:,}",
         f"free blocks  {stats.num_free_blocks:,} / {stats.num_total_blocks:,} "
-        f"[dim]({stats.num_cached_free_blocks:,} cached)[/]",
+        f"[dim]({stats.num_cached_free_blocks:,}{NBSP}cached)[/]",
         f"KV usage    {percent(stats.kv_usage)} [$accent]{bar(stats.kv_usage, BAR_WIDTH)}[/]",
         f"token util. {percent(stats.kv_token_utilisation)} "
         f"[$success]{bar(stats.kv_token_utilisation, BAR_WIDTH)}[/]",
-        f"prefix hits {percent(hits)} [dim]{stats.prefix_cache_hits:,}/{stats.prefix_cache_queries:,} tok[/]",
+        f"prefix hits {percent(hits)} [dim]{stats.prefix_cache_hits:,}/{stats.prefix_cache_queries:,}{NBSP}tok[/]",
         f"preemptions  {stats.num_preemptions:,}",
         f"swap out/in  {stats.num_swapped_out_blocks:,} / {stats.num_swapped_in_blocks:,} blocks",
         # Short enough for the narrowest panel: copy-on-write copies, then cached blocks evicted.

@@ -7,6 +7,7 @@ from textual.markup import escape
 from kvscope.app.widgets.line_panel import LinePanel
 
 KEYS = "[dim]Space: next · Backspace: back · Esc: leave the lesson[/]"
+LAST_KEYS = "[dim]The end of the lesson · Backspace: back · Esc: leave the lesson[/]"
 
 
 class LessonPanel(LinePanel, can_focus=True):
@@ -16,7 +17,7 @@ class LessonPanel(LinePanel, can_focus=True):
         lines = [f"[b $accent]{number}/{total} · {escape(title)}[/]", "", caption]
         if note:
             lines += ["", f"[dim]{note}[/]"]
-        self.show("\n".join([*lines, "", KEYS]))
+        self.show("\n".join([*lines, "", LAST_KEYS if number == total else KEYS]))
         self.scroll_home(animate=False)
 
     def show_running(self, number: int, total: int, title: str) -> None:

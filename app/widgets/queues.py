@@ -16,6 +16,8 @@ cursor moves over live rows only: Enter never selects a request that is gone.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from rich.segment import Segment
 from rich.style import Style
 from textual.binding import Binding
@@ -27,7 +29,7 @@ from textual.strip import Strip
 
 from kvscope.app.messages import RequestSelected
 from kvscope.app.widgets.line_cache import LineCache
-from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, RequestOutput, RequestView
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, RequestView
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 QUEUE_ORDER = {"running": 0, "swapped": 1, "waiting": 2}
@@ -48,6 +50,15 @@ DROP_ORDER = tuple(next(i for i, (header, _, _) in enumerate(COLUMNS) if header 
                    for name in ("prompt", "cached", "preempt", "prefill"))
 # How a finished request's reason is read from a step's events.
 _EVENT_REASONS = {EventKind.ABORT: "abort", EventKind.ERROR: "error"}
+
+
+class RequestFinal(NamedTuple):
+    """How a request ended: from its final output (live) or the run log's requests table (replay)."""
+
+    num_output_tokens: int
+    num_preemptions: int
+    num_cached_tokens: int
+    finish_reason: str | None
 
 
 def row_cells(view: RequestView) -> tuple[str, ...]:
@@ -113,7 +124,8 @@ class QueuesTable(ScrollView, can_focus=True):
         self.cursor_request: str | None = None
         self._step = 0
         self._reasons: dict[str, str] = {}
-        self._finals: dict[str, RequestOutput] = {}     # final outputs of steps the screen may not draw
+        self._finals: dict[str, RequestFinal] = {}      # final outputs of steps the screen may not draw
+        self._logged: dict[str, RequestFinal] = {}      # a replay's: every request's end, from the run log
         self._views: dict[str, RequestView] = {}        # live requests as last drawn
         self._arrival: dict[str, int] = {}
         self._position: dict[str, int] = {}
@@ -134,6 +146,7 @@ class QueuesTable(ScrollView, can_focus=True):
         """Forget every row (a new engine): its requests are not this engine's."""
         self.rows, self.finished, self._reasons, self._arrival = {}, {}, {}, {}
         self._finals, self._views = {}, {}
+        self._step = 0
         self.cursor_request = None
         self._lines.clear()
         self._reorder()
@@ -145,7 +158,14 @@ class QueuesTable(ScrollView, can_focus=True):
             self._reasons.update(finished_reasons(events))
         for output in outputs:
             if output.finished:
-                self._finals[output.request_id] = output
+                self._finals[output.request_id] = RequestFinal(len(output.token_ids), output.num_preemptions,
+                                                               output.num_cached_tokens, output.finish_reason)
+
+    def note_logged_finals(self, finals: dict[str, tuple[int, int, int, str]]) -> None:
+        """A replay's requests as the run log ended them: (output tokens, preemptions, cached tokens, reason) by
+        id. A row that finishes between two drawn steps then shows its last numbers and its reason, not "done"
+        and the numbers of the last step drawn."""
+        self._logged = {rid: RequestFinal(*final) for rid, final in finals.items()}
 
     def show_snapshot(self, snapshot: CacheSnapshot, events: tuple[EngineEvent, ...] = ()) -> None:
         self.note_step(events)
@@ -168,7 +188,7 @@ class QueuesTable(ScrollView, can_focus=True):
             self.finished.pop(view.request_id, None)    # an id used again
         gone = self.rows.keys() - live.keys()
         if snapshot.step >= self._step:
-            for request_id in gone:
+            for request_id in sorted(gone, key=self._arrival.get):
                 self._finish(request_id, snapshot.step)
         reorder |= bool(gone) or snapshot.step < self._step or self._expire(snapshot.step)
         self._step = snapshot.step
@@ -190,19 +210,22 @@ class QueuesTable(ScrollView, can_focus=True):
         self._update_title()
 
     def _finish(self, request_id: str, step: int) -> None:
-        reason = self._reasons.pop(request_id, None)
+        final = self._finals.pop(request_id, None) or self._logged.get(request_id)
+        reason = self._reasons.pop(request_id, None) or (final.finish_reason if final else None)
         label = FINISHED_LABELS.get(reason, "✓ done") if reason else "✓ done"
         row = self.rows[request_id]
-        final, view = self._finals.pop(request_id, None), self._views.get(request_id)
+        view = self._views.get(request_id)
         if final is not None and view is not None:     # the request's last numbers, not the last drawn ones
-            row = row_cells(view._replace(num_output_tokens=len(final.token_ids), num_preemptions=final.num_preemptions,
+            row = row_cells(view._replace(num_output_tokens=final.num_output_tokens,
+                                          num_preemptions=final.num_preemptions,
                                           num_cached_tokens=final.num_cached_tokens))
         self.finished[request_id] = ((row[0], label, *row[2:]), step)
         self._lines.drop(request_id)
 
     def _expire(self, step: int) -> bool:
         """Drop finished rows older than FINISHED_KEEP_STEPS, and beyond FINISHED_MAX_ROWS."""
-        keep = sorted(self.finished.items(), key=lambda item: -item[1][1])
+        # Newest first, and among those of one step the earliest arrival: never the order of a set.
+        keep = sorted(self.finished.items(), key=lambda item: (-item[1][1], self._arrival.get(item[0], 0)))
         keep = [(rid, entry) for rid, entry in keep[:FINISHED_MAX_ROWS] if step - entry[1] < FINISHED_KEEP_STEPS]
         if len(keep) == len(self.finished):
             return False

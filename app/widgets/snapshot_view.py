@@ -10,7 +10,10 @@ block table; moving the map's cursor shows that block in the inspector. The
 view handles both messages itself and stops them there.
 
 The layout is three rows: the map column on top, the figures under it, the
-queues and the block table at the bottom. A screen adds its own panels to a
+queues and the block table at the bottom. A window too short for all three
+(120x40) scrolls: the top row keeps what the first screen leaves after the
+figures, and the bottom row's title and first line show under them as the cue
+that there is more (a focus key scrolls to its panel). A screen adds its own panels to a
 row through the ``beside_*`` and ``under_block_table`` slots (the live window
 puts the chat beside the map, throughput beside the figures, the system panel
 under the block table and the load generator beside the queues).
@@ -28,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+from textual import events
 from textual.app import ComposeResult
 from textual.widget import Widget
 
@@ -62,14 +66,24 @@ def empty_step(num_blocks: int, block_size: int, allocator: str,
     return snapshot, stats
 
 
+# Rows of the wide layout (kvscope.tcss): the least the top row needs (#top's min-height; a screen whose top
+# row holds more asks for more), the figures' row, the bottom row.
+TOP_MIN_ROWS = 14
+STATS_ROWS = 11
+BOTTOM_MIN_ROWS = 11
+BOTTOM_ROWS = 16
+PEEK_ROWS = 3    # of the bottom row, left on the first screen when it scrolls: its border, title and a line
+
+
 class SnapshotView(Box):
     """Every panel of one snapshot. Set ``max_model_len`` to what the engine serves (None: unknown)."""
 
     def __init__(self, *, beside_map: Iterable[Widget] = (), beside_figures: Iterable[Widget] = (),
                  beside_queues: Iterable[Widget] = (), under_block_table: Iterable[Widget] = (),
-                 max_model_len: int | None = None, id: str | None = None) -> None:
+                 max_model_len: int | None = None, top_min_rows: int = TOP_MIN_ROWS, id: str | None = None) -> None:
         super().__init__(id=id)
         self.max_model_len = max_model_len
+        self.top_min_rows = top_min_rows
         self._beside_map = tuple(beside_map)
         self._beside_figures = tuple(beside_figures)
         self._beside_queues = tuple(beside_queues)
@@ -101,6 +115,24 @@ class SnapshotView(Box):
                 yield self.block_table
                 yield from self._under_block_table
             yield from self._beside_queues
+
+    # --- fitting the window -------------------------------------------------------------------
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.fit_rows()
+
+    def fit_rows(self) -> None:
+        """Scroll when the wide layout's three rows cannot all be seen (the narrow one always scrolls)."""
+        height = self.size.height
+        scrolls = not self.screen.has_class("-narrow") and 0 < height < self.top_min_rows + STATS_ROWS + BOTTOM_MIN_ROWS
+        self.set_class(scrolls, "-scrolls")
+        top, bottom = self.query_one("#top"), self.query_one("#bottom")
+        if scrolls:
+            top.styles.height = max(TOP_MIN_ROWS, height - STATS_ROWS - PEEK_ROWS)
+            bottom.styles.height = BOTTOM_ROWS
+        else:   # back to the style sheet's heights
+            top.styles.clear_rule("height")
+            bottom.styles.clear_rule("height")
 
     # --- drawing -------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ class Series:
     unit: str
     rate: bool = False      # a rate falls to zero when idle
     latest: bool = False    # a level: show the newest value, not a mean
+    ceiling: float | None = None    # a share: bars scale to this (100%), not to the window's peak
 
     def format(self, value: float) -> str:
         if self.unit == "ms" and value >= 1000:
@@ -60,12 +61,13 @@ SERIES = (
     Series("prompt_tokens_per_s", "prompt", "tok/s", rate=True),
     Series("generation_tokens_per_s", "generate", "tok/s", rate=True),
     Series("latency", "step", "ms"),
-    Series("kv", "KV use", "%", latest=True),
+    Series("kv", "KV use", "%", latest=True, ceiling=100.0),
 )
 
 
-def bar_levels(values: list[float], width: int) -> tuple[int, ...]:
-    """One bar height (0..7) per column, newest on the right, scaled from zero to the window's peak.
+def bar_levels(values: list[float], width: int, ceiling: float | None = None) -> tuple[int, ...]:
+    """One bar height (0..7) per column, newest on the right, scaled from zero to the window's peak (or to
+    ``ceiling``, for a share: 0.17% of the KV cache is no full-height bar).
 
     With more steps than columns, a column shows the largest of the steps it covers, so a
     spike is never averaged away; with fewer, the bars fill in from the right.
@@ -75,7 +77,7 @@ def bar_levels(values: list[float], width: int) -> tuple[int, ...]:
     per_column = -(-len(values) // width)
     columns = [max(values[max(end - per_column, 0):end]) for end in range(len(values), 0, -per_column)]
     columns.reverse()
-    peak = max(columns)
+    peak = ceiling or max(columns)
     if peak <= 0:
         return (0,) * len(columns)
     top = len(BARS) - 1
@@ -133,7 +135,8 @@ class Throughput(Widget):
         self._dirty = False
         width = self._spark_width
         for y, series in enumerate(self.series):
-            row = (series.format(self.current(series.key)), bar_levels(list(self.history[series.key]), width))
+            row = (series.format(self.current(series.key)),
+                   bar_levels(list(self.history[series.key]), width, series.ceiling))
             if row != self._rows[y]:
                 self._rows[y] = row
                 self._lines.drop(y)

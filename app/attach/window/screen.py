@@ -32,7 +32,7 @@ TEXT_RATE = 4
 SERVER_SERIES = (
     Series("prompt_tokens_per_s", "prompt", "tok/s"),
     Series("generation_tokens_per_s", "generate", "tok/s"),
-    Series("kv", "KV use", "%"),
+    Series("kv", "KV use", "%", ceiling=100.0),
 )
 
 
