@@ -17,6 +17,8 @@ from kvscope.app.widgets.chat import WAITING, ChatPane
 from kvscope.app.widgets.counters import Counters
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.queues import QueuesTable
+from kvscope.app.screens.history import COLUMNS
+from kvscope.app.screens.quit import ConfirmAbort
 from kvscope.app.worker.commands import LaunchPreset
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -46,6 +48,8 @@ async def test_a_rebuild_ends_the_reply_in_the_chat_and_shows_the_new_empty_pool
         assert (map_.snapshot.block_state == BLOCK_USED).any() and app.main.query_one(QueuesTable).rows
 
         await pilot.press("f8")     # prefix caching off: a rebuild, with four requests in flight
+        assert isinstance(app.screen, ConfirmAbort)     # which it would abort: asked first
+        await pilot.press("y")
         await until(pilot, lambda: not app.main.engine_info.config.enable_prefix_caching)
         await pilot.pause()
         # No step of the new engine has run, and every panel already shows it, not the old one.
@@ -240,8 +244,10 @@ async def test_history_counts_every_generated_token_and_an_unfinished_run_is_int
     app = make_app(FakeEngines())
     async with app.run_test(size=(160, 48)) as pilot:
         history = await open_history(pilot, path)
-        row = history.query_one("#runs").get_row(str(run_id))
-        assert row[5] == "48" and row[7] == "interrupted"
+        runs = history.query_one("#runs")
+        await until(pilot, lambda: str(run_id) in runs.rows)
+        row = dict(zip(COLUMNS, map(str, runs.get_row(str(run_id))), strict=True))
+        assert row["tokens"] == "48" and row["status"] == "interrupted"
         assert "generated tokens 48" in summary(history) and "4 request(s) unfinished" in summary(history)
 
 

@@ -240,6 +240,9 @@ async def test_lesson_runs_are_named_for_their_lesson_and_leave_no_empty_runs(tm
             await play(pilot, name, beat_timeout=60)
             await pilot.press("escape")
             await until(pilot, lambda: app.screen is app.main and app.main.engine_info.config.num_blocks == 128)
+        app.main.view.block_map.focus()
+        await pilot.press("q")      # as a user quits: the app goes once its engine thread has closed the run log
+        await until(pilot, lambda: not app.is_running)
     reader = RunLogReader(path)
     runs = reader.list_runs()
     assert all(run["num_requests"] > 0 for run in runs), [(r["id"], r["source"]) for r in runs]   # none empty

@@ -79,7 +79,7 @@ async def test_throughput_runs_both_allocators_on_the_same_pool_and_reads_their_
     beats, moment, _ = await played("throughput")
     contiguous = throughput.measure(moment, moment.earlier_runs["contiguous"])
     paged = throughput.measure(moment, moment.earlier_runs["paged"])
-    assert moment.info_at("contiguous").num_blocks == moment.info_at("paged").num_blocks == 64
+    assert moment.info_at("contiguous").runner.num_device_blocks == moment.info_at("paged").runner.num_device_blocks == 64
     assert contiguous["batch"] == 4 and paged["batch"] > 2 * contiguous["batch"]
     assert contiguous["tokens"] == paged["tokens"] == throughput.NUM_REQUESTS * throughput.MAX_TOKENS
     assert paged["rate"] > contiguous["rate"]
@@ -103,8 +103,9 @@ async def test_sizing_builds_each_pool_from_its_budget_and_runs_the_printed_conc
         running = sum(1 for v in result.snapshot.requests if v.queue == "running")
         assert running == min(sizing.NUM_REQUESTS, math.floor(info.num_tokens / info.runner.max_model_len))
     pools = {key: moment.info_at(key) for key, _ in sizing.RUNS}
-    assert pools["more-budget"].num_blocks in (2 * pools["budget"].num_blocks, 2 * pools["budget"].num_blocks + 1)
-    assert pools["dtype"].kv_layout.bytes_per_token * 2 == pools["budget"].kv_layout.bytes_per_token
+    budget, more = pools["budget"].runner, pools["more-budget"].runner
+    assert more.num_device_blocks in (2 * budget.num_device_blocks, 2 * budget.num_device_blocks + 1)
+    assert pools["dtype"].runner.kv_layout.bytes_per_token * 2 == budget.kv_layout.bytes_per_token
     first = beats[0].caption
     assert "2 × 30 × 3 × 64 × 4 B = [b]46,080 bytes a token" in first       # the formula, from the model's shape
     assert "Maximum concurrency for 128 tokens per request: 5.62x" in beats[1].caption     # as vLLM prints it

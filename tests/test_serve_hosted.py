@@ -66,10 +66,11 @@ def test_a_hosted_server_follows_its_hosts_engine():
         events = EventStream(context, info.event_sources[0])
         streams.append(events)
         pool = PoolModel(info.num_gpu_blocks, info.block_size)
-        deliveries = events.bootstrap()
+        events.bootstrap()
+        deliveries = events.wait_for_replay()
         body = {"model": "tiny", "prompt": " ".join(["word"] * 40), "max_tokens": 150, "stream": True,
                 "ignore_eos": True}
-        with http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        with httpx.Client(timeout=60) as web, web.stream("POST", f"{server.url}/v1/completions", json=body) as response:
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data:"))
             host.engine = second

@@ -25,6 +25,12 @@ def cached_hashes(engine) -> set[int]:
     return {int(h) for h in snapshot.block_hashes[snapshot.block_hashes != 0]}
 
 
+def replayed(stream: EventStream) -> list:
+    """What the publisher still buffers, as attach asks for it on connecting."""
+    stream.bootstrap()
+    return stream.wait_for_replay()
+
+
 def apply(pool: PoolModel, deliveries) -> None:
     for item in deliveries:
         if isinstance(item, Delivery):
@@ -43,7 +49,7 @@ def test_events_replayed_into_attachs_pool_model_give_the_engines_prefix_cache()
             live = EventStream(context, endpoint)
             streams.append(live)
             pool = PoolModel(info.num_gpu_blocks, info.block_size)
-            apply(pool, live.bootstrap())
+            apply(pool, replayed(live))
             for _ in range(2):      # evictions: the small pool cannot keep both rounds' prefixes
                 busy_load(server)
                 wait_until(lambda: not engine.has_unfinished_requests())
@@ -56,7 +62,7 @@ def test_events_replayed_into_attachs_pool_model_give_the_engines_prefix_cache()
             late = EventStream(context, endpoint)
             streams.append(late)
             fresh = PoolModel(info.num_gpu_blocks, info.block_size)
-            apply(fresh, late.bootstrap())
+            apply(fresh, replayed(late))
             assert set(fresh.slot_of) == expected and expected
         finally:
             for stream in streams:
@@ -124,17 +130,17 @@ def test_a_prefix_cache_reset_reaches_subscribers_as_all_blocks_cleared():
             stream = EventStream(context, info.event_sources[0])
             streams.append(stream)
             pool = PoolModel(info.num_gpu_blocks, info.block_size)
-            apply(pool, stream.bootstrap())
+            apply(pool, replayed(stream))
             client(server).completions.create(model="tiny", prompt=" ".join(["block"] * 40), max_tokens=2)
             wait_until(lambda: (apply(pool, stream.drain()), len(pool.slot_of) > 0)[1])
-            with http.stream("POST", f"{server.url}/v1/completions", json={
+            with httpx.Client(base_url=server.url, timeout=60) as web, web.stream("POST", "/v1/completions", json={
                     "model": "tiny", "prompt": "busy", "max_tokens": 100, "stream": True, "ignore_eos": True}) as busy:
                 lines = busy.iter_lines()
                 next(line for line in lines if line.startswith("data:"))
-                refused = http.post(f"{server.url}/reset_prefix_cache")
+                refused = web.post("/reset_prefix_cache")
                 assert refused.status_code == 409 and "hold blocks" in refused.json()["error"]["message"]
             wait_until(lambda: not engine.has_unfinished_requests())
-            assert http.post(f"{server.url}/reset_prefix_cache").status_code == 200
+            assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 200
             wait_until(lambda: (apply(pool, stream.drain()), pool.counters.num_cleared == 1)[1])
             assert pool.slot_of == {} and cached_hashes(engine) == set()
         finally:

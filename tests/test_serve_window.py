@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 import pytest
-from test_app_harness import FakeEngines, make_app, started, until
+from test_app_harness import FakeEngines, make_app, single_steps, started, until
 
 from kvscope.app.serve.hosted import HostedServe
 from kvscope.app.serve.server import ServeOptions
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.anyio
 
 async def test_http_requests_run_on_the_windows_engine_and_show_in_its_queues():
     serve = HostedServe(ServeOptions(port=0, served_model_name="fake"))
-    app = make_app(FakeEngines(), paused=False, serve=serve)
+    app = make_app(FakeEngines(), serve=serve)      # paused: the fake engine would finish 300 steps unseen
     async with app.run_test(size=(160, 48)) as pilot:
         await started(pilot)
         assert serve.url is not None
@@ -26,9 +26,12 @@ async def test_http_requests_run_on_the_windows_engine_and_show_in_its_queues():
         async with httpx.AsyncClient(base_url=serve.url, timeout=60) as http:
             sending = asyncio.create_task(http.post("/v1/completions", json={
                 "model": "fake", "prompt": "hello there", "max_tokens": 300, "ignore_eos": True}))
-            await until(pilot, lambda: "http-1" in queues.rows)     # running, beside any chat turn
-            row = queues.rows["http-1"]
+            # Added by the engine thread, paused or not.
+            await until(pilot, lambda: app.worker.engine.has_unfinished_requests())
+            await single_steps(pilot, 1)
+            row = queues.rows["http-1"]                             # running, beside any chat turn
             assert row[0] == "http-1" and "hello there" in row[2]
+            await pilot.press("f2")                                 # resume: it runs to its end
             reply = await sending
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 300
