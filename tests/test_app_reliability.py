@@ -10,15 +10,14 @@ from runlog_faults import corrupt_snapshot, fill_the_disk, write_garbage_pages
 from test_app_harness import FakeEngines, make_app, single_steps, started, type_chat, until
 
 from kvscope.app.runlog import RunLogReader, record_run
-from kvscope.app.screens.history import HistoryScreen
+from kvscope.app.screens.history import COLUMNS, HistoryScreen
+from kvscope.app.screens.quit import ConfirmAbort
 from kvscope.app.screens.replay import ReplayScreen
 from kvscope.app.widgets.block_map import BlockMap
 from kvscope.app.widgets.chat import WAITING, ChatPane
 from kvscope.app.widgets.counters import Counters
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.queues import QueuesTable
-from kvscope.app.screens.history import COLUMNS
-from kvscope.app.screens.quit import ConfirmAbort
 from kvscope.app.worker.commands import LaunchPreset
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine

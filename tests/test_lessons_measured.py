@@ -79,7 +79,8 @@ async def test_throughput_runs_both_allocators_on_the_same_pool_and_reads_their_
     beats, moment, _ = await played("throughput")
     contiguous = throughput.measure(moment, moment.earlier_runs["contiguous"])
     paged = throughput.measure(moment, moment.earlier_runs["paged"])
-    assert moment.info_at("contiguous").runner.num_device_blocks == moment.info_at("paged").runner.num_device_blocks == 64
+    pools = {key: moment.info_at(key).runner.num_device_blocks for key in ("contiguous", "paged")}
+    assert pools == {"contiguous": 64, "paged": 64}
     assert contiguous["batch"] == 4 and paged["batch"] > 2 * contiguous["batch"]
     assert contiguous["tokens"] == paged["tokens"] == throughput.NUM_REQUESTS * throughput.MAX_TOKENS
     assert paged["rate"] > contiguous["rate"]
