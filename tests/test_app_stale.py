@@ -139,18 +139,15 @@ class BlockedStep(FakeEngines):
 async def test_quitting_when_idle_says_shutting_down_and_exits_once_the_engine_thread_ended(tmp_path):
     from kvscope.app.screens.quit import ShuttingDown
 
-    app = make_app(FakeEngines(), log_enabled=True, db_path=tmp_path / "runs.db", paused=False)
+    app = make_app(FakeEngines(), log_enabled=True, db_path=tmp_path / "runs.db")
     async with app.run_test(size=(120, 36)) as pilot:
         await started(pilot)
-        app.worker.send(LaunchPreset("burst", 1))       # a run with a request in it (an empty run is not kept)
-        seen: list[str] = []
-
-        def served() -> bool:
-            in_flight = app.main.requests_in_flight()
-            seen.extend(in_flight)
-            return bool(seen) and not in_flight
-
-        await until(pilot, served, timeout=60)
+        # A run with a request in it (an empty run is not kept), added while paused so that the window shows it:
+        # running, the newest snapshot wins and one that finishes between two renders is never seen in flight.
+        app.worker.send(LaunchPreset("burst", 1))
+        await until(pilot, lambda: bool(app.main.requests_in_flight()))
+        await pilot.press("f2")                         # resume, and let it finish
+        await until(pilot, lambda: not app.main.requests_in_flight(), timeout=60)
         app.main.view.block_map.focus()
         await pilot.press("q")
         assert isinstance(app.screen, ShuttingDown)      # idle: no question asked
