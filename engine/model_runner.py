@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvscope import kernels
 from kvscope.engine import fused_ops, packed_linear, precision, threads
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
@@ -26,6 +25,7 @@ from kvscope.engine.memory import size_pool
 from kvscope.engine.outputs import KVLayout
 from kvscope.engine.runner import RunnerInfo, RunnerOutput, format_banner
 from kvscope.engine.sampler import Sampler, SampleRow
+from kvscope.kernels import dispatch as kernels
 
 ATTENTION_NAME = "kvscope"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

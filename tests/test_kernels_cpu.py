@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvscope import kernels
 from kvscope.kernels import cpu, reference
+from kvscope.kernels import dispatch as kernels
 from kvscope.kernels.testing import assert_matches, make_query, naive_attention, random_layout
 
 needs_cpp = pytest.mark.skipif(not cpu.available(), reason=f"C++ kernels unavailable: {cpu.status()}")
@@ -123,7 +123,7 @@ def test_cpu_dispatch_serves_through_the_cpu_module():
 
 _FALLBACK_PROBE = """
 import torch
-from kvscope import kernels
+from kvscope.kernels import dispatch as kernels
 from kvscope.kernels import cpu
 from kvscope.kernels.testing import make_query, naive_attention, random_layout
 print(cpu.status())

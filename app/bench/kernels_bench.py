@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvscope import kernels
 from kvscope.kernels import cpu, reference
+from kvscope.kernels import dispatch as kernels
 from kvscope.kernels.testing import random_layout
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from models import reference_generate, tiny_model
 
-from kvscope import kernels
 from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
+from kvscope.kernels import dispatch as kernels
 from kvscope.kernels import reference
 from kvscope.kernels.testing import make_query, random_layout
 

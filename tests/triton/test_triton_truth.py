@@ -22,9 +22,9 @@ pytest.importorskip("triton")
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kvscope import kernels  # noqa: E402
 from kvscope.app.bench.accuracy import agreement, transformers_greedy  # noqa: E402
 from kvscope.engine import EngineConfig, LLMEngine  # noqa: E402
+from kvscope.kernels import dispatch as kernels  # noqa: E402
 from kvscope.kernels import triton_ops  # noqa: E402
 
 if not isinstance(triton_ops._store_kv_kernel, InterpretedFunction):

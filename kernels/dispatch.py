@@ -1,4 +1,9 @@
-"""Paged-attention kernels: C++ for CPU, Triton for CUDA, and a torch reference under both.
+"""The kernels' entry points: each picks C++ for CPU, Triton for CUDA, with a torch reference under both.
+
+``kernels/`` is a namespace portion, not a regular package: it has no ``__init__.py``, so a process started in
+the checkout, where the working directory is on ``sys.path``, never takes this folder for Hugging Face's
+``kernels`` distribution (which transformers imports when installed). A regular package in site-packages wins
+over a folder without ``__init__.py``; ``kvscope.kernels`` is still reached through the ``kvscope`` package.
 
 Each public function dispatches on where its tensors live: Triton when they are on CUDA and triton is
 installed; on CPU, ``kernels.cpu``, whose C++ kernels are built on first use and which falls back to the torch
