@@ -20,7 +20,7 @@ from kvscope.app.runlog import cli as runs_cli
 from kvscope.app.safe_text import clean
 from kvscope.app.serve import cli as serve_cli
 from kvscope.engine.config import ConfigError, EngineConfig, RequestError
-from kvscope.engine.loader import ModelError
+from kvscope.engine.model.loader import ModelError
 
 USER_ERRORS = (ConfigError, RequestError, ModelError)
 
@@ -167,7 +167,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
-    from kvscope.engine.loader import fetch_default_model
+    from kvscope.engine.model.loader import fetch_default_model
 
     path = fetch_default_model()
     print(f"default model ready at {path}")

@@ -34,7 +34,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, runner: Runner | None = None) -> None:
         self.config = config
         if runner is None:
-            from kvscope.engine.model_runner import ModelRunner  # torch and transformers load only when needed
+            from kvscope.engine.model.model_runner import ModelRunner  # torch and transformers load only when needed
             runner = ModelRunner(config, model=model, tokenizer=tokenizer)
         self.runner = runner
         self.info: RunnerInfo = runner.info

@@ -30,7 +30,7 @@ PROBE = textwrap.dedent("""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from transformers.utils.import_utils import is_kernels_available
     from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
-    from kvscope.engine.loader import resolve_model_path
+    from kvscope.engine.model.loader import resolve_model_path
     import kvscope.kernels.dispatch
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("default"))

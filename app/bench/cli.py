@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from kvscope.app.bench.serve_bench import ServeBenchSettings, format_table, run_serve_bench
     from kvscope.app.bench.vllm_system import SystemUnavailable, find_python
-    from kvscope.engine.loader import resolve_model_path
+    from kvscope.engine.model.loader import resolve_model_path
 
     rates = tuple(float(rate) for rate in args.rates.split(","))
     if not rates or any(not rate > 0 for rate in rates):
@@ -207,7 +207,7 @@ def _setup(args: argparse.Namespace):
     import torch
 
     from kvscope.engine.config import EngineConfig
-    from kvscope.engine.model_runner import resolve_device
+    from kvscope.engine.model.model_runner import resolve_device
 
     EngineConfig(model=args.model, device=args.device)     # a bad --device fails here, in one line
     if args.threads:
@@ -239,7 +239,7 @@ def _log_opener(db: str | Path | None):
 def _load(args: argparse.Namespace, dtype: str, device: str):
     import torch
 
-    from kvscope.engine.loader import load_model
+    from kvscope.engine.model.loader import load_model
 
     return load_model(args.model, getattr(torch, dtype), device)
 

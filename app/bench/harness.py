@@ -26,7 +26,7 @@ from kvscope.app.bench.peak import model_flops, utilisation
 from kvscope.app.bench.systems import HF_CB, HF_STATIC, PAGED, SYSTEMS, VLLM, systems_for
 from kvscope.app.bench.vllm_system import SystemUnavailable, VllmRun, VllmSettings
 from kvscope.app.bench.workloads import BenchRequest, Workload, warm_up_request
-from kvscope.engine.model_runner import restore_stock
+from kvscope.engine.model.model_runner import restore_stock
 
 FLOOR_SYSTEM = PAGED
 
@@ -44,7 +44,7 @@ class BenchOptions:
     # Block size and step budget for kvscope and vLLM alike; None: each system's own defaults.
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
-    cpu_threads_bind: str = "none"              # kvscope's thread pinning (engine/threads.py)
+    cpu_threads_bind: str = "none"              # kvscope's thread pinning (engine/model/threads.py)
     # The machine's matmul GFLOP/s in this dtype (app/bench/peak.py), for each row's model FLOP utilisation.
     peak_gflops: float | None = None
 
@@ -124,7 +124,7 @@ class Bench:
             run = ContinuousBatchRun(self.model, self.pad_token_id, self.options.continuous)
             return run.run(workload, warm_up)
         if system == VLLM:
-            from kvscope.engine.loader import resolve_model_path
+            from kvscope.engine.model.loader import resolve_model_path
 
             run = VllmRun(resolve_model_path(self.options.model), self.options.dtype, torch.get_num_threads(),
                           self.options.vllm, block_size=self.options.block_size,

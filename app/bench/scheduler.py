@@ -30,7 +30,7 @@ _PROMPT_LEN = 32
 
 def _text_tokenizer():
     """(tokenizer, its name): the default model's when fetched, else None for the FakeRunner's own."""
-    from kvscope.engine.loader import default_model_dir
+    from kvscope.engine.model.loader import default_model_dir
 
     directory = default_model_dir()
     if not (directory / "tokenizer.json").is_file():

@@ -100,8 +100,9 @@ def record_from_result(result: dict, workload: Workload, threads: int) -> RunRec
 
 
 def _every_core() -> None:
-    """In the child before exec: every core again. kvscope's engine pins the thread that built it (engine/threads.py),
-    and a child inherits that thread's single core; vLLM then binds its own threads as it is told."""
+    """In the child before exec: every core again. kvscope's engine pins the thread that built it
+    (engine/model/threads.py), and a child inherits that thread's single core; vLLM then binds its own threads as it
+    is told."""
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
 

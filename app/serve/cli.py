@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_root(engine) -> str:
     """Where the weights came from, for /v1/models' root (kvscope attach reads the tokenizer from there)."""
-    from kvscope.engine.loader import resolve_model_path
+    from kvscope.engine.model.loader import resolve_model_path
 
     try:
         return resolve_model_path(engine.config.model)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from server import VllmServer  # noqa: E402
 
-from kvscope.engine.loader import fetch_default_model  # noqa: E402
+from kvscope.engine.model.loader import fetch_default_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,7 @@ from server import VllmServer  # noqa: E402
 
 from kvscope.app.attach.feed import metrics  # noqa: E402
 from kvscope.app.attach.feed.recording import write_messages  # noqa: E402
-from kvscope.engine.loader import fetch_default_model  # noqa: E402
+from kvscope.engine.model.loader import fetch_default_model  # noqa: E402
 
 SAMPLE_EVERY_S = 0.5
 KEPT_FAMILIES = (*metrics.GAUGES, *metrics.COUNTERS, *metrics.HISTOGRAMS, metrics.WAITING_BY_REASON,

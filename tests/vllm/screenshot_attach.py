@@ -27,7 +27,7 @@ from kvscope.app.attach.feed.server import make_client, probe_server  # noqa: E4
 from kvscope.app.attach.feed.source import IDLE_WAKE_S, AttachSource  # noqa: E402
 from kvscope.app.attach.feed.tokens import load_preview_text  # noqa: E402
 from kvscope.app.attach.window.app import AttachApp  # noqa: E402
-from kvscope.engine.loader import fetch_default_model  # noqa: E402
+from kvscope.engine.model.loader import fetch_default_model  # noqa: E402
 
 SIZE = (160, 48)
 TIMEOUT_S = 300

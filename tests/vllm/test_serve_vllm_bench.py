@@ -8,7 +8,7 @@ from pathlib import Path
 from kvscope.app.bench.serve_bench import SERVED_NAME, ServeBenchSettings, vllm_client_row
 from kvscope.app.serve.server import ServeApp, ServeOptions
 from kvscope.engine import EngineConfig, LLMEngine
-from kvscope.engine.loader import fetch_default_model
+from kvscope.engine.model.loader import fetch_default_model
 
 
 def test_vllm_bench_serve_completes_against_kvscope_serve(tmp_path: Path):

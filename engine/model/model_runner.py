@@ -1,0 +1,403 @@
+"""Run one flattened, unpadded forward per step through a transformers model.
+
+The model's own classes do all the math. Only attention is ours: it is
+registered with transformers' AttentionInterface under the name "kvscope" and
+reads the step's context (slot mapping, block tables, lengths) from a keyword
+argument the model threads through to every attention call. No mask function
+is registered for that name, so transformers builds no dense mask at all.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvscope.engine.batch import BatchItem, ScheduledBatch
+from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
+from kvscope.engine.model import fused_ops, packed_linear, precision, threads
+from kvscope.engine.model.loader import ModelError, load_model
+from kvscope.engine.model.memory import size_pool
+from kvscope.engine.model.sampler import Sampler, SampleRow
+from kvscope.engine.outputs import KVLayout
+from kvscope.engine.runner import RunnerInfo, RunnerOutput, format_banner
+from kvscope.kernels import dispatch as kernels
+
+ATTENTION_NAME = "kvscope"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class AttentionContext:
+    """Everything paged attention needs for one step; the same object for every layer."""
+
+    kv_cache: torch.Tensor           # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor       # [tokens] int64, prefill tokens first
+    num_prefill_tokens: int
+    prefill_block_tables: torch.Tensor | None
+    prefill_cu_seqlens: torch.Tensor | None
+    prefill_context_lens: torch.Tensor | None
+    prefill_max_query_len: int
+    decode_block_tables: torch.Tensor | None
+    decode_context_lens: torch.Tensor | None
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            kvscope_ctx: AttentionContext | None = None, **kwargs):
+    """transformers calls this per layer with query [1, Hq, T, D] and key/value [1, Hkv, T, D]."""
+    if kvscope_ctx is None:
+        raise RuntimeError("kvscope attention was called without a step context")
+    ctx = kvscope_ctx
+    kv_layer = ctx.kv_cache[module.layer_idx]
+    # Rotary ran in fp32 in a bf16 model (engine/model/precision.py): q, k and v come down to the pool's dtype here.
+    q = query[0].transpose(0, 1).to(kv_layer.dtype)
+    kernels.store_kv(key[0].transpose(0, 1).to(kv_layer.dtype), value[0].transpose(0, 1).to(kv_layer.dtype),
+                     kv_layer, ctx.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    split = ctx.num_prefill_tokens
+    parts = []
+    if split:
+        parts.append(kernels.paged_prefill_attention(q[:split], kv_layer, ctx.prefill_block_tables,
+                                                     ctx.prefill_cu_seqlens, ctx.prefill_context_lens, scale,
+                                                     ctx.prefill_max_query_len))
+    if split < q.shape[0]:
+        parts.append(kernels.paged_decode_attention(q[split:], kv_layer, ctx.decode_block_tables,
+                                                    ctx.decode_context_lens, scale))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.unsqueeze(0), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for but torch sees no CUDA GPU; use --device cpu, "
+                          "or install a CUDA build of torch (see the README)")
+    resolved = torch.device(device)
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device} does not exist: torch sees {torch.cuda.device_count()} CUDA GPU(s), "
+                          "numbered from 0")
+    return resolved
+
+
+def cpu_has_native_bf16() -> bool:
+    """AMX or AVX512-BF16 make bf16 matmuls about twice as fast as fp32 on CPU."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device, model=None) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if model is not None:
+        return model.dtype
+    if device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+class ModelRunner:
+    """A runner (engine.runner.Runner) over a transformers model whose attention is ours."""
+
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model)
+        if model is None:
+            model, tokenizer = load_model(config.model, self.dtype, self.device)
+        elif tokenizer is None:
+            raise ConfigError("a model passed in needs its tokenizer too: LLMEngine(config, model=m, tokenizer=t)")
+        self.bound_cores = threads.bind(config.cpu_threads_bind) if self.device.type == "cpu" else []
+        self.model_name = _display_name(config.model, model)
+        self.model = prepare_model(model, self.device, self.dtype)
+        self.tokenizer = tokenizer
+        self._attach_attention()
+        text_config = self.model.config.get_text_config()
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.eos_token_ids = _eos_ids(self.model, tokenizer)
+        self.block_size = config.block_size
+        self.max_model_len = self._resolve_max_model_len(text_config)
+        _check_attention_features(text_config, self.max_model_len)
+        self.num_layers = text_config.num_hidden_layers
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        self.head_dim = (getattr(text_config, "head_dim", None)
+                         or text_config.hidden_size // text_config.num_attention_heads)
+        element = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_layout = KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, element)
+        self.bytes_per_block = self.kv_layout.bytes_per_token * self.block_size
+        self.sampler = Sampler(config.seed)
+        self.num_device_blocks, self.num_host_blocks = size_pool(self)
+        self.kv_cache = self._allocate_cache(self.num_device_blocks)
+        self.host_cache = self._allocate_host_cache()
+        self.kv_cache_bytes = self.num_device_blocks * self.bytes_per_block
+        self.banner = format_banner(self.num_device_blocks, self.block_size, self.kv_cache_bytes,
+                                    self.max_model_len, str(self.device))
+        self.info = RunnerInfo(
+            model_name=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.block_size, num_device_blocks=self.num_device_blocks,
+            num_host_blocks=self.num_host_blocks, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids, kv_cache_bytes=self.kv_cache_bytes, banner=self.banner,
+            sampling_defaults=sampling_defaults(self.model.generation_config), kv_layout=self.kv_layout)
+        _freeze_heap()
+
+    def _attach_attention(self) -> None:
+        if not getattr(self.model, "_supports_attention_backend", False):
+            raise ModelError(f"{type(self.model).__name__} does not route attention through transformers' "
+                             "AttentionInterface, so kvscope cannot page its KV cache; pick another model")
+        _register_attention()
+        self.model.set_attn_implementation(ATTENTION_NAME)
+
+    def _resolve_max_model_len(self, text_config) -> int:
+        limit = getattr(text_config, "max_position_embeddings", None) or 2048
+        asked = self.config.max_model_len
+        if asked is not None and asked > limit:
+            raise ConfigError(f"max_model_len {asked} exceeds the model's limit of {limit} positions; "
+                              f"use --max-model-len {limit} or less")
+        return asked or limit
+
+    def _allocate_cache(self, num_blocks: int) -> torch.Tensor:
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return kernels.kv_pool_zeros(shape, self.dtype, self.device)
+
+    def _allocate_host_cache(self) -> torch.Tensor | None:
+        if not self.num_host_blocks:
+            return None
+        shape = (self.num_layers, 2, self.num_host_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def profile_forward_peak_bytes(self) -> int:
+        """Peak CUDA memory of one forward over max_num_batched_tokens tokens, weights included."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        probe = BatchItem(seq_id=-1, request_id="profile", token_ids=(0,) * num_tokens, start_pos=0,
+                          block_table=tuple(range(num_blocks)), sample_indices=(0,),
+                          params=SamplingParams(temperature=0.0))
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._run(ScheduledBatch(items=(probe,)), self._allocate_cache(num_blocks))  # a scratch pool, dropped here
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        self._move_blocks(batch)
+        return self._run(batch, self.kv_cache)
+
+    @torch.inference_mode()
+    def _run(self, batch: ScheduledBatch, kv_cache: torch.Tensor) -> RunnerOutput:
+        """The forward and the sampling, over ``kv_cache``: the pool, or profiling's scratch pool."""
+        if not batch.items:
+            return []
+        prefill = [i for i, item in enumerate(batch.items) if len(item.token_ids) > 1]
+        decode = [i for i, item in enumerate(batch.items) if len(item.token_ids) == 1]
+        order = prefill + decode
+        items = [batch.items[i] for i in order]
+        ctx, input_ids, positions, logit_rows = self._prepare(items, len(prefill), kv_cache)
+        hidden_logits = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logit_rows,
+                                   kvscope_ctx=ctx, use_cache=False).logits[0]
+        per_item = self._sample(items, hidden_logits)
+        results: list[list[int] | None] = [None] * len(order)
+        for slot, index in enumerate(order):
+            results[index] = per_item[slot]
+        return results
+
+    def _move_blocks(self, batch: ScheduledBatch) -> None:
+        if batch.blocks_to_swap_out:
+            src, dst = zip(*batch.blocks_to_swap_out)
+            kernels.swap_blocks(self.kv_cache, self.host_cache, self._ids(src), self._ids(dst, "cpu"))
+        if batch.blocks_to_swap_in:
+            src, dst = zip(*batch.blocks_to_swap_in)
+            kernels.swap_blocks(self.host_cache, self.kv_cache, self._ids(src, "cpu"), self._ids(dst))
+        if batch.blocks_to_copy:
+            src, dst = zip(*batch.blocks_to_copy)
+            kernels.copy_blocks(self.kv_cache, self._ids(src), self._ids(dst))
+
+    def _ids(self, values, device=None) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device or self.device)
+
+    def _prepare(self, items: list[BatchItem], num_prefill: int, kv_cache: torch.Tensor):
+        """Flatten the batch (prefill chunks first, then decodes) into the forward's inputs.
+
+        Decodes are the many small items, so they are handled as columns with numpy, not one by one.
+        """
+        prefill, decode = items[:num_prefill], items[num_prefill:]
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[np.ndarray] = []
+        logit_rows: list[int] = []
+        for item in prefill:
+            n = len(item.token_ids)
+            pos = np.arange(item.start_pos, item.start_pos + n)
+            table = np.asarray(item.block_table, dtype=np.int64)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            token_ids.extend(item.token_ids)
+            positions.extend(range(item.start_pos, item.start_pos + n))
+            if item.sample_indices:
+                logit_rows.append(len(token_ids) - 1)
+        num_prefill_tokens = len(token_ids)
+        decode_tables = decode_lens = None
+        if decode:
+            starts = np.fromiter((item.start_pos for item in decode), dtype=np.int64, count=len(decode))
+            decode_tables = self._padded_tables(decode, starts + 1, kv_cache.shape[2])
+            rows = np.arange(len(decode))
+            slots.append(decode_tables[rows, starts // self.block_size].astype(np.int64) * self.block_size
+                         + starts % self.block_size)
+            token_ids.extend(item.token_ids[0] for item in decode)
+            positions.extend(starts.tolist())
+            logit_rows.extend(num_prefill_tokens + row for row, item in enumerate(decode) if item.sample_indices)
+            decode_lens = (starts + 1).astype(np.int32)
+        ctx = AttentionContext(
+            kv_cache=kv_cache,
+            slot_mapping=self._tensor(np.concatenate(slots)),
+            num_prefill_tokens=num_prefill_tokens,
+            prefill_block_tables=self._tensor(self._padded_tables(prefill, [i.context_len for i in prefill],
+                                                                  kv_cache.shape[2])) if prefill else None,
+            prefill_cu_seqlens=self._int32(np.cumsum([0] + [len(item.token_ids) for item in prefill]))
+            if prefill else None,
+            prefill_context_lens=self._int32([item.context_len for item in prefill]) if prefill else None,
+            # Known on the host: passing it spares the CUDA kernel a device-to-host sync per layer.
+            prefill_max_query_len=max((len(item.token_ids) for item in prefill), default=0),
+            decode_block_tables=self._tensor(decode_tables) if decode else None,
+            decode_context_lens=self._tensor(decode_lens) if decode else None,
+        )
+        device = self.device
+        return (ctx, torch.tensor([token_ids], device=device), torch.tensor([positions], device=device),
+                torch.tensor(logit_rows, dtype=torch.int64, device=device))
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+    def _int32(self, values) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(values, dtype=np.int32), device=self.device)
+
+    def _padded_tables(self, items: list[BatchItem], context_lens, num_blocks: int) -> np.ndarray:
+        """int32 [items, most blocks any context needs]: each row the blocks its context uses.
+
+        Rows are padded with their own first block: masked-out keys then never come from another request's
+        blocks, so a NaN there cannot leak in through 0 * NaN. Every id is checked against the pool here,
+        once per step: the C++ kernels index the pool without checking (torch's would raise).
+        """
+        needed = [-(-int(length) // self.block_size) for length in context_lens]
+        tables = [item.block_table if len(item.block_table) == count else item.block_table[:count]
+                  for item, count in zip(items, needed)]
+        width = max(needed)
+        padded = np.repeat(np.fromiter((t[0] for t in tables), dtype=np.int32, count=len(tables)), width)
+        padded = padded.reshape(len(tables), width)
+        in_table = np.arange(width) < np.asarray(needed)[:, None]
+        padded[in_table] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(needed))
+        if padded.min() < 0 or padded.max() >= num_blocks:
+            raise IndexError(f"a block table names a block outside the pool of {num_blocks} (an engine bug)")
+        return padded
+
+    def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[list[int] | None]:
+        rows, owners = [], []
+        for slot, item in enumerate(i for i in items if i.sample_indices):
+            for sample_index in item.sample_indices:
+                rows.append(SampleRow(item.params, sample_index, item.context_len - 1))
+                owners.append(slot)
+        if len(owners) > logits.shape[0]:   # an n > 1 prompt completed: its samples draw from one row
+            logits = logits[torch.tensor(owners, dtype=torch.int64, device=logits.device)]
+        tokens = self.sampler.sample(logits, rows) if rows else []
+        grouped: list[list[int] | None] = []
+        cursor = 0
+        for item in items:
+            drawn = tokens[cursor:cursor + len(item.sample_indices)]
+            cursor += len(item.sample_indices)
+            grouped.append(None if any(t is None for t in drawn) else list(drawn))
+        return grouped
+
+
+def prepare_model(model, device: torch.device, dtype: torch.dtype):
+    """``model`` ready for the engine: in ``dtype`` on ``device``, its linears packed where that helps, its RMSNorms
+    on one C++ op each where they agree with it (engine/model/fused_ops.py), and in
+    bf16/fp16 its residual stream and logits in fp32 (engine/model/precision.py). A model reused from an earlier
+    engine is taken back to stock first, so this can run on it again."""
+    precision.restore(model)
+    fused_ops.restore(model)
+    model = packed_linear.prepare(model, device, dtype)
+    if fused_ops.available(device):
+        fused_ops.fuse_norms(model)
+    precision.keep_fp32(model, dtype)
+    return model
+
+
+def restore_stock(model) -> None:
+    """Give ``model`` back its stock transformers forwards (the bench's transformers systems use it)."""
+    precision.restore(model)
+    fused_ops.restore(model)
+    packed_linear.unpack_linears(model)
+
+
+def _freeze_heap() -> None:
+    """Keep the cyclic garbage collector off the objects that live as long as the model.
+
+    With torch, transformers and a model loaded the heap holds several hundred thousand objects, and a
+    full collection walks them all holding the GIL: measured at 0.1-0.4 s here, a stall of every step
+    it lands in (and of the window drawing it). So once the model is in place, one last full collection
+    frees what an earlier runner left in cycles (unfreeze first, so that can happen), and the survivors
+    are frozen: later collections walk only what was made since. vLLM does the same after loading.
+    The heap is unfrozen at exit, so that interpreter shutdown still finalises everything (extension
+    modules such as triton's report frozen objects as leaks).
+    """
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
+
+
+def _check_attention_features(text_config, max_model_len: int) -> None:
+    """Refuse attention variants our kernels do not implement, rather than compute wrong tokens."""
+    window = getattr(text_config, "sliding_window", None)
+    if getattr(text_config, "use_sliding_window", True) and window and window < max_model_len:
+        raise ModelError(f"this model uses sliding-window attention ({window} tokens), which kvscope's kernels "
+                         f"do not implement; run it with --max-model-len {window} or less")
+    if getattr(text_config, "attn_logit_softcapping", None):
+        raise ModelError("this model soft-caps attention logits, which kvscope's kernels do not implement; "
+                         "pick another model")
+
+
+def sampling_defaults(generation_config) -> tuple[tuple[str, float | int], ...]:
+    """The sampling a model's generation_config asks for: nothing (greedy) unless it sets do_sample, else its
+    temperature, top_p and top_k wherever it sets them."""
+    if generation_config is None or not getattr(generation_config, "do_sample", False):
+        return ()
+    found = []
+    for name in ("temperature", "top_p", "top_k"):
+        value = getattr(generation_config, name, None)
+        if value is not None:
+            found.append((name, value if name != "top_k" else int(value) or -1))
+    return tuple(found)
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids = set()
+    for source in (model.generation_config.eos_token_id if model.generation_config else None,
+                   model.config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return frozenset(ids)
+
+
+def _display_name(requested: str, model) -> str:
+    if requested == "default":
+        return "SmolLM2-135M-Instruct"
+    return str(getattr(model.config, "_name_or_path", "") or requested).rstrip("/").split("/")[-1] or requested

@@ -1,0 +1,117 @@
+"""The lessons that measure (issue 25's teaching table): sizing, latency, throughput and fragmentation's
+one-partial-block bound. On FakeRunner engines with a fixed step time, so what is asserted is what the lesson
+measured and how it reads it, never a wall-clock figure; the real model's figures come from
+`kvscope bench lessons` (docs/teaching.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from app_harness import FakeEngines, make_app, started
+
+from kvscope.app.lessons import LESSONS, fragmentation, latency, sizing, throughput
+from kvscope.app.lessons.latency import inter_token_latencies, time_to_first_token
+from kvscope.app.lessons.play import play
+from kvscope.app.lessons.script import Moment, StepRecord
+from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
+from kvscope.engine.outputs import KVLayout
+
+pytestmark = pytest.mark.anyio
+
+
+async def played(name: str):
+    """Play a lesson on fake engines; (the beat records, the Moment of its last beat, its runner)."""
+    app = make_app(FakeEngines(fixed_clock=True))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        result = await play(pilot, name, beat_timeout=60)
+        runner = app.lesson_screen.runner
+        moment = Moment(runner.latest, tuple(runner.steps), dict(runner.earlier), runner.run, True,
+                        tuple(runner.infos), dict(runner.earlier_runs))
+        return result.beats, moment, runner
+
+
+async def test_fragmentation_names_utilisation_and_the_one_partial_block_bound():
+    beats, moment, _ = await played("fragmentation")
+    captions = {beat.title: beat.caption for beat in beats}
+    assert "KV utilisation" in captions["Every request reserves max_model_len"]
+    assert "at most one partly filled block per request" in captions["The same requests, paged"]
+    short = compare_allocations(moment.earlier["paged"].snapshot, 256)
+    long = compare_allocations(moment.earlier["long"].snapshot, 256)
+    assert long.paged_waste < short.paged_waste                          # shorter requests waste more
+    block = moment.earlier["long"].snapshot.block_size
+    assert long.paged_slots - long.paged_tokens < len(fragmentation.LONG_PROMPTS) * block   # under a block each
+    assert "shorter requests waste more" in captions["Longer requests: about 4%"]
+
+
+def record(step: int, duration: float, **generated) -> StepRecord:
+    from app_harness import replace
+
+    from kvscope.app.widgets.snapshot_view import empty_step
+
+    _, stats = empty_step(8, 16, "paged")
+    return StepRecord(1, replace(stats, step=step, duration=duration), (), (), len(generated),
+                      tuple(generated.items()))
+
+
+def test_time_to_first_token_and_inter_token_latency_come_from_the_steps_each_token_waited_for():
+    steps = (record(1, 0.01, a=0), record(2, 0.02, a=1, b=0), record(3, 0.30, a=2, b=0), record(4, 0.02, a=3, b=1))
+    assert time_to_first_token(steps, "a") == pytest.approx(0.03)       # arrived in step 1, first token in step 2
+    assert time_to_first_token(steps, "b") == pytest.approx(0.34)       # steps 2, 3 and 4
+    assert inter_token_latencies(steps, "a") == pytest.approx([0.30, 0.02])
+
+
+async def test_latency_measures_each_budget_and_plots_them_side_by_side():
+    beats, moment, _ = await played("latency")
+    runs = {budget: latency.measure(moment, moment.earlier_runs[f"budget-{budget}"]) for budget in latency.BUDGETS}
+    chunks = [len(runs[budget]["chunks"]) for budget in latency.BUDGETS]
+    assert chunks == sorted(chunks, reverse=True) and chunks[-1] == 1 and chunks[0] > 3    # 32: many chunks; 256: one
+    # Every fake step takes the same time, so the first token waits for as many steps as there were chunks.
+    ttft = [runs[budget]["ttft"] for budget in latency.BUDGETS]
+    assert ttft == sorted(ttft, reverse=True) and ttft[0] > ttft[-1]
+    figures = beats[-1].caption
+    assert figures.count("█") > 6 and all(f"budget {b}" in figures for b in latency.BUDGETS)   # a plot, not a sentence
+    assert "time to first token" in figures and "gap between two tokens" in figures
+
+
+async def test_throughput_runs_both_allocators_on_the_same_pool_and_reads_their_rates():
+    beats, moment, _ = await played("throughput")
+    contiguous = throughput.measure(moment, moment.earlier_runs["contiguous"])
+    paged = throughput.measure(moment, moment.earlier_runs["paged"])
+    pools = {key: moment.info_at(key).runner.num_device_blocks for key in ("contiguous", "paged")}
+    assert pools == {"contiguous": 64, "paged": 64}
+    assert contiguous["batch"] == 4 and paged["batch"] > 2 * contiguous["batch"]
+    assert contiguous["tokens"] == paged["tokens"] == throughput.NUM_REQUESTS * throughput.MAX_TOKENS
+    assert paged["rate"] > contiguous["rate"]
+    figures = beats[-1].caption
+    assert f"{paged['rate'] / contiguous['rate']:.2f}×" in figures and "On a GPU" in figures and "tok/s" in figures
+
+
+def test_a_tokens_kv_bytes_are_worked_out_from_the_model_shape():
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, element_bytes=4)     # SmolLM2-135M, fp32
+    assert layout.bytes_per_token == 2 * 30 * 3 * 64 * 4 == 46_080
+
+
+async def test_sizing_builds_each_pool_from_its_budget_and_runs_the_printed_concurrency_rounded_down():
+    beats, moment, runner = await played("sizing")
+    assert all(beat.met for beat in beats)
+    for key, _label in sizing.RUNS:
+        info, result = moment.info_at(key), moment.earlier[key]
+        budget = info.config.kv_cache_memory
+        runner = info.runner
+        assert runner.num_device_blocks == budget // (runner.kv_layout.bytes_per_token * runner.block_size)   # its pool
+        running = sum(1 for v in result.snapshot.requests if v.queue == "running")
+        assert running == min(sizing.NUM_REQUESTS, math.floor(info.num_tokens / info.runner.max_model_len))
+    pools = {key: moment.info_at(key) for key, _ in sizing.RUNS}
+    budget, more = pools["budget"].runner, pools["more-budget"].runner
+    assert more.num_device_blocks in (2 * budget.num_device_blocks, 2 * budget.num_device_blocks + 1)
+    assert pools["dtype"].runner.kv_layout.bytes_per_token * 2 == budget.kv_layout.bytes_per_token
+    first = beats[0].caption
+    assert "2 × 30 × 3 × 64 × 4 B = [b]46,080 bytes a token" in first       # the formula, from the model's shape
+    assert "Maximum concurrency for 128 tokens per request: 5.62x" in beats[1].caption     # as vLLM prints it
+    assert "printed" in beats[-1].caption and "gpu_memory_utilization" in beats[-1].caption
+
+
+def test_the_new_lessons_are_listed():
+    assert {"sizing", "latency", "throughput"} <= set(LESSONS)

@@ -1,0 +1,216 @@
+"""Block-map snapshots: keyframe + delta encoding, replay through the reader, and the size budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from synthetic_engine import SyntheticEngine
+
+from kvscope.app.runlog import RunLogReader, RunNotFound, open_run_log
+from kvscope.app.runlog.snapshots import SnapshotDecoder, SnapshotEncoder, unpack
+from kvscope.engine import LLMEngine, SamplingParams
+from kvscope.engine.config import EngineConfig
+from kvscope.engine.fake_runner import FakeRunner
+from kvscope.engine.outputs import CacheSnapshot, RequestView
+
+ARRAYS = ("block_state", "ref_counts", "block_fill", "block_hashes")
+
+
+def assert_same_snapshot(got: CacheSnapshot, expected: CacheSnapshot) -> None:
+    for field in dataclasses.fields(CacheSnapshot):
+        if field.name in ARRAYS:
+            want = getattr(expected, field.name)
+            have = getattr(got, field.name)
+            assert have.dtype == want.dtype and np.array_equal(have, want), field.name
+            assert not have.flags.writeable
+        else:
+            assert getattr(got, field.name) == getattr(expected, field.name), field.name
+
+
+def random_snapshots(seed: int, num_frames: int, num_blocks: int) -> list[CacheSnapshot]:
+    """Frames where anything may change: requests come, go, reorder, grow, shrink, swap and fork."""
+    rng = np.random.default_rng(seed)
+    views: dict[str, RequestView] = {}
+    frames = []
+    for step in range(num_frames):
+        for request_id in list(views):
+            if rng.random() < 0.2:
+                del views[request_id]
+        for index in range(int(rng.integers(0, 3))):
+            request_id = f"r{step}-{index}"
+            views[request_id] = RequestView(
+                request_id, "waiting", len(views), ((),), ((),), int(rng.integers(1, 50)), 0,
+                int(rng.integers(1, 20)), 0, 0, 0, 1, 0, 0, prompt_preview=f"hello {request_id}")
+        for request_id, view in list(views.items()):
+            roll = rng.random()
+            if roll < 0.5:  # decode: counters move, the table may grow
+                tables = tuple(t + (int(rng.integers(num_blocks)),) if rng.random() < 0.3 else t
+                               for t in view.block_tables)
+                view = view._replace(queue="running", block_tables=tables,
+                                     num_output_tokens=view.num_output_tokens + 1,
+                                     num_computed_tokens=view.num_computed_tokens + 7)
+            elif roll < 0.6:  # preempted or swapped out: the table shrinks or moves to the host
+                view = view._replace(queue=str(rng.choice(["waiting", "swapped"])),
+                                     block_tables=((),) * len(view.block_tables),
+                                     host_block_tables=(tuple(rng.integers(0, 9, 3).tolist()),),
+                                     num_preemptions=view.num_preemptions + 1, num_computed_tokens=0)
+            elif roll < 0.65:  # n > 1 forks its table
+                view = view._replace(block_tables=view.block_tables * 2, num_samples=2)
+            views[request_id] = view
+        if rng.random() < 0.1:
+            items = list(views.items())
+            views = {items[i][0]: items[i][1] for i in rng.permutation(len(items))}
+        arrays = (rng.integers(0, 3, num_blocks).astype(np.int8),
+                  rng.integers(0, 4, num_blocks).astype(np.int32),
+                  rng.integers(0, 17, num_blocks).astype(np.int16),
+                  rng.choice(np.array([0, 1, 2**63 + 5, 2**64 - 1], dtype=np.uint64), num_blocks))
+        if frames and rng.random() < 0.6:  # most steps change only a few blocks
+            keep = rng.random(num_blocks) < 0.9
+            arrays = tuple(np.where(keep, old, new) for old, new in zip(
+                [getattr(frames[-1], a) for a in ARRAYS], arrays, strict=True))
+        frames.append(CacheSnapshot(step, 16, num_blocks, "paged", *arrays, requests=tuple(views.values()),
+                                    num_host_blocks=9, num_free_host_blocks=int(rng.integers(0, 10))))
+    return frames
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_frames=st.integers(1, 40), num_blocks=st.integers(1, 64),
+       keyframe_interval=st.integers(1, 12), keep_every=st.integers(1, 3))
+def test_any_stream_of_snapshots_decodes_to_itself(seed, num_frames, num_blocks, keyframe_interval,
+                                                   keep_every):
+    # keep_every > 1 drops frames before encoding, as a writer that fell behind would.
+    frames = random_snapshots(seed, num_frames, num_blocks)[::keep_every]
+    encoder, decoder = SnapshotEncoder(keyframe_interval), SnapshotDecoder()
+    keyframes = 0
+    for frame in frames:
+        keyframe, blob = encoder.encode(frame)
+        keyframes += keyframe
+        assert_same_snapshot(decoder.apply(blob), frame)
+    assert keyframes == -(-len(frames) // keyframe_interval)
+
+
+def test_a_pool_of_another_size_starts_a_keyframe():
+    encoder = SnapshotEncoder(keyframe_interval=100)
+    first, second = random_snapshots(1, 1, 8)[0], random_snapshots(2, 1, 16)[0]
+    assert encoder.encode(first)[0] and not encoder.encode(first)[0]
+    keyframe, blob = encoder.encode(second)
+    assert keyframe
+    assert_same_snapshot(SnapshotDecoder().apply(blob), second)
+
+
+def test_a_stream_must_start_with_a_keyframe():
+    encoder = SnapshotEncoder()
+    frames = random_snapshots(3, 2, 8)
+    encoder.encode(frames[0])
+    _, delta = encoder.encode(frames[1])
+    with pytest.raises(ValueError, match="keyframe"):
+        SnapshotDecoder().apply(delta)
+
+
+def test_decode_steps_store_only_what_changed():
+    engine = SyntheticEngine(1024, max_running=64, arrivals_per_step=0.4, seed=5)
+    encoder = SnapshotEncoder()
+    for _ in range(200):
+        keyframe, blob = encoder.encode(engine.step().snapshot)
+    assert not keyframe
+    header, arrays = unpack(blob)
+    assert "block_state.at" not in arrays or arrays["block_state.at"].size < 64
+    assert np.isin(arrays["counter_deltas"], [0, 1, 7, 16]).mean() > 0.9  # mostly +1s and zeros
+    assert len(blob) < 2048
+
+
+# --- through the logger and the reader -----------------------------------------------
+
+
+def log_engine(path, engine, num_steps):
+    # Steps first, then the log: the two threads do not fight over the GIL, so the test is quicker.
+    results = [engine.step() for _ in range(num_steps)]
+    config = EngineConfig(device="cpu", num_blocks=engine.num_blocks)
+    logger = open_run_log(path, source="script", config=config, model="synthetic", device="cpu",
+                          dtype="float32")
+    for result in results:
+        logger.step(result)
+    logger.close()
+    return logger.run_id, results
+
+
+def test_replay_rebuilds_every_step_and_any_single_one(tmp_path):
+    engine = SyntheticEngine(96, max_running=10, arrivals_per_step=0.7, seed=11)
+    run_id, results = log_engine(tmp_path / "runs.db", engine, 140)
+    reader = RunLogReader(tmp_path / "runs.db")
+    frames = list(reader.iter_snapshots(run_id))
+    assert [f.stats for f in frames] == [r.stats for r in results]
+    for frame, result in zip(frames, results, strict=True):
+        assert_same_snapshot(frame.snapshot, result.snapshot)
+        assert frame.events == result.events
+    assert reader.recorded_steps(run_id) == list(range(140))
+    for step in (0, 1, 49, 50, 51, 99, 139):
+        frame = reader.snapshot_at(run_id, step)
+        assert frame.stats == results[step].stats
+        assert_same_snapshot(frame.snapshot, results[step].snapshot)
+    assert reader.snapshot_at(run_id, 10_000).stats.step == 139  # past the end: the last step
+    with pytest.raises(RunNotFound):
+        reader.snapshot_at(run_id, -1)
+    with pytest.raises(RunNotFound):
+        reader.snapshot_at(run_id + 1, 0)
+
+
+def test_the_replay_cursor_steps_jumps_and_goes_back(tmp_path):
+    engine = SyntheticEngine(64, max_running=8, arrivals_per_step=0.7, seed=12)
+    run_id, results = log_engine(tmp_path / "runs.db", engine, 130)
+    replay = RunLogReader(tmp_path / "runs.db").replay(run_id)
+    assert replay.steps == list(range(130))
+    for step in [*range(0, 12), 11, 60, 61, 129, 3, 49, 50, 100, 101, 102, 0]:
+        frame = replay.frame(step)
+        assert frame.stats == results[step].stats and frame.events == results[step].events
+        assert_same_snapshot(frame.snapshot, results[step].snapshot)
+
+
+def test_a_real_engine_run_replays_exactly(tmp_path):
+    # The engine with its fake runner: swap preemption, prefix sharing, n=2 forks, evictions.
+    config = EngineConfig(device="cpu", num_blocks=48, block_size=4, preemption_mode="swap",
+                          swap_space="1MiB")
+    engine = LLMEngine(config, runner=FakeRunner(config, num_blocks=48, num_host_blocks=32))
+    logger = open_run_log(tmp_path / "runs.db", source="script", config=config, model="fake", device="cpu",
+                          dtype="float32")
+    for i in range(12):
+        prompt = "shared system prompt " + "x" * (3 * i)
+        n = 2 if i % 3 == 0 else 1
+        request_id = engine.add_request(prompt, SamplingParams(max_tokens=30, n=n, temperature=1.0, seed=i))
+        logger.request_added(request_id, prompt, len(prompt), n)
+    results = []
+    while engine.has_unfinished_requests():
+        results.append(engine.step())
+        logger.step(results[-1])
+    logger.close()
+
+    reader = RunLogReader(tmp_path / "runs.db")
+    frames = list(reader.iter_snapshots(logger.run_id))
+    assert len(frames) == len(results)
+    unrecorded = dict(schedule_duration=0.0, update_duration=0.0, snapshot_duration=0.0)  # phases: not logged
+    for frame, result in zip(frames, results, strict=True):
+        assert frame.stats == dataclasses.replace(result.stats, **unrecorded) and frame.events == result.events
+        assert_same_snapshot(frame.snapshot, result.snapshot)
+    run = reader.run(logger.run_id)
+    assert {"preempt", "swap_out", "swap_in"} <= set(run["events"])
+    assert run["num_requests"] == run["num_finished_requests"] == 12
+    assert run["num_generated_tokens"] == run["num_output_tokens"] == 30 * (12 + 4)
+
+
+def test_a_thousand_steps_over_1024_blocks_fit_the_size_budget(tmp_path):
+    # The issue's budget: 10,000 steps over 1024 blocks in < 50 MB, so < 5 MB per 1000 steps.
+    engine = SyntheticEngine(1024, max_running=64, arrivals_per_step=0.35, seed=0)
+    path = tmp_path / "runs.db"
+    run_id, results = log_engine(path, engine, 1000)
+    assert max(r.stats.kv_usage for r in results) > 0.5 and results[-1].stats.num_running > 20
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    size = path.stat().st_size
+    print(f"run log: {size / 1e6:.2f} MB per 1000 steps over 1024 blocks")
+    assert size < 5e6

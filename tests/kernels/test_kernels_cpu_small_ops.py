@@ -1,0 +1,104 @@
+"""kvscope's C++ linear and RMSNorm against float64 oracles, and the norm swap's refusal of other formulas.
+
+The linear packs weights into panels of 16 columns and runs rows in tiles of 8, so sizes that are not multiples
+of either (and K odd, for the bf16 pairs) are where a layout bug would show.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from kvscope.engine.model import fused_ops
+from kvscope.kernels import cpu
+
+needs_cpp = pytest.mark.skipif(not cpu.available(), reason=f"C++ kernels unavailable: {cpu.status()}")
+FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None)
+
+
+def _oracle(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@needs_cpp
+@FAST
+@given(m=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 70), weight_dtype=st.sampled_from(
+    [torch.float32, torch.bfloat16]), input_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    with_bias=st.booleans(), exact=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_matches_float64(m, k, n, weight_dtype, input_dtype, with_bias, exact, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(input_dtype)
+    weight = torch.randn(n, k, generator=gen).to(weight_dtype)
+    bias = torch.randn(n, generator=gen).to(weight_dtype) if with_bias else None
+    packed = cpu.pack_linear_weight(weight)
+    out = cpu.linear(x, packed, n, bias, out_dtype=torch.float32, exact=exact)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    # bf16 dot products round the input to bf16 first (as a stock bf16 linear does); the oracle does too.
+    rounded = x if exact or weight_dtype == torch.float32 else x.to(torch.bfloat16)
+    torch.testing.assert_close(out.double(), _oracle(rounded, weight, bias), rtol=1e-5, atol=1e-4 * k ** 0.5)
+    assert torch.equal(cpu.unpack_linear_weight(packed, n, k), weight)
+
+
+@needs_cpp
+def test_linear_keeps_leading_dimensions_and_the_input_dtype():
+    weight = torch.randn(24, 10, dtype=torch.bfloat16)
+    x = torch.randn(1, 5, 10, dtype=torch.bfloat16)
+    out = cpu.linear(x, cpu.pack_linear_weight(weight), 24)
+    assert out.shape == (1, 5, 24) and out.dtype == torch.bfloat16
+    assert cpu.linear(x[:, :0], cpu.pack_linear_weight(weight), 24).shape == (1, 0, 24)
+
+
+class _LlamaStyleRMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm formula, copied: what the C++ op must reproduce."""
+
+    def __init__(self, size: int, dtype: torch.dtype, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(size).to(dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class _GemmaStyleRMSNorm(_LlamaStyleRMSNorm):
+    """Another formula under the same name pattern: its weight is an offset from 1."""
+
+    def forward(self, hidden_states):
+        normalized = hidden_states.float() * torch.rsqrt(hidden_states.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        return (normalized * (1.0 + self.weight.float())).to(hidden_states.dtype)
+
+
+@needs_cpp
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_the_stock_formula(weight_dtype, input_dtype):
+    norm = _LlamaStyleRMSNorm(576, weight_dtype)
+    x = (torch.randn(2, 7, 576) * 3).to(input_dtype)
+    expected = norm(x)
+    actual = cpu.rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tolerance = 1e-5 if expected.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@needs_cpp
+def test_only_norms_that_agree_with_the_op_are_swapped_and_restore_undoes_it():
+    model = nn.Sequential(_LlamaStyleRMSNorm(64, torch.float32), _GemmaStyleRMSNorm(64, torch.float32))
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        before = [module(x) for module in model]
+    assert fused_ops.fuse_norms(model) == 1
+    assert fused_ops.is_fused(model[0]) and not fused_ops.is_fused(model[1])
+    with torch.inference_mode():
+        torch.testing.assert_close(model[0](x), before[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(model[1](x), before[1])
+    fused_ops.restore(model)
+    assert not fused_ops.is_fused(model[0]) and "forward" not in model[0].__dict__
