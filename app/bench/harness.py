@@ -26,7 +26,7 @@ from kvscope.app.bench.peak import model_flops, utilisation
 from kvscope.app.bench.systems import HF_CB, HF_STATIC, PAGED, SYSTEMS, VLLM, systems_for
 from kvscope.app.bench.vllm_system import SystemUnavailable, VllmRun, VllmSettings
 from kvscope.app.bench.workloads import BenchRequest, Workload, warm_up_request
-from kvscope.engine.model.model_runner import restore_stock
+from kvscope.engine.model import patches
 
 FLOOR_SYSTEM = PAGED
 
@@ -117,7 +117,7 @@ class Bench:
 
     def _dispatch(self, system: str, workload: Workload, warm_up: BenchRequest, sample: Sample | None) -> RunRecord:
         if system not in VARIANTS:
-            restore_stock(self.model)  # stock transformers for its systems; a kvscope engine prepares it again
+            patches.restore(self.model)  # stock transformers for its systems; a kvscope engine prepares it again
         if system == HF_STATIC:
             return StaticBatchRun(self.model, self.pad_token_id, self.options.static).run(workload, warm_up)
         if system == HF_CB:
@@ -145,8 +145,7 @@ class Bench:
         if system in VARIANTS:
             return run_alone(self.make_engine(self._engine_config(system, workload)), workload, sample)
         if workload.name not in self._transformers_alone:
-            restore_stock(self.model)
-            self.model.set_attn_implementation("sdpa")   # a kvscope engine may have switched it
+            patches.restore(self.model)
             self._transformers_alone[workload.name] = greedy_alone(self.model, sample, workload, self.pad_token_id)
         return self._transformers_alone[workload.name]
 

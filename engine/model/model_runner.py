@@ -1,10 +1,8 @@
 """Run one flattened, unpadded forward per step through a transformers model.
 
-The model's own classes do all the math. Only attention is ours: it is
-registered with transformers' AttentionInterface under the name "kvscope" and
-reads the step's context (slot mapping, block tables, lengths) from a keyword
-argument the model threads through to every attention call. No mask function
-is registered for that name, so transformers builds no dense mask at all.
+The model's own classes do all the math. What kvscope changes on the model (attention routed to the paged
+pool, packed linears, fused norms, precision) is listed once, in engine/model/patches.py; this module builds
+each step's inputs (engine/model/attention.py's AttentionContext), runs the forward and samples.
 """
 
 from __future__ import annotations
@@ -12,14 +10,14 @@ from __future__ import annotations
 import atexit
 import gc
 import itertools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
-from kvscope.engine.model import fused_ops, packed_linear, precision, threads
+from kvscope.engine.model import patches, threads
+from kvscope.engine.model.attention import AttentionContext
 from kvscope.engine.model.loader import ModelError, load_model
 from kvscope.engine.model.memory import size_pool
 from kvscope.engine.model.sampler import Sampler, SampleRow
@@ -27,54 +25,7 @@ from kvscope.engine.outputs import KVLayout
 from kvscope.engine.runner import RunnerInfo, RunnerOutput, format_banner
 from kvscope.kernels import dispatch as kernels
 
-ATTENTION_NAME = "kvscope"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class AttentionContext:
-    """Everything paged attention needs for one step; the same object for every layer."""
-
-    kv_cache: torch.Tensor           # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    slot_mapping: torch.Tensor       # [tokens] int64, prefill tokens first
-    num_prefill_tokens: int
-    prefill_block_tables: torch.Tensor | None
-    prefill_cu_seqlens: torch.Tensor | None
-    prefill_context_lens: torch.Tensor | None
-    prefill_max_query_len: int
-    decode_block_tables: torch.Tensor | None
-    decode_context_lens: torch.Tensor | None
-
-
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            kvscope_ctx: AttentionContext | None = None, **kwargs):
-    """transformers calls this per layer with query [1, Hq, T, D] and key/value [1, Hkv, T, D]."""
-    if kvscope_ctx is None:
-        raise RuntimeError("kvscope attention was called without a step context")
-    ctx = kvscope_ctx
-    kv_layer = ctx.kv_cache[module.layer_idx]
-    # Rotary ran in fp32 in a bf16 model (engine/model/precision.py): q, k and v come down to the pool's dtype here.
-    q = query[0].transpose(0, 1).to(kv_layer.dtype)
-    kernels.store_kv(key[0].transpose(0, 1).to(kv_layer.dtype), value[0].transpose(0, 1).to(kv_layer.dtype),
-                     kv_layer, ctx.slot_mapping)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    split = ctx.num_prefill_tokens
-    parts = []
-    if split:
-        parts.append(kernels.paged_prefill_attention(q[:split], kv_layer, ctx.prefill_block_tables,
-                                                     ctx.prefill_cu_seqlens, ctx.prefill_context_lens, scale,
-                                                     ctx.prefill_max_query_len))
-    if split < q.shape[0]:
-        parts.append(kernels.paged_decode_attention(q[split:], kv_layer, ctx.decode_block_tables,
-                                                    ctx.decode_context_lens, scale))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out.unsqueeze(0), None
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -123,9 +74,8 @@ class ModelRunner:
             raise ConfigError("a model passed in needs its tokenizer too: LLMEngine(config, model=m, tokenizer=t)")
         self.bound_cores = threads.bind(config.cpu_threads_bind) if self.device.type == "cpu" else []
         self.model_name = _display_name(config.model, model)
-        self.model = prepare_model(model, self.device, self.dtype)
+        self.model = patches.apply(model, self.device, self.dtype)
         self.tokenizer = tokenizer
-        self._attach_attention()
         text_config = self.model.config.get_text_config()
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.eos_token_ids = _eos_ids(self.model, tokenizer)
@@ -153,13 +103,6 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids, kv_cache_bytes=self.kv_cache_bytes, banner=self.banner,
             sampling_defaults=sampling_defaults(self.model.generation_config), kv_layout=self.kv_layout)
         _freeze_heap()
-
-    def _attach_attention(self) -> None:
-        if not getattr(self.model, "_supports_attention_backend", False):
-            raise ModelError(f"{type(self.model).__name__} does not route attention through transformers' "
-                             "AttentionInterface, so kvscope cannot page its KV cache; pick another model")
-        _register_attention()
-        self.model.set_attn_implementation(ATTENTION_NAME)
 
     def _resolve_max_model_len(self, text_config) -> int:
         limit = getattr(text_config, "max_position_embeddings", None) or 2048
@@ -321,27 +264,6 @@ class ModelRunner:
             cursor += len(item.sample_indices)
             grouped.append(None if any(t is None for t in drawn) else list(drawn))
         return grouped
-
-
-def prepare_model(model, device: torch.device, dtype: torch.dtype):
-    """``model`` ready for the engine: in ``dtype`` on ``device``, its linears packed where that helps, its RMSNorms
-    on one C++ op each where they agree with it (engine/model/fused_ops.py), and in
-    bf16/fp16 its residual stream and logits in fp32 (engine/model/precision.py). A model reused from an earlier
-    engine is taken back to stock first, so this can run on it again."""
-    precision.restore(model)
-    fused_ops.restore(model)
-    model = packed_linear.prepare(model, device, dtype)
-    if fused_ops.available(device):
-        fused_ops.fuse_norms(model)
-    precision.keep_fp32(model, dtype)
-    return model
-
-
-def restore_stock(model) -> None:
-    """Give ``model`` back its stock transformers forwards (the bench's transformers systems use it)."""
-    precision.restore(model)
-    fused_ops.restore(model)
-    packed_linear.unpack_linears(model)
 
 
 def _freeze_heap() -> None:

@@ -43,13 +43,10 @@ def _onednn_can_pack(dtype: torch.dtype) -> bool:
     return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def prepare(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """``model`` on ``device`` in ``dtype``, in eval mode, its linear layers packed where that helps."""
-    unpack_linears(model)  # a model reused from an earlier engine: convert the dense weights, not stale packs
-    model = model.to(device=device, dtype=dtype).eval()
+def pack_for(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Pack ``model``'s linear layers (already in ``dtype`` on ``device``) where that helps."""
     if can_pack(dtype, device):
         pack_linears(model)
-    return model
 
 
 def is_packed(module: nn.Module) -> bool:

@@ -19,7 +19,7 @@ So in a reduced-precision model kvscope keeps, without any per-architecture code
   unrounded. On SmolLM2 this took the logits' error against fp32 from 0.079 to 0.059 (docs/precision.md) for
   two more bytes per output value; torch has no CPU matmul that gives fp32 from bf16, so oneDNN's stay bf16;
 - rotary in fp32 (its cos/sin take the hidden states' dtype), with q/k/v cast to the KV pool's dtype by the
-  attention (``model_runner.paged_attention_forward``), whose kernels compute in fp32 over the 16-bit pool and
+  attention (``attention.paged_attention_forward``), whose kernels compute in fp32 over the 16-bit pool and
   round once, at their output (``kernels/reference.py``, ``kernels/paged_attention_cpu.cpp``);
 - the LM head in fp32 (the fp32 product of its bf16 weights): the logits are never rounded, and the sampler
   works on them in fp32, as vLLM's does.
@@ -66,6 +66,10 @@ def keep_fp32(model: nn.Module, dtype: torch.dtype) -> None:
             _cast_input(module, dtype)
     if isinstance(head, nn.Linear):
         _fp32_head(head)
+
+
+def is_patched(model: nn.Module) -> bool:
+    return hasattr(model, _EMBEDDING_HOOK) or any(_WRAPPED in module.__dict__ for module in model.modules())
 
 
 def restore(model: nn.Module) -> None:
