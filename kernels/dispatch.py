@@ -11,6 +11,9 @@ reference (``kernels.reference``) without a compiler or for dtypes they do not c
 imported only on the CUDA path, so CPU users never pay for (or depend on) importing triton. This package imports
 neither ``engine`` nor ``app``.
 
+The torch reference (``kernels/reference.py``) is the contract: its functions carry the typed signatures and
+say what each argument holds; every backend, and the entry points here, take the same arguments in the same order.
+
 ``swap_blocks`` moves blocks between the device pool and the host pool, which no GPU kernel can do; both paths
 use the same gather → one bus transfer → scatter in torch.
 """
@@ -51,34 +54,18 @@ def _backend(tensor: torch.Tensor) -> ModuleType:
     return cpu
 
 
-def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def store_kv(key, value, kv_layer, slot_mapping) -> None:
     _backend(kv_layer).store_kv(key, value, kv_layer, slot_mapping)
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    kv_layer: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale) -> torch.Tensor:
     return _backend(query).paged_decode_attention(query, kv_layer, block_tables, context_lens, scale)
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    kv_layer: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-) -> torch.Tensor:
-    return _backend(query).paged_prefill_attention(
-        query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale, max_query_len
-    )
+def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale,
+                            max_query_len: int | None = None) -> torch.Tensor:
+    return _backend(query).paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens,
+                                                   scale, max_query_len)
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: BlockIds, dst: BlockIds) -> None:

@@ -246,16 +246,10 @@ def _paged_prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    kv_layer: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-) -> torch.Tensor:
-    """``max_query_len`` sizes the grid; pass it when known to avoid a device-to-host sync."""
+def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale,
+                            max_query_len: int | None = None) -> torch.Tensor:
+    """The reference's contract (kernels/reference.py). ``max_query_len`` sizes the grid; pass it when known
+    to avoid a device-to-host sync."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
     query, block_tables = _last_dim_contiguous(query), _last_dim_contiguous(block_tables)
