@@ -81,11 +81,13 @@ class _GemmaStyleRMSNorm(_LlamaStyleRMSNorm):
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_the_stock_formula(weight_dtype, input_dtype):
     norm = _LlamaStyleRMSNorm(576, weight_dtype)
-    x = (torch.randn(2, 7, 576) * 3).to(input_dtype)
+    x = (torch.randn(2, 7, 576, generator=torch.Generator().manual_seed(0)) * 3).to(input_dtype)
     expected = norm(x)
     actual = cpu.rms_norm(x, norm.weight, norm.variance_epsilon)
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    tolerance = 1e-5 if expected.dtype == torch.float32 else 1e-2
+    # A bf16 input rounds the normalised value to bf16 before the weight: a sum taken in another order may land
+    # one bf16 step (1/128 relative) away, whatever the output's dtype.
+    tolerance = 1e-5 if input_dtype == weight_dtype == torch.float32 else 1e-2
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
