@@ -130,15 +130,26 @@ def synthetic_snapshot(num_blocks: int, num_requests: int, block_size: int = 16,
 
 
 class WindowedEngine(RecordingEngine):
-    """The engine as the app's worker steps it, keeping the snapshots of the last steps for the frame timing."""
+    """The engine as the app's worker steps it. Once ``measure_until(n)`` is set, the step that makes ``n`` steps
+    notes the process CPU time and the pool's usage on the engine thread, so the window's side is measured to the
+    step (the engine may run on until the app pauses it); the snapshots of the steps before it are kept for the
+    frame timing."""
 
     def __init__(self, engine, keep: int) -> None:
         super().__init__(engine)
         self.recent: collections.deque[CacheSnapshot] = collections.deque(maxlen=keep)
+        self.stop_at: int | None = None
+        self.stopped: tuple[float, float] | None = None     # (process CPU seconds, kv usage) at stop_at
+
+    def measure_until(self, steps: int) -> None:
+        self.stopped, self.stop_at = None, len(self.stats) + steps
 
     def step(self):
         result = super().step()
-        self.recent.append(result.snapshot)
+        if self.stop_at is None or len(self.stats) <= self.stop_at:
+            self.recent.append(result.snapshot)
+        if len(self.stats) == self.stop_at:
+            self.stopped = (time.process_time(), result.stats.kv_usage)
         return result
 
 
@@ -198,18 +209,18 @@ async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
         painted = []
         show_snapshot = block_map.show_snapshot
         block_map.show_snapshot = lambda snapshot: (painted.append(1), show_snapshot(snapshot))   # counts frames
-        first, cpu = len(engine.stats), time.process_time()
+        cpu = time.process_time()
+        engine.measure_until(settings.steps)
         app.worker.send(SetPaused(False))
-        if not await wait_until(pilot, lambda: len(engine.stats) - first >= settings.steps, 3600):
+        if not await wait_until(pilot, lambda: engine.stopped is not None, 3600):
             raise RuntimeError("the engine stopped stepping in the window")
-        steps, cpu, frames = len(engine.stats) - first, time.process_time() - cpu, len(painted)
-        usage = engine.stats[-1].kv_usage
+        frames, (stopped_cpu, usage) = len(painted), engine.stopped
         app.worker.send(SetPaused(True))
         await wait_until(pilot, lambda: app.worker.state.paused, 30)
         block_map.show_snapshot = show_snapshot
         cells, frame = time_frames(block_map, list(engine.recent))
         layout = block_map.map_layout
-        return {"usage": usage, "steps": steps, "cpu": cpu, "painted": frames, "cells": cells, "frame": frame,
+        return {"usage": usage, "steps": settings.steps, "cpu": stopped_cpu - cpu, "painted": frames, "cells": cells, "frame": frame,
                 "num_cells": layout.num_cells, "blocks_per_cell": layout.blocks_per_cell}
 
 
