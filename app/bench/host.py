@@ -66,7 +66,7 @@ class HostSettings:
     pools: tuple[int, ...] = (4_096, 65_536, 400_000)
     batches: tuple[int, ...] = (8, 64, 256)
     contexts: tuple[int, ...] = (100, 1_200)
-    steps: int = 20                 # measured steps per cell
+    steps: int = 40                 # measured steps per cell
     warmup: int = 3
     sampler_repeats: int = 3        # timed calls per batch and sampler
     vocab: int = SMOLLM2_VOCAB

@@ -42,7 +42,7 @@ def register_host(subparsers) -> None:
                         help="decoding requests per step (default 8,64,256)")
     parser.add_argument("--contexts", type=int_list, default=(100, 1_200), metavar="TOKENS,...",
                         help="tokens of context each request has (default 100,1200)")
-    parser.add_argument("--steps", type=positive_int, default=20, help="measured steps per cell (default 20)")
+    parser.add_argument("--steps", type=positive_int, default=40, help="measured steps per cell (default 40)")
     parser.add_argument("--sampler-repeats", type=positive_int, default=3,
                         help="timed sampler calls per batch and setting (default 3)")
     parser.add_argument("--vocab", type=positive_int, default=49_152,

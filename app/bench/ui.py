@@ -220,8 +220,9 @@ async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
         block_map.show_snapshot = show_snapshot
         cells, frame = time_frames(block_map, list(engine.recent))
         layout = block_map.map_layout
-        return {"usage": usage, "steps": settings.steps, "cpu": stopped_cpu - cpu, "painted": frames, "cells": cells, "frame": frame,
-                "num_cells": layout.num_cells, "blocks_per_cell": layout.blocks_per_cell}
+        return {"usage": usage, "steps": settings.steps, "cpu": stopped_cpu - cpu, "painted": frames,
+                "cells": cells, "frame": frame, "num_cells": layout.num_cells,
+                "blocks_per_cell": layout.blocks_per_cell}
 
 
 def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
