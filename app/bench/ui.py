@@ -15,7 +15,9 @@ requests, each with a prompt of its own. One run, in this order:
 
 Throughput is engine steps per CPU second of the whole process (time.process_time: the engine thread, the UI
 thread and any other), so whatever the window spends holding the GIL counts against it, and the figure holds on
-a machine shared with other work. Frame times are the UI thread's CPU (time.thread_time_ns).
+a machine shared with other work. Where that CPU went is split out: the engine thread's own per step (headless
+and with the window open) and the UI thread's per engine step. Frame times are the UI thread's CPU
+(time.thread_time_ns).
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ class UiResult:
     headless_steps_per_cpu_s: float
     window_steps_per_cpu_s: float
     window_frames: int              # frames the window painted while measured
+    # Where the CPU went, ms per engine step: the engine thread's own, headless and with the window open, and the
+    # UI thread's while the window was open.
+    headless_engine_ms: float
+    window_engine_ms: float
+    window_ui_ms: float
 
     @property
     def window_cost(self) -> float:
@@ -138,19 +145,31 @@ class WindowedEngine(RecordingEngine):
     def __init__(self, engine, keep: int) -> None:
         super().__init__(engine)
         self.recent: collections.deque[CacheSnapshot] = collections.deque(maxlen=keep)
+        self.step_cpu_ns: list[int] = []      # the stepping thread's CPU in each step
         self.stop_at: int | None = None
-        self.stopped: tuple[float, float] | None = None     # (process CPU seconds, kv usage) at stop_at
+        # At stop_at: (process CPU seconds, the UI thread's CPU nanoseconds, kv usage).
+        self.stopped: tuple[float, int, float] | None = None
+        self._ui_clock = time.pthread_getcpuclockid(threading.main_thread().ident)   # the app's loop runs there
+
+    def ui_cpu_ns(self) -> int:
+        return time.clock_gettime_ns(self._ui_clock)
 
     def measure_until(self, steps: int) -> None:
         self.stopped, self.stop_at = None, len(self.stats) + steps
 
     def step(self):
+        start = time.thread_time_ns()
         result = super().step()
+        self.step_cpu_ns.append(time.thread_time_ns() - start)
         if self.stop_at is None or len(self.stats) <= self.stop_at:
             self.recent.append(result.snapshot)
         if len(self.stats) == self.stop_at:
-            self.stopped = (time.process_time(), result.stats.kv_usage)
+            self.stopped = (time.process_time(), self.ui_cpu_ns(), result.stats.kv_usage)
         return result
+
+    def engine_ms(self, first: int, last: int) -> float:
+        """The stepping thread's mean CPU milliseconds per step over steps ``first`` to ``last``."""
+        return sum(self.step_cpu_ns[first:last]) / max(1, last - first) / 1e6
 
 
 def full_engine(settings: UiSettings) -> WindowedEngine:
@@ -209,18 +228,20 @@ async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
         painted = []
         show_snapshot = block_map.show_snapshot
         block_map.show_snapshot = lambda snapshot: (painted.append(1), show_snapshot(snapshot))   # counts frames
-        cpu = time.process_time()
+        first, cpu, ui_cpu = len(engine.stats), time.process_time(), engine.ui_cpu_ns()
         engine.measure_until(settings.steps)
         app.worker.send(SetPaused(False))
         if not await wait_until(pilot, lambda: engine.stopped is not None, 3600):
             raise RuntimeError("the engine stopped stepping in the window")
-        frames, (stopped_cpu, usage) = len(painted), engine.stopped
+        frames, (stopped_cpu, stopped_ui, usage) = len(painted), engine.stopped
         app.worker.send(SetPaused(True))
         await wait_until(pilot, lambda: app.worker.state.paused, 30)
         block_map.show_snapshot = show_snapshot
         cells, frame = time_frames(block_map, list(engine.recent))
         layout = block_map.map_layout
         return {"usage": usage, "steps": settings.steps, "cpu": stopped_cpu - cpu, "painted": frames,
+                "engine_ms": engine.engine_ms(first, first + settings.steps),
+                "ui_ms": (stopped_ui - ui_cpu) / settings.steps / 1e6,
                 "cells": cells, "frame": frame, "num_cells": layout.num_cells,
                 "blocks_per_cell": layout.blocks_per_cell}
 
@@ -230,7 +251,9 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
     say(f"filling {settings.usage:.0%} of {settings.blocks:,} blocks with {settings.batch} requests")
     engine = full_engine(settings)
     say(f"headless, {settings.steps} steps")
+    first = len(engine.stats)
     before = headless_rate(engine, settings.steps)
+    headless_engine_ms = engine.engine_ms(first, first + settings.steps)
     say(f"the window open at {settings.size[0]}x{settings.size[1]}, {settings.steps} steps")
     window = asyncio.run(window_run(engine, settings))
     return UiResult(
@@ -238,7 +261,8 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
         cells=window["num_cells"], blocks_per_cell=window["blocks_per_cell"],
         frame=Spread.of(window["frame"]), cells_ms=Spread.of(window["cells"]),
         headless_steps_per_cpu_s=before[0] / before[1],
-        window_steps_per_cpu_s=window["steps"] / window["cpu"], window_frames=window["painted"])
+        window_steps_per_cpu_s=window["steps"] / window["cpu"], window_frames=window["painted"],
+        headless_engine_ms=headless_engine_ms, window_engine_ms=window["engine_ms"], window_ui_ms=window["ui_ms"])
 
 
 def format_table(result: UiResult) -> str:
@@ -256,6 +280,9 @@ def format_table(result: UiResult) -> str:
         ("engine, window open", f"{result.window_steps_per_cpu_s:,.1f} steps per CPU second "
                                 f"({result.window_frames} frames painted in {s.steps} steps)"),
         ("the window's cost", f"{100 * result.window_cost:.1f}% of engine throughput"),
+        ("  engine thread per step", f"{result.headless_engine_ms:.2f} ms headless, {result.window_engine_ms:.2f} ms "
+                                     "with the window open"),
+        ("  UI thread per engine step", f"{result.window_ui_ms:.2f} ms"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["kvscope bench ui: frame times in UI-thread CPU, median (p10-p90) over "
@@ -268,4 +295,5 @@ def as_json(result: UiResult) -> dict:
             "cells": result.cells, "blocks_per_cell": result.blocks_per_cell, "frame_ms": vars(result.frame),
             "cells_ms": vars(result.cells_ms), "headless_steps_per_cpu_s": result.headless_steps_per_cpu_s,
             "window_steps_per_cpu_s": result.window_steps_per_cpu_s, "window_frames": result.window_frames,
-            "window_cost": result.window_cost}
+            "window_cost": result.window_cost, "headless_engine_ms": result.headless_engine_ms,
+            "window_engine_ms": result.window_engine_ms, "window_ui_ms": result.window_ui_ms}

@@ -128,8 +128,10 @@ def test_bench_ui_prints_the_frame_and_the_window_cost(capsys):
     assert result["blocks"] == 2048 and 0.4 < result["usage"] < 0.7 and result["cells"] > 0
     assert result["frame_ms"]["median"] > 0 and result["cells_ms"]["median"] > 0
     assert result["headless_steps_per_cpu_s"] > 0 and result["window_steps_per_cpu_s"] > 0
+    assert result["headless_engine_ms"] > 0 and result["window_engine_ms"] > 0 and result["window_ui_ms"] >= 0
     assert main(argv) == 0
     out = capsys.readouterr().out
     for row in ("pool", "block map", "frame: cells from the snapshot", "frame: cells and every line",
-                "engine headless", "engine, window open", "the window's cost"):
+                "engine headless", "engine, window open", "the window's cost", "engine thread per step",
+                "UI thread per engine step"):
         assert row in out
