@@ -82,7 +82,7 @@ def register_ui(subparsers) -> None:
     parser.add_argument("--blocks", type=positive_int, default=330_000, help="pool size in blocks (default 330,000)")
     parser.add_argument("--usage", type=positive_float, default=0.8, help="share of the pool in use (default 0.8)")
     parser.add_argument("--batch", type=positive_int, default=256, help="decoding requests (default 256)")
-    parser.add_argument("--steps", type=positive_int, default=300, help="engine steps per side (default 300)")
+    parser.add_argument("--steps", type=positive_int, default=500, help="engine steps per side (default 500)")
     parser.add_argument("--frames", type=positive_int, default=10, help="block-map frames timed (default 10)")
     parser.add_argument("--size", type=_window_size, default=(120, 40), metavar="WxH",
                         help="the window's size in cells (default 120x40)")

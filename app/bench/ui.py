@@ -41,7 +41,7 @@ class UiSettings:
     blocks: int = 330_000
     usage: float = 0.8
     batch: int = 256
-    steps: int = 300        # per side
+    steps: int = 500        # per side
     frames: int = 10
     size: tuple[int, int] = SIZE
     seed: int = 0
