@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvscope.app.bench.scheduler import text_tokenizer
+from kvscope.app.bench.scoreboard import HostSettings
 from kvscope.app.runlog.records import RowBuilder, Rows
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import FakeRunner
@@ -55,22 +56,9 @@ from kvscope.engine.snapshot import PhaseTimes, build_snapshot, build_stats
 PHASES = ("schedule", "prepare", "update", "snapshot", "events", "run-log")
 ENGINE_PHASES = PHASES[:5]
 SAMPLERS = {"greedy": {"temperature": 0.0}, "t0.7/p0.95": {"temperature": 0.7, "top_p": 0.95}}
-SMOLLM2_VOCAB = 49_152
 BLOCK_SIZE = 16
 SHARED_SHARE = 7 / 8    # of each context, the prefix every request shares
 PROMPT_TAIL = 8         # of each context, the prompt's own tokens; the rest until the context is full is generated
-
-
-@dataclass(frozen=True)
-class HostSettings:
-    pools: tuple[int, ...] = (4_096, 65_536, 400_000)
-    batches: tuple[int, ...] = (8, 64, 256)
-    contexts: tuple[int, ...] = (100, 1_200)
-    steps: int = 40                 # measured steps per cell
-    warmup: int = 3
-    sampler_repeats: int = 3        # timed calls per batch and sampler
-    vocab: int = SMOLLM2_VOCAB
-    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,7 +131,8 @@ def input_runner(num_blocks: int, block_size: int):
 
 
 class PhasedEngine:
-    """Steps an engine phase by phase (the functions above), keeping each phase's thread CPU time."""
+    """Steps an engine phase by phase (the functions above), keeping each phase's thread CPU time. It tells no
+    observer and reports no aborted request's final output: the bench's workload has neither."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine

@@ -24,35 +24,42 @@ from kvscope.app.bench.options import (
     positive_int,
     setup_torch,
 )
+from kvscope.app.bench.scoreboard import HostSettings, UiSettings
 
 
 def _progress(line: str) -> None:
     print(f"  {line}", file=sys.stderr, flush=True)
 
 
+def _listed(values: tuple[int, ...]) -> str:
+    return ",".join(str(value) for value in values)
+
+
 def register_host(subparsers) -> None:
+    defaults = HostSettings()
     parser = subparsers.add_parser(
         "host", help="the host's work in one engine step, by phase, without the forward",
         description="Thread CPU time of each phase of a decode step (schedule, prepare, update, snapshot, "
                     "events, run-log encode) on an engine with no model, for every pool, batch and context "
                     "asked for, and the sampler at each batch over the default model's vocabulary.")
-    parser.add_argument("--pools", type=int_list, default=(4_096, 65_536, 400_000), metavar="BLOCKS,...",
-                        help="pool sizes in blocks (default 4096,65536,400000)")
-    parser.add_argument("--batches", type=int_list, default=(8, 64, 256), metavar="N,...",
-                        help="decoding requests per step (default 8,64,256)")
-    parser.add_argument("--contexts", type=int_list, default=(100, 1_200), metavar="TOKENS,...",
-                        help="tokens of context each request has (default 100,1200)")
-    parser.add_argument("--steps", type=positive_int, default=40, help="measured steps per cell (default 40)")
-    parser.add_argument("--sampler-repeats", type=positive_int, default=3,
-                        help="timed sampler calls per batch and setting (default 3)")
-    parser.add_argument("--vocab", type=positive_int, default=49_152,
-                        help="the sampler's vocabulary (default 49,152, SmolLM2's)")
+    parser.add_argument("--pools", type=int_list, default=defaults.pools, metavar="BLOCKS,...",
+                        help=f"pool sizes in blocks (default {_listed(defaults.pools)})")
+    parser.add_argument("--batches", type=int_list, default=defaults.batches, metavar="N,...",
+                        help=f"decoding requests per step (default {_listed(defaults.batches)})")
+    parser.add_argument("--contexts", type=int_list, default=defaults.contexts, metavar="TOKENS,...",
+                        help=f"tokens of context each request has (default {_listed(defaults.contexts)})")
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps,
+                        help=f"measured steps per cell (default {defaults.steps})")
+    parser.add_argument("--sampler-repeats", type=positive_int, default=defaults.sampler_repeats,
+                        help=f"timed sampler calls per batch and setting (default {defaults.sampler_repeats})")
+    parser.add_argument("--vocab", type=positive_int, default=defaults.vocab,
+                        help=f"the sampler's vocabulary (default {defaults.vocab:,}, SmolLM2's)")
     add_json_flag(parser)
     parser.set_defaults(func=run_host)
 
 
 def run_host(args: argparse.Namespace) -> int:
-    from kvscope.app.bench.host import HostSettings, as_json, format_table, run_host_bench
+    from kvscope.app.bench.host import as_json, format_table, run_host_bench
 
     settings = HostSettings(pools=args.pools, batches=args.batches, contexts=args.contexts, steps=args.steps,
                             sampler_repeats=args.sampler_repeats, vocab=args.vocab)
@@ -75,23 +82,29 @@ def _window_size(text: str) -> tuple[int, int]:
 
 
 def register_ui(subparsers) -> None:
+    defaults = UiSettings()
     parser = subparsers.add_parser(
         "ui", help="a block-map frame at a big pool, and the open window's cost to engine throughput",
         description="On an engine with no model whose pool is mostly in use: the block map's frame time "
                     "(UI-thread CPU), and engine steps per CPU second headless and with the app open.")
-    parser.add_argument("--blocks", type=positive_int, default=330_000, help="pool size in blocks (default 330,000)")
-    parser.add_argument("--usage", type=positive_float, default=0.8, help="share of the pool in use (default 0.8)")
-    parser.add_argument("--batch", type=positive_int, default=256, help="decoding requests (default 256)")
-    parser.add_argument("--steps", type=positive_int, default=500, help="engine steps per side (default 500)")
-    parser.add_argument("--frames", type=positive_int, default=10, help="block-map frames timed (default 10)")
-    parser.add_argument("--size", type=_window_size, default=(120, 40), metavar="WxH",
-                        help="the window's size in cells (default 120x40)")
+    parser.add_argument("--blocks", type=positive_int, default=defaults.blocks,
+                        help=f"pool size in blocks (default {defaults.blocks:,})")
+    parser.add_argument("--usage", type=positive_float, default=defaults.usage,
+                        help=f"share of the pool in use, below 1 (default {defaults.usage})")
+    parser.add_argument("--batch", type=positive_int, default=defaults.batch,
+                        help=f"decoding requests (default {defaults.batch})")
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps,
+                        help=f"engine steps per side (default {defaults.steps})")
+    parser.add_argument("--frames", type=positive_int, default=defaults.frames,
+                        help=f"block-map frames timed (default {defaults.frames})")
+    parser.add_argument("--size", type=_window_size, default=defaults.size, metavar="WxH",
+                        help="the window's size in cells (default {}x{})".format(*defaults.size))
     add_json_flag(parser)
     parser.set_defaults(func=run_ui)
 
 
 def run_ui(args: argparse.Namespace) -> int:
-    from kvscope.app.bench.ui import UiSettings, as_json, format_table, run_ui_bench
+    from kvscope.app.bench.ui import as_json, format_table, run_ui_bench
 
     if args.usage >= 1:
         raise SystemExit(f"kvscope bench ui: --usage is a share below 1, got {args.usage}")

@@ -31,20 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvscope.app.bench.host import BLOCK_SIZE, Spread, decoding_engine
+from kvscope.app.bench.scoreboard import UiSettings
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView, StepStats
-
-SIZE = (120, 40)
-
-
-@dataclass(frozen=True)
-class UiSettings:
-    blocks: int = 330_000
-    usage: float = 0.8
-    batch: int = 256
-    steps: int = 500        # per side
-    frames: int = 10
-    size: tuple[int, int] = SIZE
-    seed: int = 0
 
 
 @dataclass(frozen=True)
