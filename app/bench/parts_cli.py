@@ -31,29 +31,29 @@ def _progress(line: str) -> None:
     print(f"  {line}", file=sys.stderr, flush=True)
 
 
-def _listed(values: tuple[int, ...]) -> str:
-    return ",".join(str(value) for value in values)
+def _add_setting_flags(parser: argparse.ArgumentParser, settings: type) -> None:
+    """A flag for each of ``settings``' fields that has help text (app/bench/scoreboard.py), of its default's kind."""
+    kinds = {tuple: int_list, int: positive_int, float: positive_float}
+    for spec in dataclasses.fields(settings):
+        if "help" in spec.metadata:
+            shown = ",".join(map(str, spec.default)) if isinstance(spec.default, tuple) else spec.default
+            parser.add_argument(f"--{spec.name.replace('_', '-')}", type=kinds[type(spec.default)],
+                                default=spec.default, help=f"{spec.metadata['help']} (default {shown})")
+
+
+def _settings(settings: type, args: argparse.Namespace, **more):
+    """``settings`` made from the flags _add_setting_flags added, and ``more``."""
+    flags = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(settings) if "help" in spec.metadata}
+    return settings(**flags, **more)
 
 
 def register_host(subparsers) -> None:
-    defaults = HostSettings()
     parser = subparsers.add_parser(
         "host", help="the host's work in one engine step, by phase, without the forward",
         description="Thread CPU time of each phase of a decode step (schedule, prepare, update, snapshot, "
                     "events, run-log encode) on an engine with no model, for every pool, batch and context "
                     "asked for, and the sampler at each batch over the default model's vocabulary.")
-    parser.add_argument("--pools", type=int_list, default=defaults.pools, metavar="BLOCKS,...",
-                        help=f"pool sizes in blocks (default {_listed(defaults.pools)})")
-    parser.add_argument("--batches", type=int_list, default=defaults.batches, metavar="N,...",
-                        help=f"decoding requests per step (default {_listed(defaults.batches)})")
-    parser.add_argument("--contexts", type=int_list, default=defaults.contexts, metavar="TOKENS,...",
-                        help=f"tokens of context each request has (default {_listed(defaults.contexts)})")
-    parser.add_argument("--steps", type=positive_int, default=defaults.steps,
-                        help=f"measured steps per cell (default {defaults.steps})")
-    parser.add_argument("--sampler-repeats", type=positive_int, default=defaults.sampler_repeats,
-                        help=f"timed sampler calls per batch and setting (default {defaults.sampler_repeats})")
-    parser.add_argument("--vocab", type=positive_int, default=defaults.vocab,
-                        help=f"the sampler's vocabulary (default {defaults.vocab:,}, SmolLM2's)")
+    _add_setting_flags(parser, HostSettings)
     add_json_flag(parser)
     parser.set_defaults(func=run_host)
 
@@ -61,8 +61,7 @@ def register_host(subparsers) -> None:
 def run_host(args: argparse.Namespace) -> int:
     from kvscope.app.bench.host import as_json, format_table, run_host_bench
 
-    settings = HostSettings(pools=args.pools, batches=args.batches, contexts=args.contexts, steps=args.steps,
-                            sampler_repeats=args.sampler_repeats, vocab=args.vocab)
+    settings = _settings(HostSettings, args)
     try:
         rows, tokenizer_name = run_host_bench(settings, progress=_progress)
     except ValueError as exc:      # a cell that does not fit its pool
@@ -82,23 +81,14 @@ def _window_size(text: str) -> tuple[int, int]:
 
 
 def register_ui(subparsers) -> None:
-    defaults = UiSettings()
     parser = subparsers.add_parser(
         "ui", help="a block-map frame at a big pool, and the open window's cost to engine throughput",
         description="On an engine with no model whose pool is mostly in use: the block map's frame time "
                     "(UI-thread CPU), and engine steps per CPU second headless and with the app open.")
-    parser.add_argument("--blocks", type=positive_int, default=defaults.blocks,
-                        help=f"pool size in blocks (default {defaults.blocks:,})")
-    parser.add_argument("--usage", type=positive_float, default=defaults.usage,
-                        help=f"share of the pool in use, below 1 (default {defaults.usage})")
-    parser.add_argument("--batch", type=positive_int, default=defaults.batch,
-                        help=f"decoding requests (default {defaults.batch})")
-    parser.add_argument("--steps", type=positive_int, default=defaults.steps,
-                        help=f"engine steps per side (default {defaults.steps})")
-    parser.add_argument("--frames", type=positive_int, default=defaults.frames,
-                        help=f"block-map frames timed (default {defaults.frames})")
-    parser.add_argument("--size", type=_window_size, default=defaults.size, metavar="WxH",
-                        help="the window's size in cells (default {}x{})".format(*defaults.size))
+    _add_setting_flags(parser, UiSettings)
+    size = UiSettings().size
+    parser.add_argument("--size", type=_window_size, default=size, metavar="WxH",
+                        help=f"the window's size in cells (default {size[0]}x{size[1]})")
     add_json_flag(parser)
     parser.set_defaults(func=run_ui)
 
@@ -108,8 +98,7 @@ def run_ui(args: argparse.Namespace) -> int:
 
     if args.usage >= 1:
         raise SystemExit(f"kvscope bench ui: --usage is a share below 1, got {args.usage}")
-    settings = UiSettings(blocks=args.blocks, usage=args.usage, batch=args.batch, steps=args.steps,
-                          frames=args.frames, size=args.size)
+    settings = _settings(UiSettings, args, size=args.size)
     try:
         result = run_ui_bench(settings, progress=_progress)
     except ValueError as exc:
