@@ -20,7 +20,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 LATEST_VENV := .venv-latest
 
-.PHONY: run test test-latest test-vllm lock model lint screenshots bench bench-vllm bench-serve gpu-check clean
+.PHONY: run test test-latest test-vllm lock model lint screenshots bench bench-host bench-vllm bench-serve gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -95,13 +95,19 @@ screenshots: model $(VLLM_STAMP)
 	KVSCOPE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(BIN)/python tests/vllm/screenshot_attach.py
 
 bench: model
-	$(BIN)/kvscope bench --workload all --dtype float32
-	$(BIN)/kvscope bench --workload all --dtype bfloat16
+	$(BIN)/kvscope bench throughput --workload all --dtype float32
+	$(BIN)/kvscope bench throughput --workload all --dtype bfloat16
+
+# The host's work around each forward, phase by phase, and the window's cost at a big pool: no model runs, so the
+# figures are the host's alone (about two minutes).
+bench-host: model
+	$(BIN)/kvscope bench host
+	$(BIN)/kvscope bench ui
 
 # kvscope against vLLM on the mixed workload, both dtypes, the same threads for every system. vLLM's first
 # start compiles its model (minutes); its load time is reported apart from its run time.
 bench-vllm: model $(VLLM_STAMP)
-	$(BIN)/kvscope bench --workload mixed --dtype bfloat16,float32 \
+	$(BIN)/kvscope bench throughput --workload mixed --dtype bfloat16,float32 \
 		--systems kvscope-paged,kvscope-contiguous,hf-static,hf-cb,vllm --vllm-python $(VLLM_VENV)/bin/python
 
 # kvscope serve against vLLM's server: the same client (vllm bench serve) at the same request rates, one server

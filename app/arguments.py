@@ -7,7 +7,8 @@ applied after parsing), and a flag typed before a subcommand is handed to that
 subcommand as if typed first among its own arguments (so the same flag typed
 after it wins). A subcommand that has no use for a flag refuses it in one line, on either
 side: `kvscope runs --dtype float32` and `kvscope --dtype float32 runs` get the
-same error.
+same error. A flag typed before a command group (`kvscope --model m bench throughput`) is handed on to the
+subcommand named after it, which takes it or refuses it as if typed there.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 from typing import Any
 
 _COMMAND = "_command_prog"     # the namespace attribute naming the innermost subcommand parsed
+_HANDED = "_handed_down"       # the namespace attribute: flags typed before a subcommand, to hand on to its own
 
 
 class FlagRefused(Exception):
@@ -54,8 +56,9 @@ class CommandLine(argparse.ArgumentParser):
         for dest, value in self.typed_defaults.items():
             if not hasattr(args, dest):
                 setattr(args, dest, value)
-        if hasattr(args, _COMMAND):
-            delattr(args, _COMMAND)
+        for private in (_COMMAND, _HANDED):
+            if hasattr(args, private):
+                delattr(args, private)
         return args
 
     def _top_level_option(self, text: str) -> bool:
@@ -73,14 +76,20 @@ class Subcommands(argparse._SubParsersAction):
             super().__call__(parser, namespace, values, option_string)
             return
         _refuse_misplaced(parser, sub, rest)
-        typed = {a.dest: getattr(namespace, a.dest) for a in parser._actions
-                 if a.option_strings and a.default is argparse.SUPPRESS and hasattr(namespace, a.dest)}
-        for dest, value in typed.items():
-            _check_taken(parser, dest, value, sub)
+        # Typed before this subcommand: this parser's own flags, and those an outer subcommand handed down
+        # (`kvscope --model m bench throughput`: bench hands --model on to throughput), each with its spelling.
+        spelled = dict(getattr(namespace, _HANDED, {}))
+        for action in parser._actions:
+            if action.option_strings and action.default is argparse.SUPPRESS and hasattr(namespace, action.dest):
+                spelled[action.dest] = _spelling(action, getattr(namespace, action.dest))
+        typed = {dest: getattr(namespace, dest) for dest in spelled}
+        for dest, option in spelled.items():
+            if not _takes_dest(sub, dest, rest):
+                raise refusal(option, _innermost(sub, rest).prog)
         if self.dest is not argparse.SUPPRESS:
             setattr(namespace, self.dest, name)
         setattr(namespace, _COMMAND, sub.prog)
-        subnamespace, extras = sub.parse_known_args(rest, argparse.Namespace(**typed))
+        subnamespace, extras = sub.parse_known_args(rest, argparse.Namespace(**typed, **{_HANDED: spelled}))
         for key, value in vars(subnamespace).items():
             setattr(namespace, key, value)
         if extras:
@@ -89,27 +98,50 @@ class Subcommands(argparse._SubParsersAction):
 
 
 def _refuse_misplaced(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser, rest: list[str]) -> None:
-    """FlagRefused for a flag of ``parser`` typed after ``sub`` that neither ``sub`` nor a subcommand of it
-    takes: argparse would leave it over and read its value as a positional argument (an invalid choice)."""
+    """FlagRefused for a flag of ``parser`` typed after ``sub`` that ``sub`` does not take: argparse would leave it
+    over and read its value as a positional argument (an invalid choice). Words after the name of a subcommand of
+    ``sub`` are that subcommand's to check."""
+    child = _named_child(sub, rest)
     for text in rest:
-        if text == "--":
+        if text == "--" or text is child:
             return
         option = text.split("=", 1)[0]
         if option.startswith("-") and option in parser._option_string_actions and not _takes(sub, option):
             raise refusal(option, sub.prog)
 
 
+def _named_child(parser: argparse.ArgumentParser, words: list[str]) -> str | None:
+    """The first of ``words`` that names a subcommand of ``parser`` (the word itself), or None."""
+    names = {name for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+             for name in action.choices}
+    return next((word for word in words if word in names), None)
+
+
+def _child(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    return next(action.choices[name] for action in parser._actions
+                if isinstance(action, argparse._SubParsersAction) and name in action.choices)
+
+
+def _innermost(parser: argparse.ArgumentParser, words: list[str]) -> argparse.ArgumentParser:
+    """The deepest subcommand ``words`` name below ``parser`` (``parser`` itself if they name none)."""
+    child = _named_child(parser, words)
+    return parser if child is None else _innermost(_child(parser, child), words[words.index(child) + 1:])
+
+
 def _takes(parser: argparse.ArgumentParser, option: str) -> bool:
-    if option in parser._option_string_actions:
+    return option in parser._option_string_actions
+
+
+def _takes_dest(parser: argparse.ArgumentParser, dest: str, rest: list[str]) -> bool:
+    """Whether ``parser`` has a flag for ``dest``, or the subcommand of it that ``rest`` names does (which then
+    checks again, with what follows it)."""
+    if any(a.dest == dest and a.option_strings for a in parser._actions):
         return True
-    nested = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return any(_takes(child, option) for action in nested for child in action.choices.values())
+    child = _named_child(parser, rest)
+    return child is not None and _takes_dest(_child(parser, child), dest, rest[rest.index(child) + 1:])
 
 
-def _check_taken(parser: argparse.ArgumentParser, dest: str, value, sub: argparse.ArgumentParser) -> None:
-    """FlagRefused, naming the flag as it was typed, when ``sub`` has no flag for ``dest``."""
-    if any(a.dest == dest and a.option_strings for a in sub._actions):
-        return
-    action = next(a for a in parser._actions if a.dest == dest and a.option_strings)
+def _spelling(action: argparse.Action, value) -> str:
+    """The flag as it was typed, for a refusal: --no-log rather than --log for a negative."""
     negative = isinstance(action, argparse.BooleanOptionalAction) and value is False
-    raise refusal(action.option_strings[-1 if negative else 0], sub.prog)
+    return action.option_strings[-1 if negative else 0]

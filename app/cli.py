@@ -15,7 +15,6 @@ from kvscope.app.arguments import CommandLine, FlagRefused
 from kvscope.app.attach import cli as attach_cli
 from kvscope.app.bench import cli as bench_cli
 from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args, first_engine
-from kvscope.app.lessons import LESSONS
 from kvscope.app.runlog import cli as runs_cli
 from kvscope.app.safe_text import clean
 from kvscope.app.serve import cli as serve_cli
@@ -76,8 +75,7 @@ def _register_lesson(subparsers) -> None:
         description="Run a lesson on the teaching pool (--teach). Space moves to the next beat, Backspace goes "
                     "back by replaying the run log, Esc leaves the lesson for the app. With no NAME, pick one "
                     "from the list.")
-    parser.add_argument("name", nargs="?", choices=list(LESSONS), metavar="NAME",
-                        help=f"one of: {', '.join(LESSONS)}")
+    parser.add_argument("name", nargs="?", choices=LessonNames(), metavar="NAME", help="one of: %(choices)s")
     parser.add_argument("--list", action="store_true", help="print the lesson names, one per line, and exit")
     parser.add_argument("--teach", action="store_true",
                         help="accepted for symmetry with the app: a lesson always runs on the teaching pool")
@@ -88,6 +86,19 @@ def _register_lesson(subparsers) -> None:
                         help="do not keep the lesson's runs (Backspace then replays from a temporary log)")
     add_serve_flag(parser)
     parser.set_defaults(func=_lesson)
+
+
+class LessonNames:
+    """The lesson names, as argparse's choices: read only when a lesson is asked for (or its help), since the
+    lessons import textual, which no other subcommand's parsing (`kvscope bench host --help`) should wait for."""
+
+    def __iter__(self):
+        from kvscope.app.lessons import LESSONS
+
+        return iter(LESSONS)
+
+    def __contains__(self, name) -> bool:
+        return name in list(self)
 
 
 # Every subcommand, each added by one `register(subparsers)`: the App's own here, every other one in its
@@ -137,7 +148,7 @@ def _open_app(args: argparse.Namespace) -> int:
 
 def _lesson(args: argparse.Namespace) -> int:
     if args.list:
-        for name in LESSONS:
+        for name in LessonNames():
             print(name)
         return 0
     from kvscope.app.app import run_app

@@ -14,7 +14,7 @@ from time import perf_counter
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from kvscope.app.bench.hf_static import sampling_kwargs
+from kvscope.app.bench.hf_static import TransformersRun, sampling_kwargs
 from kvscope.app.bench.metrics import RunRecord
 from kvscope.app.bench.systems import HF_CB
 from kvscope.app.bench.workloads import BenchRequest, Workload
@@ -35,19 +35,14 @@ def num_pages(kv_cache_tokens: int, page_size: int) -> int:
     return max(1, -(-kv_cache_tokens // page_size))
 
 
-class ContinuousBatchRun:
-    """One pass of a workload through a fresh manager; ``run()`` returns its RunRecord."""
-
-    def __init__(self, model, pad_token_id: int, settings: ContinuousSettings) -> None:
-        self.model = model
-        self.pad_token_id = pad_token_id
-        self.settings = settings
+class ContinuousBatchRun(TransformersRun):
+    """One pass of a workload through a fresh manager."""
 
     def run(self, workload: Workload, warm_up: BenchRequest) -> RunRecord:
         samples = {r.n for r in workload.requests}
         if len(samples) != 1:
             raise ValueError("hf-cb takes the sample count from its generation config: one n per workload")
-        self.model.set_attn_implementation("sdpa")  # a kvscope engine may have switched it
+        self.stock_attention()
         pages = num_pages(workload.kv_cache_tokens, self.settings.page_size)
         manager = self.model.init_continuous_batching(
             generation_config=self._generation_config(workload, samples.pop()),

@@ -62,16 +62,24 @@ def useful_output_tokens(output_lens: list[int], n: int = 1) -> tuple[int, int]:
     return n * sum(output_lens), n * len(output_lens) * max(output_lens)
 
 
-class StaticBatchRun:
-    """One pass of a workload through ``model.generate``; ``run()`` returns its RunRecord."""
+class TransformersRun:
+    """What the transformers peers share: the model, its pad token and the peer's settings; ``run()`` returns a
+    workload's RunRecord."""
 
-    def __init__(self, model, pad_token_id: int, settings: StaticSettings) -> None:
+    def __init__(self, model, pad_token_id: int, settings) -> None:
         self.model = model
         self.pad_token_id = pad_token_id
         self.settings = settings
 
-    def run(self, workload: Workload, warm_up: BenchRequest) -> RunRecord:
+    def stock_attention(self) -> None:
         self.model.set_attn_implementation("sdpa")  # a kvscope engine may have switched it
+
+
+class StaticBatchRun(TransformersRun):
+    """One pass of a workload through ``model.generate``."""
+
+    def run(self, workload: Workload, warm_up: BenchRequest) -> RunRecord:
+        self.stock_attention()
         self._generate([warm_up], workload.temperature, _StepClock())
         size = self.settings.batch_size
         batches = [workload.requests[i:i + size] for i in range(0, len(workload.requests), size)]

@@ -16,7 +16,7 @@ from kvscope.app.bench.metrics import RunRecord, engine_overhead
 from kvscope.app.bench.systems import CONTIGUOUS, PAGED, PAGED_NO_PREFIX
 from kvscope.engine import EngineConfig, SamplingParams
 
-# Issue 7's target for engine overhead is stated at this running batch.
+# The engine overhead's target is stated at this running batch.
 OVERHEAD_BATCH = 64
 
 

@@ -1,4 +1,4 @@
-"""`kvscope bench logging`: what the run log costs (issue 6).
+"""`kvscope bench logging`: what the run log costs.
 
 The same workload through kvscope-paged with logging off and on, in one process,
 in the order off, on, on, off per repeat so that drift in machine load falls on

@@ -25,7 +25,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 
 def json_lines(rows: list[dict]) -> str:
-    """One object per row: the issue's keys first, then whatever else the system measured."""
+    """One object per row: the report's keys (REPORT_KEYS) first, then whatever else the system measured."""
     lines = []
     for row in rows:
         ordered = {key: row.get(key) for key in REPORT_KEYS}

@@ -28,7 +28,7 @@ from kvscope.engine.llm_engine import LLMEngine
 _PROMPT_LEN = 32
 
 
-def _text_tokenizer():
+def text_tokenizer():
     """(tokenizer, its name): the default model's when fetched, else None for the FakeRunner's own."""
     from kvscope.engine.model.loader import default_model_dir
 
@@ -92,7 +92,7 @@ def run_scheduler_bench(num_requests: int = 256, num_blocks: int = 4096, steps: 
     if peak_blocks > num_blocks:
         raise ValueError(f"{num_requests} requests of {_PROMPT_LEN}+{max_tokens} tokens need {peak_blocks} "
                          f"blocks; num_blocks is {num_blocks}: use fewer steps or more blocks")
-    tokenizer, tokenizer_name = _text_tokenizer()
+    tokenizer, tokenizer_name = text_tokenizer()
     runs = {}
     for detokenize in (True, False):
         engine = _decoding_engine(num_requests, num_blocks, block_size, max_tokens, seed, detokenize, tokenizer)

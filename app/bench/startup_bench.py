@@ -3,7 +3,7 @@
 A user's start is a fresh interpreter: import torch and transformers, load the weights, pack the
 linear layers, load the C++ kernels (built once per machine, then cached) and allocate the KV pool.
 Each repeat runs in its own process, so only the disk caches and the built kernels are warm; that is
-the "warm cache" start issue 16 holds to 10 s. The median is what the table reports, since one slow
+the "warm cache" start, held to 10 s. The median is what the table reports, since one slow
 start on a shared machine says little.
 """
 

@@ -1,29 +1,61 @@
-"""`kvscope bench ui`: what the open window costs the engine, and how fast the block map paints.
+"""`kvscope bench ui`: what a block-map frame costs at a big pool, and what the open window costs the engine.
 
-1. Engine throughput on one workload, run headless and with the app open
-   (headless Textual through ``run_test``), in one process on the same weights,
-   the engine stepped from a worker thread both times, in alternating rounds.
-   Throughput is generated tokens over the engine's own busy span, first step's
-   start to last step's end.
-2. The block map's full repaint for a 4096-block pool with 256 requests: a new
-   snapshot in which every cell changed, turned into codes and every line
-   rendered through Textual's styles cache. Median over many repaints.
+Both on one engine: a FakeRunner (no model, no KV tensor) with ``--blocks`` blocks (default 330,000, about what
+an H200 holds of SmolLM2 at 0.9 utilisation) of which ``--usage`` (default 80%) are held by ``--batch`` decoding
+requests, each with a prompt of its own. One run, in this order:
+
+1. Headless: the engine stepped ``--steps`` times from a thread of its own, as the app's engine thread steps it.
+2. Window: the real app (KVScopeApp, headless Textual through ``run_test``, at ``--size``) on the same engine,
+   unpaused for ``--steps`` steps: the engine thread steps, the UI thread takes every step (``ingest``) and
+   paints at its own frame rate under its CPU budget (app/screens/main.py).
+3. Frames: the window's own BlockMap (its size in that window) shown each of the last ``--frames`` steps'
+   snapshots and every line rendered (``show_snapshot`` then ``render_line`` for each row: the cells from the
+   snapshot, then the strips; Textual's compositor pass is not included), before the app closes (closing it
+   aborts the engine's requests).
+
+Throughput is engine steps per CPU second of the whole process (time.process_time: the engine thread, the UI
+thread and any other), so whatever the window spends holding the GIL counts against it, and the figure holds on
+a machine shared with other work. Where that CPU went is split out: the engine thread's own per step (headless
+and with the window open) and the UI thread's per engine step. Frame times are the UI thread's CPU
+(time.thread_time_ns).
 """
 
 from __future__ import annotations
 
 import asyncio
-import statistics
+import collections
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.app.worker.commands import AddRequest, SetPaused
-from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.app.bench.host import BLOCK_SIZE, Spread, decoding_engine
+from kvscope.app.bench.scoreboard import UiSettings
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView, StepStats
 
-MAP_SIZE = (130, 40)   # window for the map bench: a 4096-block pool fits one block per cell
+
+@dataclass(frozen=True)
+class UiResult:
+    settings: UiSettings
+    usage: float                    # of the pool, when the frames were timed
+    cells: int                      # the map's cells in the window
+    blocks_per_cell: int
+    frame: Spread                   # show_snapshot and every line, ms
+    cells_ms: Spread                # show_snapshot alone
+    headless_steps_per_cpu_s: float
+    window_steps_per_cpu_s: float
+    window_frames: int              # frames the window painted while measured
+    # Where the CPU went, ms per engine step: the engine thread's own, headless and with the window open, and the
+    # UI thread's while the window was open.
+    headless_engine_ms: float
+    window_engine_ms: float
+    window_ui_ms: float
+
+    @property
+    def window_cost(self) -> float:
+        """The share of engine throughput the open window takes."""
+        return 1 - self.window_steps_per_cpu_s / self.headless_steps_per_cpu_s
 
 
 class RecordingEngine:
@@ -54,80 +86,6 @@ def generation_rate(stats: list[StepStats]) -> float:
     return generated / span if span > 0 else 0.0
 
 
-def _workload(num_requests: int, max_tokens: int) -> list[tuple[list[dict], SamplingParams]]:
-    from kvscope.app.load.presets import prompt_lines
-
-    questions = prompt_lines("chat_questions.txt")
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [([{"role": "user", "content": questions[i % len(questions)]}], params)
-            for i in range(num_requests)]
-
-
-def _headless(make_engine, workload) -> float:
-    """The workload on a bare engine, stepped from a thread of its own as the app's engine thread is
-    (torch's CPU thread pool behaves differently in the main thread, so this keeps the comparison fair)."""
-    engine = RecordingEngine(make_engine())
-    for i, (prompt, params) in enumerate(workload):
-        engine.add_request(prompt, params, request_id=f"bench-{i}")
-
-    def run() -> None:
-        while engine.has_unfinished_requests():
-            engine.step()
-
-    thread = threading.Thread(target=run, name="bench-engine")
-    thread.start()
-    thread.join()
-    return generation_rate(engine.stats)
-
-
-async def _with_ui(make_engine, workload, config: EngineConfig, size: tuple[int, int]) -> float:
-    from kvscope.app.app import KVScopeApp
-    from kvscope.app.headless import wait_until
-
-    recording: list[RecordingEngine] = []
-
-    def factory(_config, _previous=None):
-        recording.append(RecordingEngine(make_engine()))
-        return recording[-1]
-
-    app = KVScopeApp(config, log_enabled=False, engine_factory=factory, paused=True)
-    async with app.run_test(size=size) as pilot:
-        await wait_until(pilot, lambda: app.main.engine_info is not None, 120)
-        for i, (prompt, params) in enumerate(workload):
-            app.worker.send(AddRequest(f"bench-{i}", prompt, params))
-        app.worker.send(SetPaused(False))
-        await wait_until(pilot, lambda: recording[0].num_finished == len(workload), 3600)
-    return generation_rate(recording[0].stats)
-
-
-def bench_engine_with_ui(config: EngineConfig, num_requests: int = 32, max_tokens: int = 64,
-                         repeats: int = 3, size: tuple[int, int] = (160, 48)) -> dict:
-    """Rounds of one headless run and one with the UI, the order swapped every other round, so a machine
-    that gets busier or quieter during the bench weighs on both sides alike; medians over the rounds."""
-    from kvscope.app.worker.factory import build_engine
-
-    first = build_engine(config)
-
-    def make_engine():
-        return build_engine(config, first)
-
-    workload = _workload(num_requests, max_tokens)
-    _headless(make_engine, _workload(4, 8))  # warm-up: first forwards allocate and compile
-    sides = {"headless": lambda: _headless(make_engine, workload),
-             "ui": lambda: asyncio.run(_with_ui(make_engine, workload, config, size))}
-    rounds = []
-    for index in range(repeats):
-        order = ("headless", "ui") if index % 2 == 0 else ("ui", "headless")
-        rates = {side: sides[side]() for side in order}
-        rounds.append((rates["headless"], rates["ui"]))
-    headless = statistics.median(h for h, _ in rounds)
-    with_ui = statistics.median(u for _, u in rounds)
-    return {"headless_tok_s": headless, "ui_tok_s": with_ui, "ratio": with_ui / headless,
-            "rounds": rounds, "num_requests": num_requests, "max_tokens": max_tokens, "repeats": repeats,
-            "model": first.info.model_name}
-
-
-# --- block map ---------------------------------------------------------------------------------------
 
 
 def synthetic_snapshot(num_blocks: int, num_requests: int, block_size: int = 16,
@@ -166,69 +124,164 @@ def synthetic_snapshot(num_blocks: int, num_requests: int, block_size: int = 16,
                          requests=tuple(views))
 
 
-async def _map_repaints(snapshots: list[CacheSnapshot], repaints: int,
-                        size: tuple[int, int]) -> tuple[list[float], list[float]]:
-    """(widget, full) seconds per repaint: the map's own work (snapshot to cell codes to one Strip per
-    line), and that plus Textual's per-line pass (background, borders, colour filter)."""
-    from textual.app import App, ComposeResult
-    from textual.geometry import Region
+class WindowedEngine(RecordingEngine):
+    """The engine as the app's worker steps it. Once ``measure_until(n)`` is set, the step that makes ``n`` steps
+    notes the process CPU time and the pool's usage on the engine thread, so the window's side is measured to the
+    step (the engine may run on until the app pauses it); the snapshots of the steps before it are kept for the
+    frame timing."""
 
-    from kvscope.app.widgets.block_map import BlockMap
-    from kvscope.themes import BLOCK_VARIABLE_DEFAULTS, THEMES
+    def __init__(self, engine, keep: int) -> None:
+        super().__init__(engine)
+        self.recent: collections.deque[CacheSnapshot] = collections.deque(maxlen=keep)
+        self.step_cpu_ns: list[int] = []      # the stepping thread's CPU in each step
+        self.stop_at: int | None = None
+        # At stop_at: (process CPU seconds, the UI thread's CPU nanoseconds, kv usage).
+        self.stopped: tuple[float, int, float] | None = None
+        self._ui_clock = time.pthread_getcpuclockid(threading.main_thread().ident)   # the app's loop runs there
 
-    class MapApp(App):
-        def get_theme_variable_defaults(self) -> dict[str, str]:
-            return BLOCK_VARIABLE_DEFAULTS
+    def ui_cpu_ns(self) -> int:
+        return time.clock_gettime_ns(self._ui_clock)
 
-        def compose(self) -> ComposeResult:
-            yield BlockMap()
+    def measure_until(self, steps: int) -> None:
+        self.stopped, self.stop_at = None, len(self.stats) + steps
 
-    app = MapApp()
-    widget, full = [], []
-    async with app.run_test(size=size) as pilot:
-        for theme in THEMES:
-            app.register_theme(theme)
-        app.theme = THEMES[0].name
-        await pilot.pause()
-        block_map = app.query_one(BlockMap)
-        region = Region(0, 0, *block_map.outer_size)
-        for i in range(repaints):
-            start = time.perf_counter()
-            block_map.show_snapshot(snapshots[i % len(snapshots)])
-            for y in range(block_map.size.height):
-                block_map.render_line(y)
-            drawn = time.perf_counter()
-            block_map.refresh()     # every line through Textual's pass, as in a full repaint
-            block_map.render_lines(region)
-            widget.append(drawn - start)
-            full.append(time.perf_counter() - start)
-    return widget, full
+    def step(self):
+        start = time.thread_time_ns()
+        result = super().step()
+        self.step_cpu_ns.append(time.thread_time_ns() - start)
+        if self.stop_at is None or len(self.stats) <= self.stop_at:
+            self.recent.append(result.snapshot)
+        if len(self.stats) == self.stop_at:
+            self.stopped = (time.process_time(), self.ui_cpu_ns(), result.stats.kv_usage)
+        return result
+
+    def engine_ms(self, first: int, last: int) -> float:
+        """The stepping thread's mean CPU milliseconds per step over steps ``first`` to ``last``."""
+        return sum(self.step_cpu_ns[first:last]) / max(1, last - first) / 1e6
 
 
-def bench_block_map(num_blocks: int = 4096, num_requests: int = 256, repaints: int = 60,
-                    size: tuple[int, int] = MAP_SIZE) -> dict:
-    # Consecutive snapshots differ in every cell, so each repaint redraws every line.
-    snapshots = [synthetic_snapshot(num_blocks, num_requests, seed=seed) for seed in range(4)]
-    widget, full = asyncio.run(_map_repaints(snapshots, repaints, size))
-    return {"num_blocks": num_blocks, "num_requests": num_requests, "repaints": repaints,
-            "widget_median_ms": 1000 * statistics.median(widget),
-            "median_ms": 1000 * statistics.median(full),
-            "p90_ms": 1000 * float(np.percentile(full, 90))}
+def full_engine(settings: UiSettings) -> WindowedEngine:
+    """``settings.batch`` decoding requests holding about ``settings.usage`` of a pool of ``settings.blocks``."""
+    max_tokens = 3 * settings.steps + settings.frames + 8     # nobody finishes during the run
+    per_request = int(settings.blocks * settings.usage) // settings.batch * BLOCK_SIZE
+    context = per_request - max_tokens // 2     # the pool fills to about ``usage`` by the middle of the run
+    if context < 1:
+        raise ValueError(f"{settings.batch} requests cannot hold {settings.usage:.0%} of {settings.blocks:,} blocks "
+                         f"over {settings.steps} steps: more blocks, fewer steps or a smaller batch")
+    phased = decoding_engine(settings.blocks, settings.batch, context, max_tokens, settings.seed, shared_share=0,
+                             prompt_tail=None)
+    return WindowedEngine(phased.engine, settings.frames)
 
 
-def run_ui_bench(config: EngineConfig | None = None, *, num_requests: int = 32, max_tokens: int = 64,
-                 repeats: int = 3, engine: bool = True) -> dict:
-    """Both figures; ``engine=False`` skips the model run (only the block-map figure)."""
-    result = {"block_map": bench_block_map()}
-    block_map = result["block_map"]
-    print(f"block map, {block_map['num_blocks']} blocks, {block_map['num_requests']} requests, full repaint: "
-          f"median {block_map['median_ms']:.2f} ms (p90 {block_map['p90_ms']:.2f} ms), of which the map's "
-          f"own work {block_map['widget_median_ms']:.2f} ms and Textual's line pass the rest")
-    if engine:
-        run = bench_engine_with_ui(config or EngineConfig(), num_requests, max_tokens, repeats)
-        result["engine"] = run
-        print(f"engine ({run['model']}, {num_requests} requests x {max_tokens} tokens): "
-              f"headless {run['headless_tok_s']:.1f} tok/s, with the UI open {run['ui_tok_s']:.1f} tok/s "
-              f"= {100 * run['ratio']:.1f}% of headless (medians of {repeats} rounds: "
-              + ", ".join(f"{h:.1f}/{u:.1f}" for h, u in run["rounds"]) + ")")
-    return result
+def headless_rate(engine: WindowedEngine, steps: int) -> tuple[int, float]:
+    """(steps, process CPU seconds): the engine stepped from a thread of its own, as the app's worker does."""
+    def run() -> None:
+        for _ in range(steps):
+            engine.step()
+
+    cpu = time.process_time()
+    thread = threading.Thread(target=run, name="bench-engine")
+    thread.start()
+    thread.join()
+    return steps, time.process_time() - cpu
+
+
+def time_frames(block_map, snapshots: list[CacheSnapshot]) -> tuple[list[int], list[int]]:
+    """(cells, whole frame) thread CPU nanoseconds per snapshot: show_snapshot, then every line rendered."""
+    cells, frames = [], []
+    for snapshot in snapshots:
+        start = time.thread_time_ns()
+        block_map.show_snapshot(snapshot)
+        shown = time.thread_time_ns()
+        for y in range(block_map.size.height):
+            block_map.render_line(y)
+        end = time.thread_time_ns()
+        cells.append(shown - start)
+        frames.append(end - start)
+    return cells, frames
+
+
+async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
+    """The real app open on ``engine`` for ``settings.steps`` steps, then the frame timing on its block map."""
+    from kvscope.app.app import KVScopeApp
+    from kvscope.app.headless import wait_until
+    from kvscope.app.worker.commands import SetPaused
+
+    app = KVScopeApp(engine.config, log_enabled=False, engine_factory=lambda _config, _previous=None: engine,
+                     paused=True)
+    async with app.run_test(size=settings.size) as pilot:
+        if not await wait_until(pilot, lambda: app.main.engine_info is not None, 120):
+            raise RuntimeError("the app did not take the engine within 120 s")
+        block_map = app.main.view.block_map
+        painted = []
+        show_snapshot = block_map.show_snapshot
+        block_map.show_snapshot = lambda snapshot: (painted.append(1), show_snapshot(snapshot))   # counts frames
+        first, cpu, ui_cpu = len(engine.stats), time.process_time(), engine.ui_cpu_ns()
+        engine.measure_until(settings.steps)
+        app.worker.send(SetPaused(False))
+        if not await wait_until(pilot, lambda: engine.stopped is not None, 3600):
+            raise RuntimeError("the engine stopped stepping in the window")
+        frames, (stopped_cpu, stopped_ui, usage) = len(painted), engine.stopped
+        app.worker.send(SetPaused(True))
+        await wait_until(pilot, lambda: app.worker.state.paused, 30)
+        block_map.show_snapshot = show_snapshot
+        cells, frame = time_frames(block_map, list(engine.recent))
+        layout = block_map.map_layout
+        return {"usage": usage, "steps": settings.steps, "cpu": stopped_cpu - cpu, "painted": frames,
+                "engine_ms": engine.engine_ms(first, first + settings.steps),
+                "ui_ms": (stopped_ui - ui_cpu) / settings.steps / 1e6,
+                "cells": cells, "frame": frame, "num_cells": layout.num_cells,
+                "blocks_per_cell": layout.blocks_per_cell}
+
+
+def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
+    say = progress or (lambda line: None)
+    say(f"filling {settings.usage:.0%} of {settings.blocks:,} blocks with {settings.batch} requests")
+    engine = full_engine(settings)
+    say(f"headless, {settings.steps} steps")
+    first = len(engine.stats)
+    before = headless_rate(engine, settings.steps)
+    headless_engine_ms = engine.engine_ms(first, first + settings.steps)
+    say(f"the window open at {settings.size[0]}x{settings.size[1]}, {settings.steps} steps")
+    window = asyncio.run(window_run(engine, settings))
+    return UiResult(
+        settings=settings, usage=window["usage"],
+        cells=window["num_cells"], blocks_per_cell=window["blocks_per_cell"],
+        frame=Spread.of(window["frame"]), cells_ms=Spread.of(window["cells"]),
+        headless_steps_per_cpu_s=before[0] / before[1],
+        window_steps_per_cpu_s=window["steps"] / window["cpu"], window_frames=window["painted"],
+        headless_engine_ms=headless_engine_ms, window_engine_ms=window["engine_ms"], window_ui_ms=window["ui_ms"])
+
+
+def format_table(result: UiResult) -> str:
+    s = result.settings
+
+    def ms(spread: Spread) -> str:
+        return f"{spread.median:.1f} ms ({spread.p10:.1f}-{spread.p90:.1f})"
+
+    rows = [
+        ("pool", f"{s.blocks:,} blocks, {result.usage:.0%} in use, {s.batch} requests decoding (FakeRunner)"),
+        ("block map", f"{result.cells:,} cells of {result.blocks_per_cell:,} blocks, window {s.size[0]}x{s.size[1]}"),
+        ("frame: cells from the snapshot", ms(result.cells_ms)),
+        ("frame: cells and every line", ms(result.frame)),
+        ("engine headless", f"{result.headless_steps_per_cpu_s:,.1f} steps per CPU second"),
+        ("engine, window open", f"{result.window_steps_per_cpu_s:,.1f} steps per CPU second "
+                                f"({result.window_frames} frames painted in {s.steps} steps)"),
+        ("the window's cost", f"{100 * result.window_cost:.1f}% of engine throughput"),
+        ("  engine thread per step", f"{result.headless_engine_ms:.2f} ms headless, {result.window_engine_ms:.2f} ms "
+                                     "with the window open"),
+        ("  UI thread per engine step", f"{result.window_ui_ms:.2f} ms"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["kvscope bench ui: frame times in UI-thread CPU, median (p10-p90) over "
+                      f"{s.frames} frames; throughput in process CPU, {s.steps} steps a side"]
+                     + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+
+def as_json(result: UiResult) -> dict:
+    return {"bench": "ui", "blocks": result.settings.blocks, "usage": result.usage, "batch": result.settings.batch,
+            "cells": result.cells, "blocks_per_cell": result.blocks_per_cell, "frame_ms": vars(result.frame),
+            "cells_ms": vars(result.cells_ms), "headless_steps_per_cpu_s": result.headless_steps_per_cpu_s,
+            "window_steps_per_cpu_s": result.window_steps_per_cpu_s, "window_frames": result.window_frames,
+            "window_cost": result.window_cost, "headless_engine_ms": result.headless_engine_ms,
+            "window_engine_ms": result.window_engine_ms, "window_ui_ms": result.window_ui_ms}

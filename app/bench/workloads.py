@@ -55,7 +55,7 @@ def _random_ids(rng: random.Random, count: int) -> tuple[int, ...]:
 
 
 def _mixed_requests(num_requests: int, seed: int) -> tuple[BenchRequest, ...]:
-    # The exact recipe: the reference figures were measured on these requests.
+    # The exact recipe the reference figures were measured on.
     rng = random.Random(seed)
     requests = []
     for _ in range(num_requests):

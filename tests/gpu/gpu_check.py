@@ -22,8 +22,8 @@ def checks(kvscope: str) -> list[tuple[str, list[str]]]:
          [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "gpu" / "test_cuda.py")]),
         ("bench kernels --device cuda", [kvscope, "bench", "kernels", "--device", "cuda", "--repeats", "5"]),
         ("bench mixed --device cuda (16 requests)",
-         [kvscope, "bench", "--device", "cuda", "--workload", "mixed", "--requests", "16", "--dtype", "bfloat16",
-          "--systems", "kvscope-paged,hf-static", "--no-floor", "--no-log"]),
+         [kvscope, "bench", "throughput", "--device", "cuda", "--workload", "mixed", "--requests", "16",
+          "--dtype", "bfloat16", "--systems", "kvscope-paged,hf-static", "--no-floor", "--no-log"]),
     ]
 
 

@@ -22,7 +22,7 @@ TIMEOUT_S = 1800   # vLLM's first start compiles its model
 def test_the_bench_runs_vllm_from_the_repository_root():
     kvscope = Path(sys.executable).parent / "kvscope"
     vllm_python = os.path.relpath(os.environ["KVSCOPE_VLLM_PYTHON"], REPOSITORY)
-    command = [str(kvscope), "bench", "--workload", "mixed", "--requests", "3", "--dtype", "bfloat16",
+    command = [str(kvscope), "bench", "throughput", "--workload", "mixed", "--requests", "3", "--dtype", "bfloat16",
                "--systems", "vllm", "--vllm-python", vllm_python, "--threads", "2", "--json", "--no-log",
                "--no-floor"]
     result = subprocess.run(command, cwd=REPOSITORY, capture_output=True, text=True, timeout=TIMEOUT_S)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from models import tiny_model
 
-from kvscope.app.bench import cli, peak, vllm_runner, vllm_system
+from kvscope.app.bench import peak, systems_cli, vllm_runner, vllm_system
 from kvscope.app.bench.kvscope_system import VARIANTS, engine_config
 from kvscope.app.bench.systems import PAGED, VLLM, systems_for
 from kvscope.app.bench.workloads import build_workloads, chat, mixed, warm_up_request
@@ -35,11 +35,11 @@ def test_the_matmul_peak_is_measured(dtype):
 
 
 def test_matched_settings_reach_both_kvscope_and_vllm():
-    args = build_parser().parse_args(["bench", "--matched"])
-    assert cli.engine_settings(args) == (128, 4096)
-    args = build_parser().parse_args(["bench", "--matched", "--block-size", "32"])
-    assert cli.engine_settings(args) == (32, 4096)
-    assert cli.engine_settings(build_parser().parse_args(["bench"])) == (None, None)
+    args = build_parser().parse_args(["bench", "throughput", "--matched"])
+    assert systems_cli.engine_settings(args) == (128, 4096)
+    args = build_parser().parse_args(["bench", "throughput", "--matched", "--block-size", "32"])
+    assert systems_cli.engine_settings(args) == (32, 4096)
+    assert systems_cli.engine_settings(build_parser().parse_args(["bench", "throughput"])) == (None, None)
     workload = mixed(4)
     config = engine_config(VARIANTS[PAGED], workload, model="fake", device="cpu", dtype="float32", block_size=128,
                            max_num_batched_tokens=4096)

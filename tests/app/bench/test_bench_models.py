@@ -16,6 +16,7 @@ from kvscope.app.bench.hf_static import StaticBatchRun, StaticSettings
 from kvscope.app.bench.metrics import REPORT_KEYS
 from kvscope.app.bench.report import add_ratios, format_table
 from kvscope.app.bench.systems import SYSTEMS, VLLM
+from kvscope.app.bench.systems_cli import run_logging, run_throughput
 from kvscope.app.bench.workloads import BenchRequest, Workload, warm_up_request
 from kvscope.app.cli import build_parser, main
 from kvscope.engine.model.packed_linear import is_packed
@@ -95,16 +96,17 @@ def test_harness_runs_every_system_on_one_model(tiny):
 
 
 def test_cli_parses_the_bench_command():
-    args = build_parser().parse_args(["bench", "--workload", "overload", "--systems", "hf-cb", "--json"])
-    assert (args.what, args.workload, args.systems, args.json) == ("workloads", "overload", "hf-cb", True)
-    assert build_parser().parse_args(["bench", "logging"]).what == "logging"
+    args = build_parser().parse_args(["bench", "throughput", "--workload", "overload", "--systems", "hf-cb", "--json"])
+    assert (args.func, args.workload, args.systems, args.json) == (run_throughput, "overload", "hf-cb", True)
+    assert build_parser().parse_args(["bench", "workloads"]).func is run_throughput   # the name it had
+    assert build_parser().parse_args(["bench", "logging"]).func is run_logging
 
 
 def test_cli_rejects_unknown_systems_and_dtypes():
     with pytest.raises(SystemExit, match="unknown system"):
-        main(["bench", "--systems", "sglang"])
+        main(["bench", "throughput", "--systems", "sglang"])
     with pytest.raises(SystemExit, match="--dtype"):
-        main(["bench", "--dtype", "int4"])
+        main(["bench", "throughput", "--dtype", "int4"])
 
 
 def test_cli_runs_the_workloads_end_to_end(tiny, tmp_path, capsys, monkeypatch):
@@ -118,8 +120,9 @@ def test_cli_runs_the_workloads_end_to_end(tiny, tmp_path, capsys, monkeypatch):
         return [_workload()]
 
     monkeypatch.setattr("kvscope.app.bench.workloads.build_workloads", small_workloads)
-    code = main(["bench", "--model", str(tmp_path / "tiny"), "--requests", "3", "--json", "--device", "cpu",
-                 "--systems", "kvscope-paged,hf-static", "--db", str(tmp_path / "runs.db"), "--no-floor"])
+    code = main(["bench", "throughput", "--model", str(tmp_path / "tiny"), "--requests", "3", "--json",
+                 "--device", "cpu", "--systems", "kvscope-paged,hf-static", "--db", str(tmp_path / "runs.db"),
+                 "--no-floor"])
     assert code == 0 and asked == [("mixed", 3, 0)]
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["workload"], r["system"]) for r in lines] == [("tiny", "kvscope-paged"), ("tiny", "hf-static")]

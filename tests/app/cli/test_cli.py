@@ -175,7 +175,7 @@ def test_bad_engine_flags_are_one_line_errors(capsys, flag, value, message):
 
 
 def test_bench_takes_the_generated_model_and_device_flags():
-    args = build_parser().parse_args(["bench", "scheduler", "--device", "cuda:1", "--model", "m"])
+    args = build_parser().parse_args(["bench", "throughput", "--device", "cuda:1", "--model", "m"])
     assert (args.device, args.model) == ("cuda:1", "m")
 
 

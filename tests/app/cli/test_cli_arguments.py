@@ -27,12 +27,15 @@ def test_the_largest_run_id_is_simply_not_found(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [
-    ["--requests", "0"], ["--requests", "-5"], ["--threads", "-1"], ["--threads", "0"], ["--repeats", "0"],
-    ["scheduler", "--requests", "0"], ["logging", "--requests", "x"], ["--hf-batch-size", "0"],
+    ["throughput", "--requests", "0"], ["throughput", "--requests", "-5"], ["throughput", "--threads", "-1"],
+    ["kernels", "--threads", "0"], ["startup", "--repeats", "0"], ["scheduler", "--requests", "0"],
+    ["logging", "--requests", "x"], ["throughput", "--hf-batch-size", "0"], ["host", "--pools", "4096,0"],
+    ["host", "--steps", "0"], ["ui", "--usage", "0"],
 ])
 def test_bench_counts_below_one_are_argument_errors(capsys, argv):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", *argv])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("kvscope bench: error: argument")
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith(f"kvscope bench {argv[0]}: error: argument")

@@ -18,7 +18,7 @@ from cli_helpers import kvscope, one_error_line
 from runlog_faults import fill_the_disk, make_log
 
 from kvscope.app import cli
-from kvscope.app.bench.cli import _log_opener
+from kvscope.app.bench.systems_cli import log_opener
 from kvscope.app.runlog import SCHEMA_VERSION, RunLogReader, record_run, schema
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -112,7 +112,7 @@ def test_chat_says_in_one_stderr_line_that_the_log_stopped(tmp_path, monkeypatch
 def test_bench_says_it_once_for_all_its_runs(tmp_path, monkeypatch, capsys):
     path = tmp_path / "runs.db"
     fill_the_disk(monkeypatch, path)
-    open_log = _log_opener(path)
+    open_log = log_opener(path)
     for _ in range(3):
         engine = fake_engine(CONFIG)
         logger = open_log(engine)

@@ -1,0 +1,41 @@
+"""The settings of the host-side scoreboard (`kvscope bench host` and `kvscope bench ui`), and their defaults.
+
+Apart from the benches themselves so that the command line builds their flags from here without importing the
+engine: a setting with help text is a flag of the same name, its default the setting's own. The sizes are the
+ones the scoreboard's targets are stated at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SMOLLM2_VOCAB = 49_152
+
+
+def flag(default, text: str):
+    """A setting that the command line offers as a flag, with ``text`` as its help."""
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    pools: tuple[int, ...] = flag((4_096, 65_536, 400_000), "pool sizes in blocks")   # 400,000: about an H200's
+    batches: tuple[int, ...] = flag((8, 64, 256), "decoding requests per step")
+    contexts: tuple[int, ...] = flag((100, 1_200), "tokens of context each request has")
+    steps: int = flag(40, "measured steps per cell")
+    sampler_repeats: int = flag(3, "timed sampler calls per batch and setting")
+    vocab: int = flag(SMOLLM2_VOCAB, "the sampler's vocabulary, SmolLM2's")
+    warmup: int = 3
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class UiSettings:
+    # An H200 at 0.9 utilisation holds about 340,000 blocks of SmolLM2.
+    blocks: int = flag(330_000, "pool size in blocks")
+    usage: float = flag(0.8, "share of the pool in use, below 1")
+    batch: int = flag(256, "decoding requests")
+    steps: int = flag(500, "engine steps per side; fewer make the window's cost noisy")
+    frames: int = flag(10, "block-map frames timed")
+    size: tuple[int, int] = (120, 40)
+    seed: int = 0
