@@ -14,7 +14,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
-from kvscope.app.actions import ACTIONS, REPLACED_SYSTEM_COMMANDS
+from kvscope.app.actions import ACTIONS, REPLACED_SYSTEM_COMMANDS, bindings
 from kvscope.app.attach.window.replay_view import replay_screen_for
 from kvscope.app.lessons import LESSONS
 from kvscope.app.lessons.load import teach_config
@@ -89,7 +89,7 @@ def runnable_warning(info: EngineInfo) -> str | None:
 class KVScopeApp(ThemedApp):
     TITLE = "kvscope"
     CSS_PATH = [APP_CSS, *THEME_CSS_PATHS]
-    BINDINGS = [Binding(a.keys, a.action, a.title, tooltip=a.help) for a in ACTIONS if a.keys]
+    BINDINGS = bindings()
 
     def __init__(self, config: EngineConfig, *, db_path: str | Path | None = None, log_enabled: bool = True,
                  engine_factory: Callable = build_engine, system_sampler: SystemSampler | None = None,
@@ -360,12 +360,6 @@ class KVScopeApp(ThemedApp):
 
         self.set_interval(SHUTDOWN_POLL_S, exit_when_stopped)
 
-    def action_show_keys(self) -> None:
-        if self.screen.query("HelpPanel"):
-            self.action_hide_help_panel()
-        else:
-            self.action_show_help_panel()
-
     def action_focus_panel(self, widget_id: str) -> None:
         found = self.screen.query(f"#{widget_id}")
         if found:
@@ -437,7 +431,7 @@ class KVScopeApp(ThemedApp):
         self._rebuild()
 
     def action_abort_reply(self) -> None:
-        """Esc in the chat: abort the reply streaming, or, with none, leave the input for the map."""
+        """Stop the chat's reply in flight (Ctrl+G, from any panel); nothing when none streams."""
         request_id = self.main.abort_chat()
         if request_id is not None:
             self.worker.send(AbortRequest(request_id))

@@ -143,14 +143,15 @@ class MainScreen(Screen):
         self.chat.show_rejection(request_id, error)
 
     def abort_chat(self) -> str | None:
-        """Esc in the chat: stop showing the reply in flight and return its id for the engine to abort; with
-        none, the focus leaves the input for the map."""
+        """Stop showing the chat's reply in flight and return its id for the engine to abort (None: none)."""
         request_id = self.chat.abort()
-        if request_id is None:
-            self.view.block_map.focus()
-        else:
+        if request_id is not None:
             self.view.block_map.set_chat_request(None)
         return request_id
+
+    def action_leave_chat(self) -> None:
+        """Esc in the chat: the focus leaves the input for the map, whether or not a reply streams."""
+        self.view.block_map.focus()
 
     def new_conversation(self) -> str | None:
         """Forget every turn; returns the reply in flight, if any, for the engine to abort."""

@@ -4,8 +4,8 @@ The pane keeps the conversation and the id of the reply in flight; the app sends
 each turn to the engine and feeds the outputs back. Every turn resends the whole
 conversation, so the second turn's prompt starts with the first turn's tokens
 and the prefix cache hands back their blocks. "New conversation" forgets it:
-the next turn is sent alone. Esc in the pane aborts the reply streaming (and
-only there: the key means other things elsewhere).
+the next turn is sent alone. Ctrl+G stops the reply streaming; Esc only leaves
+the input, as it steps out everywhere else.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ DEFAULT_MAX_TOKENS = 256
 WAITING = "waiting for the engine…"
 SPEAKERS = {"user": "you", "assistant": "assistant"}
 HINT = ("Type a question below and press Enter. Its blocks light up in the map while the reply streams; "
-        "Esc stops the reply, Ctrl+N starts a new conversation.")
+        "Ctrl+G stops the reply, Ctrl+N starts a new conversation, Esc leaves the input.")
 
 
 class ChatPane(Vertical):
-    BINDINGS = [Binding("escape", "app.abort_reply", "Abort reply")]
+    # Esc means one thing here, as everywhere: step out (of the input, to the map). Stopping a reply is the App's
+    # Ctrl+G, which works from any panel.
+    BINDINGS = [Binding("escape", "screen.leave_chat", "Leave input")]
 
     def __init__(self, *, max_tokens: int = DEFAULT_MAX_TOKENS, id: str | None = None,
                  classes: str | None = None) -> None:
@@ -76,7 +78,7 @@ class ChatPane(Vertical):
             event.input.value = ""   # whitespace alone is nothing to send, and nothing to keep
             return
         if self.current_request is not None:
-            self.notify("A reply is still streaming; press Esc to abort it.", severity="warning")
+            self.notify("A reply is still streaming; Ctrl+G stops it.", severity="warning")
             return
         event.input.value = ""
         chat_input.clear_pastes()

@@ -25,6 +25,12 @@ class ChatInput(Input):
         self._pastes: dict[str, str] = {}     # marker -> the text it stands for
         self._numbers = itertools.count(1)
 
+    def check_consume_key(self, key: str, character: str | None) -> bool:
+        """An empty input lets "?" through (see _on_key), so the keys panel does not say it needs Esc first."""
+        if character == "?" and not self.value:
+            return False
+        return super().check_consume_key(key, character)
+
     def _on_key(self, event: events.Key) -> None:
         if event.character == "?" and not self.value:
             event.prevent_default()

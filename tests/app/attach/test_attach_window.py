@@ -122,3 +122,19 @@ async def test_a_pool_that_appears_later_gets_its_own_map():
         await pilot.pause()
         assert [m.border_title for m in app.view.maps] == ["Block map · rank 0 · 54 announced of 96",
                                                            "Block map · rank 1 · 54 announced of 96"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("key", ["q", "f10"])
+async def test_the_attached_window_quits_and_saves_screenshots_with_the_apps_keys(key, tmp_path):
+    """F10 saved a screenshot and q did nothing; only Ctrl+Q, which no footer shows, quit."""
+    app = AttachApp(busy_source(), run_thread=False, db_path="/nonexistent/runs.db", screenshot_dir=tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert len(list(tmp_path.glob("*.svg"))) == 1
+        footer = str(app.screen.query_one("#keys").render())
+        assert "q Quit" in footer
+        await pilot.press(key)
+        await pilot.pause()
+    assert app.return_code == 0 and len(list(tmp_path.glob("*.svg"))) == 1
