@@ -167,6 +167,7 @@ class KVScopeApp(ThemedApp):
         if warning:
             self.notify(warning, title="No request can run", severity="warning", timeout=15)
         if self.serve is not None and self.serve.url:
+            self.main.show_serving(self.serve.url)
             network = self.serve.network_warning()
             self.notify(f"OpenAI API on {self.serve.url}/v1; watch it with kvscope attach {self.serve.url}"
                         + (f". {network}" if network else ""), title="Serving",

@@ -127,6 +127,10 @@ class MainScreen(Screen):
             header.show_stopped(error)
         self.chat.set_engine_waiting(still_running is None and self.engine_info is None)
 
+    def show_serving(self, url: str) -> None:
+        """kvscope --serve: the API's address stays in the header, where no toast can hide or time it out."""
+        self.header.show_serving(url)
+
     def engine_died(self, error: str) -> None:
         self.header.show_stopped(error)
 
