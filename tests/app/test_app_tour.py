@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import pytest
 from app_harness import FakeEngines, make_app, started, until
+from textual.widgets import DataTable
 from textual.widgets._toast import Toast
 
+from kvscope.app.runlog import record_run
+from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.widgets.header import EngineHeader
+from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.fake_runner import fake_engine
 
 pytestmark = pytest.mark.anyio
 
@@ -55,3 +60,36 @@ async def test_the_header_breaks_only_between_its_facts(width):
         assert len(lines) <= 3 and all(len(line) <= header.size.width for line in lines)
         for line in lines[1:]:
             assert not line.startswith(("MiB", "tok", "x@", "prefix")), lines    # no figure cut from its unit
+
+
+@pytest.fixture
+def many_runs(tmp_path):
+    """A run log of 40 short runs: more than History's list shows at 120x40."""
+    path = tmp_path / "runs.db"
+    for _ in range(40):
+        engine = fake_engine(EngineConfig(num_blocks=32, max_model_len=128))
+        with record_run(engine, db_path=path, label="a-long-label-for-the-model-column"):
+            engine.add_request("hello there", SamplingParams(max_tokens=2))
+            while engine.has_unfinished_requests():
+                engine.step()
+    return path
+
+
+async def test_history_end_and_home_move_the_selection_and_every_column_fits(many_runs):
+    app = make_app(FakeEngines(), db_path=many_runs, log_enabled=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        await pilot.press("f9")
+        history = app.screen
+        assert isinstance(history, HistoryScreen)
+        table = history.query_one("#runs", DataTable)
+        await until(pilot, lambda: table.row_count >= 40)
+        table.focus()
+        await pilot.press("end")
+        await pilot.pause()
+        assert table.cursor_row == table.row_count - 1
+        assert history.run_id == int(table.coordinate_to_cell_key((table.cursor_row, 0)).row_key.value)
+        await pilot.press("home")
+        await pilot.pause()
+        assert table.cursor_row == 0
+        assert table.max_scroll_x == 0, "the last column runs past the panel"
