@@ -4,12 +4,13 @@ mid-figure, the served address only in a toast that times out."""
 from __future__ import annotations
 
 import pytest
-from app_harness import FakeEngines, make_app, started, until
+from app_harness import FakeEngines, burst_steps, make_app, started, until
 from textual.widgets import DataTable
 from textual.widgets._toast import Toast
 
 from kvscope.app.runlog import record_run
 from kvscope.app.screens.history import HistoryScreen
+from kvscope.app.widgets.counters import Counters
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -93,3 +94,17 @@ async def test_history_end_and_home_move_the_selection_and_every_column_fits(man
         await pilot.pause()
         assert table.cursor_row == 0
         assert table.max_scroll_x == 0, "the last column runs past the panel"
+
+
+async def test_the_counters_never_wrap_a_line_at_120_columns():
+    app = make_app(FakeEngines(), config=EngineConfig(block_size=16, num_blocks=5825, max_model_len=512))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        await burst_steps(pilot, 4, 12)
+        counters = app.main.query_one(Counters)
+        await until(pilot, lambda: counters.stats is not None)
+        await pilot.pause()
+        width = counters.scrollable_content_region.width
+        lines = str(counters.render()).split("\n")
+        assert all(len(line) <= width for line in lines), lines
+        assert any("cached" in line for line in lines)
