@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -71,6 +74,7 @@ RATE_CAPS = (None, 50.0, 20.0, 10.0, 5.0, 2.0, 1.0, 0.5)  # steps per second, fa
 
 
 SHUTDOWN_POLL_S = 0.02
+TERMINAL_CLOSED = "terminal closed"
 REFUSALS_GATHER_S = 0.25
 
 
@@ -126,6 +130,7 @@ class KVScopeApp(ThemedApp):
         return self.main
 
     def on_ready(self) -> None:
+        self._catch_terminal_closing()
         # Started once the live view is composed, so the first messages find their panels.
         self.engine_thread = self.run_worker(self.worker.run, thread=True, name="engine", group="engine",
                                              exit_on_error=False)
@@ -134,7 +139,22 @@ class KVScopeApp(ThemedApp):
         elif self._first_lesson:
             self.start_lesson(self._first_lesson)
 
+    def _catch_terminal_closing(self) -> None:
+        """Closing the terminal sends SIGHUP, whose default ends the process where it stands: the run was then
+        found "running" with its process gone and called crashed, as an exception would be."""
+        if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+            return
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.terminal_closed)
+
+    def terminal_closed(self) -> None:
+        """The run is logged as interrupted, saying why, before the engine stops and the app exits."""
+        if self.run_logger is not None:
+            self.run_logger.close("interrupted", TERMINAL_CLOSED)
+        self.shut_down()
+
     def on_unmount(self) -> None:
+        if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         if self.serve is not None:
             self.serve.close()      # its requests end with "abort", stepped by the engine thread still running
         self.worker.send(Stop())

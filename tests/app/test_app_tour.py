@@ -108,3 +108,27 @@ async def test_the_counters_never_wrap_a_line_at_120_columns():
         lines = str(counters.render()).split("\n")
         assert all(len(line) <= width for line in lines), lines
         assert any("cached" in line for line in lines)
+
+
+async def test_closing_the_terminal_logs_the_run_interrupted_not_crashed(tmp_path):
+    import os
+    import signal
+
+    from kvscope.app.runlog import RunLogReader
+
+    path = tmp_path / "runs.db"
+    app = make_app(FakeEngines(), db_path=path, log_enabled=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        await burst_steps(pilot, 2, 3)
+        # Its default would end this test's process: only send it once the app has its own handler.
+        assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL
+        run_id = app.run_logger.run_id
+        os.kill(os.getpid(), signal.SIGHUP)
+        await until(pilot, lambda: not app.is_running or app.engine_thread.is_finished)
+    reader = RunLogReader(path)
+    try:
+        run = reader.run(run_id)
+    finally:
+        reader.close()
+    assert (run["status"], run["status_detail"]) == ("interrupted", "terminal closed")
