@@ -95,10 +95,24 @@ def say_swapped(moment: Moment) -> str:
             f"{event.request_id} waits in the [b]swapped[/b] queue.")
 
 
+def swapped_in_this_step(moment: Moment) -> int:
+    """How many blocks were copied back from the host pool in the moment's step (the stats count them all)."""
+    steps = moment.run_steps()
+    before = steps[-2].stats.num_swapped_in_blocks if len(steps) > 1 else 0
+    return moment.stats.num_swapped_in_blocks - before
+
+
 def say_swapped_in(moment: Moment) -> str:
+    """The swap-in event lists the request's whole device table, which may hold a block just allocated for
+    its next token besides the copied ones: the count comes from the blocks actually copied."""
     event = _event(moment, EventKind.SWAP_IN)
-    return (f"Blocks are free again: {event.request_id}'s blocks came back from the host pool into device blocks "
-            f"[b]{arrows(event.blocks)}[/b], and it goes on from where it stopped: nothing recomputed.")
+    copied = swapped_in_this_step(moment)
+    fresh = len(event.blocks) - copied
+    new = f", and {which_blocks(event.blocks[copied:])} new for the tokens it writes next" if fresh > 0 else ""
+    return (f"Blocks are free again: {event.request_id}'s {copied} swapped "
+            f"{'block was' if copied == 1 else 'blocks were'} copied back from the host pool into device "
+            f"{which_blocks(event.blocks[:copied])}{new}: its table is now [b]{arrows(event.blocks)}[/b]. It goes "
+            "on from where it stopped: nothing recomputed.")
 
 
 def say_figures(moment: Moment) -> str:

@@ -15,7 +15,7 @@ from kvscope.app.lessons.latency import inter_token_latencies, time_to_first_tok
 from kvscope.app.lessons.play import play
 from kvscope.app.lessons.script import Moment, StepRecord
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
-from kvscope.engine.outputs import KVLayout
+from kvscope.engine.outputs import EventKind, KVLayout
 
 pytestmark = pytest.mark.anyio
 
@@ -115,3 +115,17 @@ async def test_sizing_builds_each_pool_from_its_budget_and_runs_the_printed_conc
 
 def test_the_new_lessons_are_listed():
     assert {"sizing", "latency", "throughput"} <= set(LESSONS)
+
+
+async def test_preemptions_swap_in_counts_the_blocks_actually_copied_back():
+    """The caption said blocks "2 → 6" came back from the host pool where one block had been swapped: the event
+    lists the whole table, with a block newly allocated for the next token."""
+    beats, moment, runner = await played("preemption")
+    caption = next(beat.caption for beat in beats if beat.title == "And back in")
+    steps = list(runner.steps)
+    at = next(i for i, r in enumerate(steps) if any(e.kind == EventKind.SWAP_IN for e in r.events))
+    before = steps[at - 1].stats.num_swapped_in_blocks if steps[at - 1].run == steps[at].run else 0
+    copied = steps[at].stats.num_swapped_in_blocks - before
+    table = next(e.blocks for e in steps[at].events if e.kind == EventKind.SWAP_IN)
+    assert copied < len(table) or "new for the tokens" not in caption
+    assert f"{copied} swapped {'block was' if copied == 1 else 'blocks were'} copied back" in caption
