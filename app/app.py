@@ -285,6 +285,10 @@ class KVScopeApp(ThemedApp):
             yield SystemCommand(action.title + key, action.help, partial(self.run_action, action.action))
         for lesson in LESSONS.values():
             yield SystemCommand(f"Lesson: {lesson.name}", lesson.summary, partial(self.start_lesson, lesson.name))
+        # Each load preset straight from the palette: the picker in the load generator is many keys away.
+        for preset in PRESETS.values():
+            yield SystemCommand(f"Load: {preset.title}", f"Send {preset.default_count}: {preset.description}",
+                                partial(self.send_preset, preset.key))
 
     # --- lessons -------------------------------------------------------------------------------------
 
@@ -417,6 +421,12 @@ class KVScopeApp(ThemedApp):
 
     def action_launch_preset(self) -> None:
         self.main.query_one(LoadGenerator).launch()
+
+    def send_preset(self, key: str) -> None:
+        """Pick ``key`` in the load generator (so F6 sends it again) and send it at its default count."""
+        generator = self.main.query_one(LoadGenerator)
+        generator.choose(key)
+        generator.launch()
 
     @property
     def running_config(self) -> EngineConfig:

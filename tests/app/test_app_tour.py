@@ -132,3 +132,18 @@ async def test_closing_the_terminal_logs_the_run_interrupted_not_crashed(tmp_pat
     finally:
         reader.close()
     assert (run["status"], run["status_detail"]) == ("interrupted", "terminal closed")
+
+
+async def test_the_palette_has_an_entry_per_load_preset_that_sends_it():
+    from kvscope.app.load.presets import PRESETS
+    from kvscope.app.widgets.load_generator import LoadGenerator
+
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        commands = {command.title: command for command in app.get_system_commands(app.screen)}
+        assert all(f"Load: {preset.title}" in commands for preset in PRESETS.values())
+        last = list(PRESETS.values())[-1]
+        commands[f"Load: {last.title}"].callback()
+        await until(pilot, lambda: app.main.requests_in_flight())
+        assert app.main.query_one(LoadGenerator).preset_key == last.key
