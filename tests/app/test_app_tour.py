@@ -147,3 +147,37 @@ async def test_the_palette_has_an_entry_per_load_preset_that_sends_it():
         commands[f"Load: {last.title}"].callback()
         await until(pilot, lambda: app.main.requests_in_flight())
         assert app.main.query_one(LoadGenerator).preset_key == last.key
+
+
+async def test_the_replays_jump_box_leaves_the_queues_whole_and_its_status_keeps_one_row(tmp_path):
+    from kvscope.app.load.presets import PresetContext, build
+    from kvscope.app.runlog import RunLogReader
+    from kvscope.app.screens.replay import ReplayScreen
+    from kvscope.app.widgets.block_map import BlockMap
+    from kvscope.app.widgets.queues import QueuesTable
+
+    path = tmp_path / "runs.db"
+    config = EngineConfig(num_blocks=64, max_model_len=256)
+    engine = fake_engine(config, num_host_blocks=8)
+    context = PresetContext(16, 64, 256, config.max_num_batched_tokens, lambda text: len(text.encode()))
+    with record_run(engine, db_path=path) as logger:
+        for i, planned in enumerate(build("burst", 5, context)):
+            engine.add_request(planned.prompt, planned.params, request_id=f"r{i}")
+        for _ in range(30):
+            engine.step()
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        await app.push_screen(ReplayScreen(RunLogReader(path), logger.run_id))
+        await pilot.pause()
+        replay = app.screen
+        queues = replay.query_one(QueuesTable)
+        scales = set()
+        for _ in range(30):
+            await pilot.press("right")
+            await pilot.pause()
+            assert replay.query_one("#replay-status").region.height == 1
+            scales.add(replay.query_one(BlockMap).border_subtitle)
+        assert len(scales) == 1, scales                         # the map's scale never flips
+        assert not replay.query_one("#jump").region.overlaps(queues.region)
+        assert queues.region.height >= 5 + 2                    # every request's row, and the header
