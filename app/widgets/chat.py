@@ -57,6 +57,16 @@ class ChatPane(Vertical):
         # a repaint pass the engine pays for under load.
         chat_input.cursor_blink = False
         yield chat_input
+        yield Static("", id="paste-note")
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        """The paste note follows the input: shown while a paste marker is in it, gone with the last one."""
+        chat_input = self.query_one("#chat-input", ChatInput)
+        if event.input is chat_input:
+            note = self.query_one("#paste-note", Static)
+            summary = chat_input.summary()
+            note.update(Content(summary))
+            note.display = bool(summary)
 
     @property
     def chat_log(self) -> VerticalScroll:

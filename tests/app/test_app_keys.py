@@ -286,14 +286,20 @@ async def test_a_multi_line_paste_is_sent_whole():
         await pilot.press("R", "e", "a", "d", ":", "space")
         chat_input.post_message(events.Paste(pasted))
         await pilot.pause()
-        assert chat_input.value == f"Read: [pasted 25 lines, {len(pasted):,} characters]"   # what goes, in view
+        assert chat_input.value == "Read: [pasted 25 lines]"                      # what goes, in view
+        await pilot.pause()
+        note = app.main.query_one("#paste-note")
+        assert str(note.render()) == f"pasted 25 lines, {len(pasted):,} characters, sent whole" and note.display
+        assert chat_input.content_region.width > len(chat_input.value)      # the marker whole in the input
         await pilot.press("space", "o", "k")
         send = app.worker.send
         app.worker.send = lambda command: (isinstance(command, AddChatTurn) and sent.append(command), send(command))
         await pilot.press("enter")
         await until(pilot, lambda: sent)
         assert sent[0].messages[-1]["content"] == f"Read: {pasted} ok"          # every line of it
-        assert chat_input.value == "" and chat_input.expanded("[pasted 25 lines") == "[pasted 25 lines"
+        assert chat_input.value == "" and chat_input.expanded("[pasted 25 lines]") == "[pasted 25 lines]"
+        await pilot.pause()
+        assert not app.main.query_one("#paste-note").display
         bubble = str(app.main.query(".bubble.user").last().render())
         assert "line 0:" in bubble and "line 24:" in bubble
 
