@@ -35,7 +35,7 @@ def describe_server(frame: AttachFrame) -> str:
     pools = f"{ranks} ranks × " if ranks > 1 else ""
     context = f" · max_model_len {server.max_model_len:,}" if server.max_model_len else ""
     caching = "prefix cache on" if server.prefix_caching else "prefix cache off"
-    return (f"vLLM $version · [b]$model[/b] · {pools}{server.num_gpu_blocks:,} blocks × "
+    return (f"$version · [b]$model[/b] · {pools}{server.num_gpu_blocks:,} blocks × "
             f"{server.block_size} tokens = {server.num_gpu_blocks * server.block_size:,} tokens"
             f"{context} · {caching}")
 
@@ -49,6 +49,6 @@ class AttachHeader(Static):
         text = f"{first}\n{describe_server(frame)}"
         server = frame.server
         self.update(Content.from_markup(
-            text, url=one_line(server.url), model=one_line(server.model), version=one_line(server.version),
+            text, url=one_line(server.url), model=one_line(server.model), version=one_line(server.version_label),
             detail=one_line(frame.connection.detail, MAX_DETAIL),
             bad=one_line(frame.bad_samples.last_reason, MAX_DETAIL)))
