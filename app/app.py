@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import tempfile
@@ -19,8 +18,8 @@ from textual.worker import Worker, WorkerState
 
 from kvscope.app.actions import ACTIONS, REPLACED_SYSTEM_COMMANDS, bindings
 from kvscope.app.attach.window.replay_view import replay_screen_for
+from kvscope.app.engine_controls import EngineControls
 from kvscope.app.lessons import LESSONS
-from kvscope.app.lessons.load import teach_config
 from kvscope.app.load import presets
 from kvscope.app.load.presets import PRESETS
 from kvscope.app.messages import (
@@ -45,23 +44,17 @@ from kvscope.app.runlog import record_run
 from kvscope.app.screens.explain import ExplainScreen
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.screens.lesson import LessonScreen
-from kvscope.app.screens.lesson_menu import LessonMenu
 from kvscope.app.screens.main import MainScreen
 from kvscope.app.screens.quit import ConfirmAbort, ConfirmQuit, ShuttingDown
+from kvscope.app.teaching import LessonControls
 from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.key_bar import key_label
-from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
 from kvscope.app.worker.commands import (
-    AbortRequest,
     AddChatTurn,
     LaunchPreset,
-    Rebuild,
     RunOnEngine,
-    SetPaused,
-    SetRateCap,
-    StepOnce,
     Stop,
 )
 from kvscope.app.worker.factory import build_engine, first_engine_then_build
@@ -69,9 +62,6 @@ from kvscope.app.worker.thread import EngineWorker
 from kvscope.engine.config import EngineConfig, model_sampling
 from kvscope.settings import settings
 from kvscope.themes import THEME_CSS_PATHS
-
-RATE_CAPS = (None, 50.0, 20.0, 10.0, 5.0, 2.0, 1.0, 0.5)  # steps per second, fastest first
-
 
 SHUTDOWN_POLL_S = 0.02
 TERMINAL_CLOSED = "terminal closed"
@@ -90,7 +80,7 @@ def runnable_warning(info: EngineInfo) -> str | None:
     return None
 
 
-class KVScopeApp(ThemedApp):
+class KVScopeApp(LessonControls, EngineControls, ThemedApp):
     TITLE = "kvscope"
     CSS_PATH = [APP_CSS, *THEME_CSS_PATHS]
     BINDINGS = bindings()
@@ -290,53 +280,6 @@ class KVScopeApp(ThemedApp):
             yield SystemCommand(f"Load: {preset.title}", f"Send {preset.default_count}: {preset.description}",
                                 partial(self.send_preset, preset.key))
 
-    # --- lessons -------------------------------------------------------------------------------------
-
-    def action_lessons(self) -> None:
-        if not isinstance(self.screen, (LessonMenu, LessonScreen)):
-            self.push_screen(LessonMenu(), lambda name: name and self.start_lesson(name))
-
-    def start_lesson(self, name: str) -> None:
-        """Run a lesson on a fresh engine with the teaching pool; Esc in it comes back here. Asks first when it
-        would abort the app's requests in flight (a lesson's own go with it without a word)."""
-        if self.lesson_screen is not None:
-            self._start_lesson(name)
-            return
-        self.confirm_abort(f"Start the lesson {name}?", "starting a lesson on its own engine",
-                           lambda aborted: self._start_lesson(name, aborted), yes="start it")
-
-    def _start_lesson(self, name: str, aborted: str | None = None) -> None:
-        if self.lesson_screen is not None:
-            self.leave_lesson(rebuild=False)
-        else:
-            self._state_before_lesson = self.worker.state
-        if aborted:
-            self.notify(f"{aborted} aborted", title=f"Lesson {name}", timeout=5)
-        lesson = LESSONS[name]
-        self._ensure_run_log()
-        self.lesson_screen = LessonScreen(lesson, teach_config(self.config, **lesson.config))
-        self.push_screen(self.lesson_screen)
-
-    def leave_lesson(self, rebuild: bool = True) -> None:
-        screen, self.lesson_screen = self.lesson_screen, None
-        if screen is not None and screen.is_attached:
-            self.pop_screen() if self.screen is screen else screen.dismiss()
-        if rebuild:
-            self.worker.send(Rebuild(self.config))
-            before, self._state_before_lesson = self._state_before_lesson, None
-            if before is not None:      # the app as it was: a lesson leaves the engine paused, its cap on
-                self.rate_cap = before.steps_per_s_cap
-                self.worker.send(SetRateCap(before.steps_per_s_cap))
-                self.worker.send(SetPaused(before.paused))
-
-    def _ensure_run_log(self) -> None:
-        """Lessons go back by replaying the run log: with the log off, they keep one for this session only."""
-        if self.log_enabled:
-            return
-        self._lesson_log_dir = tempfile.TemporaryDirectory(prefix="kvscope-lesson-")
-        self.db_path = Path(self._lesson_log_dir.name) / "lessons.db"
-        self.log_enabled = True
-
     # --- aborting what is in flight: quitting, restarting ---------------------------------------------
 
     def _in_flight(self) -> str | None:
@@ -398,83 +341,6 @@ class KVScopeApp(ThemedApp):
         if not isinstance(self.screen, HistoryScreen):
             self.push_screen(HistoryScreen(self.db_path, replay_for=replay_screen_for))
 
-    def action_toggle_pause(self) -> None:
-        if self.worker.state.paused:
-            self.worker.send(SetPaused(False))
-        else:
-            self.worker.send(SetPaused(True))
-
-    def action_single_step(self) -> None:
-        self.worker.send(StepOnce())
-
-    def _set_cap(self, direction: int) -> None:
-        index = RATE_CAPS.index(self.rate_cap) if self.rate_cap in RATE_CAPS else 0
-        self.rate_cap = RATE_CAPS[min(max(index + direction, 0), len(RATE_CAPS) - 1)]
-        self.worker.send(SetRateCap(self.rate_cap))
-        self.notify("no step cap" if self.rate_cap is None else f"at most {self.rate_cap:g} steps/s", timeout=2)
-
-    def action_slower(self) -> None:
-        self._set_cap(+1)
-
-    def action_faster(self) -> None:
-        self._set_cap(-1)
-
-    def action_launch_preset(self) -> None:
-        self.main.query_one(LoadGenerator).launch()
-
-    def send_preset(self, key: str) -> None:
-        """Pick ``key`` in the load generator (so F6 sends it again) and send it at its default count."""
-        generator = self.main.query_one(LoadGenerator)
-        generator.choose(key)
-        generator.launch()
-
-    @property
-    def running_config(self) -> EngineConfig:
-        """The config of the engine now running (the requested one until it has started)."""
-        return self.main.engine_info.config if self.main.engine_info else self.config
-
-    def _rebuild(self, **changes) -> None:
-        """Restart the engine with ``changes``, asking first while requests are in flight (it aborts them)."""
-        what = ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in changes.items())
-        self.confirm_abort(f"Restart the engine{' with ' + what if what else ''}?", "restarting the engine",
-                           lambda aborted: self._restart(changes, what, aborted), yes="restart")
-
-    def _restart(self, changes: dict, what: str, aborted: str | None) -> None:
-        config = dataclasses.replace(self.running_config, **changes)
-        self.config = config
-        self.worker.send(Rebuild(config))
-        said = [what or "restarting"] + ([f"{aborted} aborted"] if aborted else [])
-        self.notify(" · ".join(said), title="Restarting the engine", timeout=5)
-
-    def action_toggle_preemption(self) -> None:
-        current = self.running_config.preemption_mode
-        self._rebuild(preemption_mode="swap" if current == "recompute" else "recompute")
-
-    def action_toggle_prefix_caching(self) -> None:
-        current = self.running_config.enable_prefix_caching
-        self._rebuild(enable_prefix_caching=not current)
-
-    def action_toggle_allocator(self) -> None:
-        current = self.running_config.allocator
-        self._rebuild(allocator="contiguous" if current == "paged" else "paged")
-
-    def action_restart_engine(self) -> None:
-        self._rebuild()
-
-    def action_abort_reply(self) -> None:
-        """Stop the chat's reply in flight (Ctrl+G, from any panel); nothing when none streams."""
-        request_id = self.main.abort_chat()
-        if request_id is not None:
-            self.worker.send(AbortRequest(request_id))
-
-    def action_new_conversation(self) -> None:
-        request_id = self.main.new_conversation()
-        if request_id is not None:
-            self.worker.send(AbortRequest(request_id))
-
-    def action_abort_all(self) -> None:
-        for request_id in self.main.requests_in_flight():
-            self.worker.send(AbortRequest(request_id))
 
 
 
