@@ -30,7 +30,7 @@ from textual.widgets import Input, Static
 from kvscope.app.runlog import ReplayFrame, RunLogReader
 from kvscope.app.safe_text import escape, one_line
 from kvscope.app.widgets.key_bar import KeyBar
-from kvscope.app.widgets.queues import FINISHED_KEEP_STEPS
+from kvscope.app.widgets.queue_rows import FINISHED_KEEP_STEPS
 from kvscope.app.widgets.snapshot_view import SnapshotView
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepStats
 
