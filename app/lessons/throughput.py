@@ -14,7 +14,18 @@ so the freed batch comes closer to being throughput.
 from __future__ import annotations
 
 from kvscope.app.lessons.load import ask, question
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, after_steps, all_done, bars, plural
+from kvscope.app.lessons.script import (
+    NOISE,
+    Beat,
+    Highlight,
+    Lesson,
+    Moment,
+    after_steps,
+    all_done,
+    bars,
+    compared,
+    plural,
+)
 
 NUM_REQUESTS = 12
 MAX_TOKENS = 40
@@ -81,12 +92,16 @@ def say_figures(moment: Moment) -> str:
     rate = bars([(label, m["rate"], f"{m['rate']:,.1f} tok/s") for label, m in runs])
     batch = bars([(label, m["batch"], f"{m['batch']} (mean {m['mean_batch']:.1f})") for label, m in runs])
     step = bars([(label, m["step_s"], f"{1000 * m['step_s']:,.0f} ms at batch {m['batch']}") for label, m in runs])
+    gain = compared(contiguous["rate"], paged["rate"])
+    verdict = "" if gain > 0 else (
+        " No gain stands above this machine's noise here: tokens a second differ by less than "
+        f"{NOISE:.0%}." if gain == 0 else " Paging was slower here: this run's noise (a busy CPU) hid the effect.")
     return ("[b]The figures of this run[/b] (the engine's own time)\n\n"
             "output tokens a second\n" + "\n".join(rate) + "\n\nbatch, most at once\n" + "\n".join(batch) +
             "\n\na step that only decodes\n" + "\n".join(step) + "\n\n"
             f"Paging ran [b]{batch_ratio:.1f}×[/b] the batch for [b]{ratio:.2f}×[/b] the tokens a second, in "
-            f"{plural(paged['steps'], 'step')} against {contiguous['steps']}. What bounds the ratio here: a step "
-            f"at the bigger batch took [b]{step_ratio:.1f}×[/b] as long"
+            f"{plural(paged['steps'], 'step')} against {contiguous['steps']}.{verdict} What bounds the ratio here: a "
+            f"step at the bigger batch took [b]{step_ratio:.1f}×[/b] as long"
             + (", since on a CPU a step's matmuls and attention cost grows with the tokens in it; "
                if step_ratio > 1.1 else ", and the paged batch shrank as its requests finished; ")
             + "the ratio is about the mean batch ratio divided by that. On a GPU a decode step is bound by reading the "
