@@ -60,9 +60,9 @@ REPLACED_SYSTEM_COMMANDS = {"Theme", "Quit", "Keys", "Screenshot"}
 # The footer's order of need: at a width too small for every key, the last of these go first. OWN_KEYS ("*") is
 # where the screen's and the focused panel's own keys rank; the App's keys not listed go last.
 FOOTER_RANKS = (
-    "quit", "show_keys", "lessons", "focus_panel('chat-input')", "focus_panel('block-map')", "focus_panel('queues')",
-    "explain", "toggle_pause", "single_step", "history", "*", "launch_preset", "slower", "faster", "abort_reply",
-    "new_conversation", "toggle_preemption", "toggle_prefix_caching", "toggle_theme", "screenshot_svg",
+    "quit", "show_keys", "abort_reply", "lessons", "focus_panel('chat-input')", "focus_panel('block-map')",
+    "focus_panel('queues')", "explain", "toggle_pause", "single_step", "history", "*", "launch_preset", "slower",
+    "faster", "new_conversation", "toggle_preemption", "toggle_prefix_caching", "toggle_theme", "screenshot_svg",
 )
 
 

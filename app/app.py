@@ -116,6 +116,12 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
         if serve is not None:
             serve.wake = lambda: self.worker.send(RunOnEngine(serve.run_pending))
 
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """Stopping a reply is offered (footer, keys panel) only while one streams."""
+        if action == "abort_reply":
+            return self.main.reply_streaming
+        return True
+
     def get_default_screen(self) -> Screen:
         return self.main
 

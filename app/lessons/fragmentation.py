@@ -51,10 +51,6 @@ def _row(result) -> int:
     return max((v.reserved_slots for v in result.snapshot.requests), default=0)
 
 
-def _queue(moment: Moment, queue: str) -> list[str]:
-    return [v.request_id for v in moment.snapshot.requests if v.queue == queue]
-
-
 def _paged(moment: Moment, key: str | None = None):
     """The paged figures of a step: tokens held, slots in the blocks in use, and the live requests."""
     result = moment.result if key is None else moment.earlier[key]
@@ -65,7 +61,7 @@ def say_contiguous(moment: Moment) -> str:
     snapshot = moment.snapshot
     row = _row(moment.result)
     comparison = compare_allocations(snapshot, row)
-    running, waiting = _queue(moment, "running"), _queue(moment, "waiting")
+    running, waiting = moment.queued("running"), moment.queued("waiting")
     return (f"The [b]contiguous[/b] allocator reserves max_model_len = {row} tokens for every request before it "
             f"writes a token: {row // snapshot.block_size} blocks in one unbroken run of the pool (on the map a run "
             f"wraps from one row of cells to the next). {plural(len(running), 'request')} hold "
@@ -88,7 +84,7 @@ def say_paged(moment: Moment) -> str:
     blocks = comparison.paged_slots // moment.snapshot.block_size
     empty = comparison.paged_slots - comparison.paged_tokens
     return (f"[b]Paging[/b], same requests: a request takes a block only when it fills the one before. "
-            f"{plural(len(_queue(moment, 'running')), 'request')} run at once in {blocks} blocks. The only empty "
+            f"{plural(len(moment.queued('running')), 'request')} run at once in {blocks} blocks. The only empty "
             f"slots are in each request's last block: [b]at most one partly filled block per request[/b], under "
             f"{moment.snapshot.block_size} slots. {empty} empty slots of {comparison.paged_slots:,}: "
             f"[b]KV utilisation {percent(1 - comparison.paged_waste)}[/b], {percent(comparison.paged_waste)} empty, "

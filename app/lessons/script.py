@@ -70,6 +70,12 @@ class Moment:
     def stats(self) -> StepStats:
         return self.result.stats
 
+    def queued(self, queue: str, key: str | None = None) -> list[str]:
+        """The ids of the requests in ``queue`` ("running", "waiting", "swapped") at this step, or at the step
+        the earlier beat ``key`` stopped at."""
+        snapshot = self.snapshot if key is None else self.earlier[key].snapshot
+        return [view.request_id for view in snapshot.requests if view.queue == queue]
+
     def view(self, request_id: str) -> RequestView | None:
         return next((v for v in self.snapshot.requests if v.request_id == request_id), None)
 

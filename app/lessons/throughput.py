@@ -51,9 +51,9 @@ def measure(moment: Moment, run: int) -> dict:
             "step_s": sum(at_batch) / len(at_batch) if at_batch else 0.0}
 
 
-def _queues(moment: Moment) -> tuple[int, int]:
-    running = sum(1 for v in moment.snapshot.requests if v.queue == "running")
-    return running, len(moment.snapshot.requests) - running
+def _queues(moment: Moment, key: str | None = None) -> tuple[int, int]:
+    """(running, waiting) at this step, or at the step the earlier beat ``key`` stopped at."""
+    return len(moment.queued("running", key)), len(moment.queued("waiting", key))
 
 
 def say_contiguous(moment: Moment) -> str:
@@ -70,17 +70,11 @@ def say_contiguous(moment: Moment) -> str:
 def say_paged(moment: Moment) -> str:
     running, waiting = _queues(moment)
     used = sum(len(v.block_tables[0]) for v in moment.snapshot.requests if v.block_tables and v.queue == "running")
-    before = _queues_at(moment, "contiguous")[0]
+    before = _queues(moment, "contiguous")[0]
     return (f"The same requests, [b]paged[/b]: each takes blocks as it fills them ({used / max(running, 1):.1f} "
             f"each so far, of the pool's {moment.info.runner.num_device_blocks}), so [b]{running} run at once[/b] "
             f"({waiting} waiting) in {used} blocks. Same pool, same model: {running / max(before, 1):.1f}× the "
             "contiguous batch.")
-
-
-def _queues_at(moment: Moment, key: str) -> tuple[int, int]:
-    snapshot = moment.earlier[key].snapshot
-    running = sum(1 for v in snapshot.requests if v.queue == "running")
-    return running, len(snapshot.requests) - running
 
 
 def say_figures(moment: Moment) -> str:

@@ -146,6 +146,10 @@ class MainScreen(Screen):
     def chat_refused(self, request_id: str, error: str) -> None:
         self.chat.show_rejection(request_id, error)
 
+    @property
+    def reply_streaming(self) -> bool:
+        return self.chat.current_request is not None
+
     def abort_chat(self) -> str | None:
         """Stop showing the chat's reply in flight and return its id for the engine to abort (None: none)."""
         request_id = self.chat.abort()

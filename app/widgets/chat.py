@@ -16,6 +16,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
+from textual.reactive import reactive
 from textual.widgets import Input, Static
 
 from kvscope.app.messages import ChatSubmitted
@@ -35,13 +36,14 @@ class ChatPane(Vertical):
     # Esc means one thing here, as everywhere: step out (of the input, to the map). Stopping a reply is the App's
     # Ctrl+G, which works from any panel.
     BINDINGS = [Binding("escape", "screen.leave_chat", "Leave input")]
+    # The reply in flight; bindings=True so the footer's "Stop reply" shows exactly while one streams.
+    current_request: reactive[str | None] = reactive(None, bindings=True)
 
     def __init__(self, *, max_tokens: int = DEFAULT_MAX_TOKENS, id: str | None = None,
                  classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.max_tokens = max_tokens
         self.messages: list[dict] = []
-        self.current_request: str | None = None
         self._reply = ""
         self._reply_bubble: Static | None = None
         self._turns = itertools.count(1)
