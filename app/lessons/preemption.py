@@ -128,8 +128,11 @@ def say_figures(moment: Moment) -> str:
              f"{swap[-1].stats.num_swapped_out_blocks}/{swap[-1].stats.num_swapped_in_blocks}"),
             ("steps", str(len(recompute)), str(len(swap)))]
     table = "\n".join(f"{a:<15}{b:>10}{c:>7}" for a, b, c in rows)
-    return (f"[b]The figures of this run[/b]\n{table}\n\nRecompute costs compute (the extra prefill); swap costs "
-            "host memory and copy bandwidth. vLLM V1 recomputes: on a GPU, prefill is fast.")
+    extra = prefilled(recompute) - prefilled(swap)
+    cost = (f"Recompute cost {extra} more prefill tokens than swap here (the victim's tokens, computed twice)"
+            if extra > 0 else "Recompute computed no more than swap here (the victim had little to redo)")
+    return (f"[b]The figures of this run[/b]\n{table}\n\n{cost}; swap costs host memory and copy bandwidth "
+            "instead. vLLM V1 recomputes: on a GPU, prefill is fast.")
 
 
 LESSON = Lesson(
