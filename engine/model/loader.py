@@ -267,8 +267,9 @@ def check_architecture(config) -> None:
 
 
 def refusal(model_type: str | None, reason: str) -> str:
-    """The one sentence every refusal of a model family reads as."""
-    return f"kvscope cannot serve {model_type!r} models: {reason}; pick another model (llama, qwen2, mistral, ...)"
+    """The one sentence every refusal of a model family reads as (``reason`` may end with its own fix)."""
+    fix = "" if "; " in reason else "; pick another model (llama, qwen2, mistral, ...)"
+    return f"kvscope cannot serve {model_type!r} models: {reason}{fix}"
 
 
 def _causal_lm_class(config):

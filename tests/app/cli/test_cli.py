@@ -275,3 +275,18 @@ def test_a_reader_that_stops_early_ends_chat_quietly_and_the_run_log_says_aborte
     (run,) = RunLogReader(tmp_path / "runs.db").list_runs()
     (request,) = RunLogReader(tmp_path / "runs.db").rows("requests", run["id"])
     assert run["status"] == "finished" and request["finish_reason"] == "abort"
+
+
+def test_a_sliding_window_shorter_than_max_model_len_is_refused_naming_the_family(tmp_path):
+    from models import tokenizer
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.model.model_runner import ModelRunner
+
+    tok = tokenizer()
+    config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, vocab_size=len(tok), sliding_window=64, max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(loader.ModelError, match="kvscope cannot serve 'mistral' models: it uses sliding-window"):
+        ModelRunner(EngineConfig(num_blocks=8, max_model_len=256), model=model, tokenizer=tok)
