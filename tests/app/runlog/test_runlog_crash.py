@@ -16,7 +16,7 @@ import pytest
 from kvscope.app.runlog import RunLogReader, open_run_log
 from kvscope.engine.config import EngineConfig
 
-TESTS_DIR = Path(__file__).parent
+SUPPORT_DIR = Path(__file__).parents[2] / "support"   # where synthetic_engine lives, for the child
 
 CHILD = textwrap.dedent("""
     import sys, time
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SI
 
 
 def start_child(path: Path, mode: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(TESTS_DIR), str(path), mode],
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(SUPPORT_DIR), str(path), mode],
                             cwd=path.parent, stderr=subprocess.PIPE, text=True)
 
 
