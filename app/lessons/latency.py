@@ -123,9 +123,20 @@ def conclusion(runs: list[tuple[str, dict]]) -> str:
         between = (f"The longest gap between tokens did not grow with the budget ({gaps}): "
                    + ("within the noise of this machine." if longer == 0 else
                       "this run's noise hid the effect."))
-    return (f"{first} {between} Where the effects stand above the noise, a smaller max_num_batched_tokens favours "
-            "the time between tokens and a larger one the time to first token; vLLM's --max-num-batched-tokens "
-            "is the same knob.")
+    return (f"{first} {between}{out_of_order(runs)} Where the effects stand above the noise, a smaller "
+            "max_num_batched_tokens favours the time between tokens and a larger one the time to first token; "
+            "vLLM's --max-num-batched-tokens is the same knob.")
+
+
+def out_of_order(runs: list[tuple[str, dict]]) -> str:
+    """A budget between the two ends whose figure lies beyond both by more than the noise: said, not hidden."""
+    said = []
+    for key, what in (("ttft", "time to first token"), ("itl_max", "longest gap")):
+        ends = (runs[0][1][key], runs[-1][1][key])
+        for label, m in runs[1:-1]:
+            if compared(max(ends), m[key]) > 0 or compared(min(ends), m[key]) < 0:
+                said.append(f"{label}'s {what}, {_ms(m[key])}, is outside both ends")
+    return f" ({'; '.join(said)}: this run's noise.)" if said else ""
 
 
 def _beat(budget: int, first: bool) -> Beat:

@@ -146,6 +146,10 @@ def test_the_latency_conclusion_says_only_what_its_own_figures_show():
     clear = latency.conclusion(runs(0.900, 0.300, 0.040, 0.300))
     assert "gave r3 its first token sooner" in clear and "wait longer between tokens" in clear
     assert "noise" not in clear.split("Where the effects")[0]
+    # Measured on a busy CPU: the middle budget slowest of all, beyond both ends.
+    middle = [runs(1.367, 1.115, 0.259, 1.115)[0], ("budget 96", {"ttft": 2.090, "itl_max": 0.953}),
+              runs(1.367, 1.115, 0.259, 1.115)[2]]
+    assert "budget 96's time to first token, 2,090 ms, is outside both ends" in latency.conclusion(middle)
 
 
 def test_throughputs_ratio_is_told_as_a_gain_only_above_the_noise():
