@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from textual.binding import Binding
+
 
 @dataclass(frozen=True)
 class AppAction:
@@ -18,6 +20,9 @@ class AppAction:
     action: str
     title: str
     help: str
+
+    def binding(self) -> Binding:
+        return Binding(self.keys, self.action, self.title, tooltip=self.help)
 
 
 ACTIONS = (
@@ -38,6 +43,8 @@ ACTIONS = (
     AppAction("m", "focus_panel('block-map')", "Map", "Move the focus to the block map"),
     AppAction("r", "focus_panel('queues')", "Requests", "Move the focus to the queues of requests"),
     AppAction("c", "focus_panel('chat-input')", "Chat", "Move the focus to the chat input"),
+    AppAction("ctrl+g", "abort_reply", "Stop reply",
+              "Stop the chat's reply while it streams; its blocks go back to the pool"),
     AppAction("ctrl+n", "new_conversation", "New chat",
               "Start a new conversation: the model no longer sees the earlier turns"),
     AppAction("ctrl+t", "toggle_theme", "Theme", "Switch between the kvscope dark and light themes"),
@@ -53,7 +60,17 @@ REPLACED_SYSTEM_COMMANDS = {"Theme", "Quit", "Keys", "Screenshot"}
 # The footer's order of need: at a width too small for every key, the last of these go first. OWN_KEYS ("*") is
 # where the screen's and the focused panel's own keys rank; the App's keys not listed go last.
 FOOTER_RANKS = (
-    "quit", "show_keys", "lessons", "focus_panel('chat-input')", "focus_panel('block-map')", "focus_panel('queues')",
-    "explain", "toggle_pause", "single_step", "history", "*", "launch_preset", "slower", "faster", "new_conversation",
-    "toggle_preemption", "toggle_prefix_caching", "toggle_theme", "screenshot_svg",
+    "quit", "show_keys", "abort_reply", "lessons", "focus_panel('chat-input')", "focus_panel('block-map')",
+    "focus_panel('queues')", "explain", "toggle_pause", "single_step", "history", "*", "launch_preset", "slower",
+    "faster", "new_conversation", "toggle_preemption", "toggle_prefix_caching", "toggle_theme", "screenshot_svg",
 )
+
+
+def bindings(*actions: str) -> list[Binding]:
+    """The key bindings of ``actions`` (all of the table's keyed ones when none is named), in the table's order."""
+    return [a.binding() for a in ACTIONS if a.keys and (not actions or a.action in actions)]
+
+
+# The attached window's keys: the app's own where they mean the same, so q quits and Ctrl+S saves a screenshot
+# in both windows.
+ATTACH_ACTIONS = ("quit", "show_keys", "history", "toggle_theme", "screenshot_svg")

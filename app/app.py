@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import os
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -14,10 +16,10 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState
 
-from kvscope.app.actions import ACTIONS, REPLACED_SYSTEM_COMMANDS
+from kvscope.app.actions import ACTIONS, REPLACED_SYSTEM_COMMANDS, bindings
 from kvscope.app.attach.window.replay_view import replay_screen_for
+from kvscope.app.engine_controls import EngineControls
 from kvscope.app.lessons import LESSONS
-from kvscope.app.lessons.load import teach_config
 from kvscope.app.load import presets
 from kvscope.app.load.presets import PRESETS
 from kvscope.app.messages import (
@@ -42,23 +44,17 @@ from kvscope.app.runlog import record_run
 from kvscope.app.screens.explain import ExplainScreen
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.screens.lesson import LessonScreen
-from kvscope.app.screens.lesson_menu import LessonMenu
 from kvscope.app.screens.main import MainScreen
 from kvscope.app.screens.quit import ConfirmAbort, ConfirmQuit, ShuttingDown
+from kvscope.app.teaching import LessonControls
 from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.key_bar import key_label
-from kvscope.app.widgets.load_generator import LoadGenerator
 from kvscope.app.widgets.system import SystemSampler
 from kvscope.app.worker.commands import (
-    AbortRequest,
     AddChatTurn,
     LaunchPreset,
-    Rebuild,
     RunOnEngine,
-    SetPaused,
-    SetRateCap,
-    StepOnce,
     Stop,
 )
 from kvscope.app.worker.factory import build_engine, first_engine_then_build
@@ -67,10 +63,8 @@ from kvscope.engine.config import EngineConfig, model_sampling
 from kvscope.settings import settings
 from kvscope.themes import THEME_CSS_PATHS
 
-RATE_CAPS = (None, 50.0, 20.0, 10.0, 5.0, 2.0, 1.0, 0.5)  # steps per second, fastest first
-
-
 SHUTDOWN_POLL_S = 0.02
+TERMINAL_CLOSED = "terminal closed"
 REFUSALS_GATHER_S = 0.25
 
 
@@ -86,10 +80,10 @@ def runnable_warning(info: EngineInfo) -> str | None:
     return None
 
 
-class KVScopeApp(ThemedApp):
+class KVScopeApp(LessonControls, EngineControls, ThemedApp):
     TITLE = "kvscope"
     CSS_PATH = [APP_CSS, *THEME_CSS_PATHS]
-    BINDINGS = [Binding(a.keys, a.action, a.title, tooltip=a.help) for a in ACTIONS if a.keys]
+    BINDINGS = bindings()
 
     def __init__(self, config: EngineConfig, *, db_path: str | Path | None = None, log_enabled: bool = True,
                  engine_factory: Callable = build_engine, system_sampler: SystemSampler | None = None,
@@ -122,10 +116,17 @@ class KVScopeApp(ThemedApp):
         if serve is not None:
             serve.wake = lambda: self.worker.send(RunOnEngine(serve.run_pending))
 
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """Stopping a reply is offered (footer, keys panel) only while one streams."""
+        if action == "abort_reply":
+            return self.main.reply_streaming
+        return True
+
     def get_default_screen(self) -> Screen:
         return self.main
 
     def on_ready(self) -> None:
+        self._catch_terminal_closing()
         # Started once the live view is composed, so the first messages find their panels.
         self.engine_thread = self.run_worker(self.worker.run, thread=True, name="engine", group="engine",
                                              exit_on_error=False)
@@ -134,7 +135,22 @@ class KVScopeApp(ThemedApp):
         elif self._first_lesson:
             self.start_lesson(self._first_lesson)
 
+    def _catch_terminal_closing(self) -> None:
+        """Closing the terminal sends SIGHUP, whose default ends the process where it stands: the run was then
+        found "running" with its process gone and called crashed, as an exception would be."""
+        if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+            return
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.terminal_closed)
+
+    def terminal_closed(self) -> None:
+        """The run is logged as interrupted, saying why, before the engine stops and the app exits."""
+        if self.run_logger is not None:
+            self.run_logger.close("interrupted", TERMINAL_CLOSED)
+        self.shut_down()
+
     def on_unmount(self) -> None:
+        if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         if self.serve is not None:
             self.serve.close()      # its requests end with "abort", stepped by the engine thread still running
         self.worker.send(Stop())
@@ -167,6 +183,7 @@ class KVScopeApp(ThemedApp):
         if warning:
             self.notify(warning, title="No request can run", severity="warning", timeout=15)
         if self.serve is not None and self.serve.url:
+            self.main.show_serving(self.serve.url)
             network = self.serve.network_warning()
             self.notify(f"OpenAI API on {self.serve.url}/v1; watch it with kvscope attach {self.serve.url}"
                         + (f". {network}" if network else ""), title="Serving",
@@ -264,53 +281,10 @@ class KVScopeApp(ThemedApp):
             yield SystemCommand(action.title + key, action.help, partial(self.run_action, action.action))
         for lesson in LESSONS.values():
             yield SystemCommand(f"Lesson: {lesson.name}", lesson.summary, partial(self.start_lesson, lesson.name))
-
-    # --- lessons -------------------------------------------------------------------------------------
-
-    def action_lessons(self) -> None:
-        if not isinstance(self.screen, (LessonMenu, LessonScreen)):
-            self.push_screen(LessonMenu(), lambda name: name and self.start_lesson(name))
-
-    def start_lesson(self, name: str) -> None:
-        """Run a lesson on a fresh engine with the teaching pool; Esc in it comes back here. Asks first when it
-        would abort the app's requests in flight (a lesson's own go with it without a word)."""
-        if self.lesson_screen is not None:
-            self._start_lesson(name)
-            return
-        self.confirm_abort(f"Start the lesson {name}?", "starting a lesson on its own engine",
-                           lambda aborted: self._start_lesson(name, aborted), yes="start it")
-
-    def _start_lesson(self, name: str, aborted: str | None = None) -> None:
-        if self.lesson_screen is not None:
-            self.leave_lesson(rebuild=False)
-        else:
-            self._state_before_lesson = self.worker.state
-        if aborted:
-            self.notify(f"{aborted} aborted", title=f"Lesson {name}", timeout=5)
-        lesson = LESSONS[name]
-        self._ensure_run_log()
-        self.lesson_screen = LessonScreen(lesson, teach_config(self.config, **lesson.config))
-        self.push_screen(self.lesson_screen)
-
-    def leave_lesson(self, rebuild: bool = True) -> None:
-        screen, self.lesson_screen = self.lesson_screen, None
-        if screen is not None and screen.is_attached:
-            self.pop_screen() if self.screen is screen else screen.dismiss()
-        if rebuild:
-            self.worker.send(Rebuild(self.config))
-            before, self._state_before_lesson = self._state_before_lesson, None
-            if before is not None:      # the app as it was: a lesson leaves the engine paused, its cap on
-                self.rate_cap = before.steps_per_s_cap
-                self.worker.send(SetRateCap(before.steps_per_s_cap))
-                self.worker.send(SetPaused(before.paused))
-
-    def _ensure_run_log(self) -> None:
-        """Lessons go back by replaying the run log: with the log off, they keep one for this session only."""
-        if self.log_enabled:
-            return
-        self._lesson_log_dir = tempfile.TemporaryDirectory(prefix="kvscope-lesson-")
-        self.db_path = Path(self._lesson_log_dir.name) / "lessons.db"
-        self.log_enabled = True
+        # Each load preset straight from the palette: the picker in the load generator is many keys away.
+        for preset in PRESETS.values():
+            yield SystemCommand(f"Load: {preset.title}", f"Send {preset.default_count}: {preset.description}",
+                                partial(self.send_preset, preset.key))
 
     # --- aborting what is in flight: quitting, restarting ---------------------------------------------
 
@@ -360,12 +334,6 @@ class KVScopeApp(ThemedApp):
 
         self.set_interval(SHUTDOWN_POLL_S, exit_when_stopped)
 
-    def action_show_keys(self) -> None:
-        if self.screen.query("HelpPanel"):
-            self.action_hide_help_panel()
-        else:
-            self.action_show_help_panel()
-
     def action_focus_panel(self, widget_id: str) -> None:
         found = self.screen.query(f"#{widget_id}")
         if found:
@@ -379,77 +347,6 @@ class KVScopeApp(ThemedApp):
         if not isinstance(self.screen, HistoryScreen):
             self.push_screen(HistoryScreen(self.db_path, replay_for=replay_screen_for))
 
-    def action_toggle_pause(self) -> None:
-        if self.worker.state.paused:
-            self.worker.send(SetPaused(False))
-        else:
-            self.worker.send(SetPaused(True))
-
-    def action_single_step(self) -> None:
-        self.worker.send(StepOnce())
-
-    def _set_cap(self, direction: int) -> None:
-        index = RATE_CAPS.index(self.rate_cap) if self.rate_cap in RATE_CAPS else 0
-        self.rate_cap = RATE_CAPS[min(max(index + direction, 0), len(RATE_CAPS) - 1)]
-        self.worker.send(SetRateCap(self.rate_cap))
-        self.notify("no step cap" if self.rate_cap is None else f"at most {self.rate_cap:g} steps/s", timeout=2)
-
-    def action_slower(self) -> None:
-        self._set_cap(+1)
-
-    def action_faster(self) -> None:
-        self._set_cap(-1)
-
-    def action_launch_preset(self) -> None:
-        self.main.query_one(LoadGenerator).launch()
-
-    @property
-    def running_config(self) -> EngineConfig:
-        """The config of the engine now running (the requested one until it has started)."""
-        return self.main.engine_info.config if self.main.engine_info else self.config
-
-    def _rebuild(self, **changes) -> None:
-        """Restart the engine with ``changes``, asking first while requests are in flight (it aborts them)."""
-        what = ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in changes.items())
-        self.confirm_abort(f"Restart the engine{' with ' + what if what else ''}?", "restarting the engine",
-                           lambda aborted: self._restart(changes, what, aborted), yes="restart")
-
-    def _restart(self, changes: dict, what: str, aborted: str | None) -> None:
-        config = dataclasses.replace(self.running_config, **changes)
-        self.config = config
-        self.worker.send(Rebuild(config))
-        said = [what or "restarting"] + ([f"{aborted} aborted"] if aborted else [])
-        self.notify(" · ".join(said), title="Restarting the engine", timeout=5)
-
-    def action_toggle_preemption(self) -> None:
-        current = self.running_config.preemption_mode
-        self._rebuild(preemption_mode="swap" if current == "recompute" else "recompute")
-
-    def action_toggle_prefix_caching(self) -> None:
-        current = self.running_config.enable_prefix_caching
-        self._rebuild(enable_prefix_caching=not current)
-
-    def action_toggle_allocator(self) -> None:
-        current = self.running_config.allocator
-        self._rebuild(allocator="contiguous" if current == "paged" else "paged")
-
-    def action_restart_engine(self) -> None:
-        self._rebuild()
-
-    def action_abort_reply(self) -> None:
-        """Esc in the chat: abort the reply streaming, or, with none, leave the input for the map."""
-        request_id = self.main.abort_chat()
-        if request_id is not None:
-            self.worker.send(AbortRequest(request_id))
-
-    def action_new_conversation(self) -> None:
-        request_id = self.main.new_conversation()
-        if request_id is not None:
-            self.worker.send(AbortRequest(request_id))
-
-    def action_abort_all(self) -> None:
-        for request_id in self.main.requests_in_flight():
-            self.worker.send(AbortRequest(request_id))
 
 
 

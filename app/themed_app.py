@@ -1,7 +1,7 @@
 """What both kvscope windows share: the engine's (app/app.py) and the attached server's (app/attach/window/app.py).
 
 They show the same map in the same colours, so the themes, the block-state colour defaults, the
-breakpoints, the theme toggle and the SVG screenshot live here once.
+breakpoints, the theme toggle, the "?" keys panel and the SVG screenshot live here once.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from textual.app import App
 
+from kvscope.app.widgets.keys_panel import toggle_keys_panel
 from kvscope.themes import BLOCK_VARIABLE_DEFAULTS, DEFAULT_THEME, KVSCOPE_DARK, KVSCOPE_LIGHT, THEMES
 
 APP_CSS = Path(__file__).with_name("kvscope.tcss")
@@ -32,6 +33,9 @@ class ThemedApp(App):
 
     def action_toggle_theme(self) -> None:
         self.theme = KVSCOPE_LIGHT.name if self.theme == KVSCOPE_DARK.name else KVSCOPE_DARK.name
+
+    def action_show_keys(self) -> None:
+        toggle_keys_panel(self)
 
     def action_screenshot_svg(self) -> None:
         self.screenshot_dir.mkdir(parents=True, exist_ok=True)

@@ -32,12 +32,8 @@ def load(ctx) -> list:
     return [ask(name, question(i), tokens, delay=delay) for i, (name, tokens, delay) in enumerate(REQUESTS)]
 
 
-def _queue(moment: Moment, queue: str) -> list[str]:
-    return [v.request_id for v in moment.snapshot.requests if v.queue == queue]
-
-
 def say_full(moment: Moment) -> str:
-    running, waiting = _queue(moment, "running"), _queue(moment, "waiting")
+    running, waiting = moment.queued("running"), moment.queued("waiting")
     return (f"{', '.join(running)} are running: the batch is full (max_num_seqs = {BATCH}). "
             f"{', '.join(waiting) or 'Nobody'} {'waits' if len(waiting) == 1 else 'wait'} for a place. Each step "
             f"computes one token for every running request.{_cached_note(moment)}")
@@ -57,7 +53,7 @@ def say_left(moment: Moment) -> str:
 
 
 def say_joined(moment: Moment) -> str:
-    running = _queue(moment, "running")
+    running = moment.queued("running")
     return (f"…and in the very next step, {moment.stats.step}, r5 joined the batch while "
             f"{', '.join(r for r in running if r != 'r5')} carried on. The scheduler rebuilds the batch every step: "
             f"that is [b]continuous batching[/b].{_cached_note(moment)}")

@@ -21,6 +21,7 @@ from kvscope.app.lessons.script import (
     Moment,
     after_steps,
     all_done,
+    compared,
     is_running,
     percent,
     plural,
@@ -50,10 +51,6 @@ def _row(result) -> int:
     return max((v.reserved_slots for v in result.snapshot.requests), default=0)
 
 
-def _queue(moment: Moment, queue: str) -> list[str]:
-    return [v.request_id for v in moment.snapshot.requests if v.queue == queue]
-
-
 def _paged(moment: Moment, key: str | None = None):
     """The paged figures of a step: tokens held, slots in the blocks in use, and the live requests."""
     result = moment.result if key is None else moment.earlier[key]
@@ -64,7 +61,7 @@ def say_contiguous(moment: Moment) -> str:
     snapshot = moment.snapshot
     row = _row(moment.result)
     comparison = compare_allocations(snapshot, row)
-    running, waiting = _queue(moment, "running"), _queue(moment, "waiting")
+    running, waiting = moment.queued("running"), moment.queued("waiting")
     return (f"The [b]contiguous[/b] allocator reserves max_model_len = {row} tokens for every request before it "
             f"writes a token: {row // snapshot.block_size} blocks in one unbroken run of the pool (on the map a run "
             f"wraps from one row of cells to the next). {plural(len(running), 'request')} hold "
@@ -87,7 +84,7 @@ def say_paged(moment: Moment) -> str:
     blocks = comparison.paged_slots // moment.snapshot.block_size
     empty = comparison.paged_slots - comparison.paged_tokens
     return (f"[b]Paging[/b], same requests: a request takes a block only when it fills the one before. "
-            f"{plural(len(_queue(moment, 'running')), 'request')} run at once in {blocks} blocks. The only empty "
+            f"{plural(len(moment.queued('running')), 'request')} run at once in {blocks} blocks. The only empty "
             f"slots are in each request's last block: [b]at most one partly filled block per request[/b], under "
             f"{moment.snapshot.block_size} slots. {empty} empty slots of {comparison.paged_slots:,}: "
             f"[b]KV utilisation {percent(1 - comparison.paged_waste)}[/b], {percent(comparison.paged_waste)} empty, "
@@ -106,8 +103,10 @@ def say_long(moment: Moment) -> str:
             f"on average, over many requests). [b]KV utilisation {percent(1 - comparison.paged_waste)}[/b], "
             f"[b]{percent(comparison.paged_waste)} empty[/b], against the paper's 4%. The short requests left "
             f"{short_empty / short_live:.1f} empty slots a request against {short.paged_tokens // short_live} tokens "
-            f"({percent(short.paged_waste)}): [b]shorter requests waste more[/b], because the same partial block "
-            "is a larger share of them.")
+            f"({percent(short.paged_waste)}): " + (
+                "[b]shorter requests waste more[/b], because the same partial block is a larger share of them."
+                if compared(comparison.paged_waste, short.paged_waste, noise=0) > 0 else
+                "here the shorter requests did not waste more: their partial blocks happened to be fuller."))
 
 
 def say_figures(moment: Moment) -> str:
@@ -115,13 +114,15 @@ def say_figures(moment: Moment) -> str:
     waste_c = compare_allocations(contiguous.snapshot, _row(contiguous)).contiguous_waste
     (short, _), (long, _) = _paged(moment, "paged"), _paged(moment, "long")
     runs = (moment.run_steps(moment.earlier_runs["contiguous"]), moment.run_steps(moment.earlier_runs["paged"]))
-    rows = [("", "contiguous", "paged", "paged, long"),
+    rows = [("", "contiguous", "paged", "long"),
             ("KV utilisation", percent(1 - waste_c), percent(1 - short.paged_waste), percent(1 - long.paged_waste)),
             ("empty", percent(waste_c), percent(short.paged_waste), percent(long.paged_waste)),
             ("most at once", *(str(max(r.batch for r in run)) for run in runs), ""),
             ("steps, all six", *(str(len(run)) for run in runs), "")]
-    table = "\n".join(f"{a:<15}{b:>11}{c:>8}{d:>12}" for a, b, c, d in rows)
-    return (f"[b]The figures of this run[/b]\n{table}\n\nThe PagedAttention paper found 20–40% of KV memory holding "
+    # Sized to the panel's CAPTION_WIDTH: a wider row wraps into nonsense at 120x40.
+    table = "\n".join(f"{a:<14}{b:>11}{c:>8}{d:>7}" for a, b, c, d in rows)
+    return (f"[b]The figures of this run[/b]\n{table}\n[dim]long: the longer requests, paged[/]\n\n"
+            "The PagedAttention paper found 20–40% of KV memory holding "
             "tokens (60–80% wasted) in systems that reserve contiguously, and under 4% wasted with paging: one "
             "partly filled block per request at most, half a block on average.")
 

@@ -21,6 +21,7 @@ from kvscope.app.lessons.script import (
     StepRecord,
     all_done,
     bars,
+    compared,
     plural,
     prefilled,
     spark,
@@ -97,10 +98,45 @@ def say_figures(moment: Moment) -> str:
     itl = bars([(label, m["itl_max"], _ms(m["itl_max"])) for label, m in runs])
     return ("[b]The figures of this run[/b]\n\n"
             f"{LONG}: time to first token\n" + "\n".join(ttft) + "\n\n"
-            "r1, r2: longest gap between two tokens\n" + "\n".join(itl) + "\n\n"
-            "A smaller max_num_batched_tokens bounds every step, so decoding requests never wait long for their "
-            "next token; the long prompt pays with more steps, each with a fixed cost. In vLLM the same knob is "
-            "--max-num-batched-tokens: smaller favours the time between tokens, larger the time to first token.")
+            "r1, r2: longest gap between two tokens\n" + "\n".join(itl) + "\n\n" + conclusion(runs))
+
+
+def conclusion(runs: list[tuple[str, dict]]) -> str:
+    """What this run showed, from its own figures: each expected effect said only where it stands above the
+    noise, and said to be hidden where it does not (a busy CPU once gave budget 32 a longer gap than 96)."""
+    (small_label, small), (large_label, large) = runs[0], runs[-1]
+    sooner = compared(large["ttft"], small["ttft"])
+    ttft = (f"{small_label} vs {large_label}: {_ms(small['ttft'])} against {_ms(large['ttft'])}")
+    if sooner > 0:
+        first = (f"Here the larger budget gave {LONG} its first token sooner ({ttft}): one long step instead of "
+                 "many, each with its fixed cost.")
+    else:
+        first = (f"Here the time to first token did not drop with the larger budget ({ttft}): "
+                 + ("the difference is within this machine's noise, and a step's fixed cost dominates."
+                    if sooner == 0 else "this run's noise (a busy CPU) hid the effect."))
+    longer = compared(small["itl_max"], large["itl_max"])
+    gaps = f"{_ms(small['itl_max'])} at {small_label}, {_ms(large['itl_max'])} at {large_label}"
+    if longer > 0:
+        between = (f"The larger budget made r1 and r2 wait longer between tokens ({gaps}): the long prompt's "
+                   "step stalled them.")
+    else:
+        between = (f"The longest gap between tokens did not grow with the budget ({gaps}): "
+                   + ("within the noise of this machine." if longer == 0 else
+                      "this run's noise hid the effect."))
+    return (f"{first} {between}{out_of_order(runs)} Where the effects stand above the noise, a smaller "
+            "max_num_batched_tokens favours the time between tokens and a larger one the time to first token; "
+            "vLLM's --max-num-batched-tokens is the same knob.")
+
+
+def out_of_order(runs: list[tuple[str, dict]]) -> str:
+    """A budget between the two ends whose figure lies beyond both by more than the noise: said, not hidden."""
+    said = []
+    for key, what in (("ttft", "time to first token"), ("itl_max", "longest gap")):
+        ends = (runs[0][1][key], runs[-1][1][key])
+        for label, m in runs[1:-1]:
+            if compared(max(ends), m[key]) > 0 or compared(min(ends), m[key]) < 0:
+                said.append(f"{label}'s {what}, {_ms(m[key])}, is outside both ends")
+    return f" ({'; '.join(said)}: this run's noise.)" if said else ""
 
 
 def _beat(budget: int, first: bool) -> Beat:

@@ -95,10 +95,24 @@ def say_swapped(moment: Moment) -> str:
             f"{event.request_id} waits in the [b]swapped[/b] queue.")
 
 
+def swapped_in_this_step(moment: Moment) -> int:
+    """How many blocks were copied back from the host pool in the moment's step (the stats count them all)."""
+    steps = moment.run_steps()
+    before = steps[-2].stats.num_swapped_in_blocks if len(steps) > 1 else 0
+    return moment.stats.num_swapped_in_blocks - before
+
+
 def say_swapped_in(moment: Moment) -> str:
+    """The swap-in event lists the request's whole device table, which may hold a block just allocated for
+    its next token besides the copied ones: the count comes from the blocks actually copied."""
     event = _event(moment, EventKind.SWAP_IN)
-    return (f"Blocks are free again: {event.request_id}'s blocks came back from the host pool into device blocks "
-            f"[b]{arrows(event.blocks)}[/b], and it goes on from where it stopped: nothing recomputed.")
+    copied = swapped_in_this_step(moment)
+    fresh = len(event.blocks) - copied
+    new = f", and {which_blocks(event.blocks[copied:])} new for the tokens it writes next" if fresh > 0 else ""
+    return (f"Blocks are free again: {event.request_id}'s {copied} swapped "
+            f"{'block was' if copied == 1 else 'blocks were'} copied back from the host pool into device "
+            f"{which_blocks(event.blocks[:copied])}{new}: its table is now [b]{arrows(event.blocks)}[/b]. It goes "
+            "on from where it stopped: nothing recomputed.")
 
 
 def say_figures(moment: Moment) -> str:
@@ -114,8 +128,11 @@ def say_figures(moment: Moment) -> str:
              f"{swap[-1].stats.num_swapped_out_blocks}/{swap[-1].stats.num_swapped_in_blocks}"),
             ("steps", str(len(recompute)), str(len(swap)))]
     table = "\n".join(f"{a:<15}{b:>10}{c:>7}" for a, b, c in rows)
-    return (f"[b]The figures of this run[/b]\n{table}\n\nRecompute costs compute (the extra prefill); swap costs "
-            "host memory and copy bandwidth. vLLM V1 recomputes: on a GPU, prefill is fast.")
+    extra = prefilled(recompute) - prefilled(swap)
+    cost = (f"Recompute cost {extra} more prefill tokens than swap here (the victim's tokens, computed twice)"
+            if extra > 0 else "Recompute computed no more than swap here (the victim had little to redo)")
+    return (f"[b]The figures of this run[/b]\n{table}\n\n{cost}; swap costs host memory and copy bandwidth "
+            "instead. vLLM V1 recomputes: on a GPU, prefill is fast.")
 
 
 LESSON = Lesson(

@@ -70,6 +70,12 @@ class Moment:
     def stats(self) -> StepStats:
         return self.result.stats
 
+    def queued(self, queue: str, key: str | None = None) -> list[str]:
+        """The ids of the requests in ``queue`` ("running", "waiting", "swapped") at this step, or at the step
+        the earlier beat ``key`` stopped at."""
+        snapshot = self.snapshot if key is None else self.earlier[key].snapshot
+        return [view.request_id for view in snapshot.requests if view.queue == queue]
+
     def view(self, request_id: str) -> RequestView | None:
         return next((v for v in self.snapshot.requests if v.request_id == request_id), None)
 
@@ -172,11 +178,31 @@ def percent(fraction: float) -> str:
     return f"{100 * fraction:.1f}%"
 
 
-def bars(rows: list[tuple[str, float, str]], width: int = 18) -> list[str]:
+# The lesson panel's text width at 120x40, the size a class projects: a table or a bar chart wider than this
+# wraps into nonsense there, where prose merely wraps.
+CAPTION_WIDTH = 42
+# A measured difference smaller than this share of the larger figure is not told as an effect: a busy CPU's step
+# times vary by that much from run to run, and a step's fixed cost can be most of a small step.
+NOISE = 0.15
+
+
+def compared(a: float, b: float, noise: float = NOISE) -> int:
+    """+1 when ``b`` is above ``a`` by more than ``noise`` of the larger, -1 when below, 0 within it: what a
+    caption may say of two measured figures."""
+    top = max(abs(a), abs(b))
+    if top == 0 or abs(b - a) <= noise * top:
+        return 0
+    return 1 if b > a else -1
+
+
+def bars(rows: list[tuple[str, float, str]], width: int | None = None) -> list[str]:
     """A horizontal bar chart: one "label ██████▌ value" line per (label, amount, value text), the longest bar
-    ``width`` cells, so amounts read against each other at a glance."""
+    ``width`` cells (default: what CAPTION_WIDTH leaves beside the labels and values), so amounts read against
+    each other at a glance."""
     longest = max((amount for _, amount, _ in rows), default=0) or 1
     label_width = max(len(label) for label, _, _ in rows)
+    if width is None:
+        width = max(4, CAPTION_WIDTH - label_width - 2 - max(len(value) for _, _, value in rows))
     return [f"{label:<{label_width}} [$accent]{bar(amount / longest, width)}[/] {value}"
             for label, amount, value in rows]
 
@@ -193,5 +219,7 @@ def spark(values: list[float]) -> str:
 def figures(rows: list[tuple[str, str]], note: str = "") -> str:
     """The closing figures: "label  value" lines, labels padded to the longest, then a sentence."""
     width = max(len(label) for label, _ in rows)
-    lines = [f"{label:<{width}}  {value}" for label, value in rows]
+    # A value too long for its row goes under its label, indented, rather than wrapping under the labels.
+    lines = [f"{label:<{width}}  {value}" if width + 2 + len(value) <= CAPTION_WIDTH else f"{label}\n  {value}"
+             for label, value in rows]
     return "[b]The figures of this run[/b]\n" + "\n".join(lines) + (f"\n\n{note}" if note else "")

@@ -13,6 +13,7 @@ so the freed batch comes closer to being throughput.
 
 from __future__ import annotations
 
+from kvscope.app.lessons import script
 from kvscope.app.lessons.load import ask, question
 from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, after_steps, all_done, bars, plural
 
@@ -40,9 +41,9 @@ def measure(moment: Moment, run: int) -> dict:
             "step_s": sum(at_batch) / len(at_batch) if at_batch else 0.0}
 
 
-def _queues(moment: Moment) -> tuple[int, int]:
-    running = sum(1 for v in moment.snapshot.requests if v.queue == "running")
-    return running, len(moment.snapshot.requests) - running
+def _queues(moment: Moment, key: str | None = None) -> tuple[int, int]:
+    """(running, waiting) at this step, or at the step the earlier beat ``key`` stopped at."""
+    return len(moment.queued("running", key)), len(moment.queued("waiting", key))
 
 
 def say_contiguous(moment: Moment) -> str:
@@ -59,17 +60,11 @@ def say_contiguous(moment: Moment) -> str:
 def say_paged(moment: Moment) -> str:
     running, waiting = _queues(moment)
     used = sum(len(v.block_tables[0]) for v in moment.snapshot.requests if v.block_tables and v.queue == "running")
-    before = _queues_at(moment, "contiguous")[0]
+    before = _queues(moment, "contiguous")[0]
     return (f"The same requests, [b]paged[/b]: each takes blocks as it fills them ({used / max(running, 1):.1f} "
             f"each so far, of the pool's {moment.info.runner.num_device_blocks}), so [b]{running} run at once[/b] "
             f"({waiting} waiting) in {used} blocks. Same pool, same model: {running / max(before, 1):.1f}× the "
             "contiguous batch.")
-
-
-def _queues_at(moment: Moment, key: str) -> tuple[int, int]:
-    snapshot = moment.earlier[key].snapshot
-    running = sum(1 for v in snapshot.requests if v.queue == "running")
-    return running, len(snapshot.requests) - running
 
 
 def say_figures(moment: Moment) -> str:
@@ -81,12 +76,16 @@ def say_figures(moment: Moment) -> str:
     rate = bars([(label, m["rate"], f"{m['rate']:,.1f} tok/s") for label, m in runs])
     batch = bars([(label, m["batch"], f"{m['batch']} (mean {m['mean_batch']:.1f})") for label, m in runs])
     step = bars([(label, m["step_s"], f"{1000 * m['step_s']:,.0f} ms at batch {m['batch']}") for label, m in runs])
+    gain = script.compared(contiguous["rate"], paged["rate"])
+    hidden = " Paging was slower here: this run's noise (a busy CPU) hid the effect."
+    verdict = "" if gain > 0 else hidden if gain < 0 else (
+        f" No gain stands above this machine's noise here: tokens a second differ by less than {script.NOISE:.0%}.")
     return ("[b]The figures of this run[/b] (the engine's own time)\n\n"
             "output tokens a second\n" + "\n".join(rate) + "\n\nbatch, most at once\n" + "\n".join(batch) +
             "\n\na step that only decodes\n" + "\n".join(step) + "\n\n"
             f"Paging ran [b]{batch_ratio:.1f}×[/b] the batch for [b]{ratio:.2f}×[/b] the tokens a second, in "
-            f"{plural(paged['steps'], 'step')} against {contiguous['steps']}. What bounds the ratio here: a step "
-            f"at the bigger batch took [b]{step_ratio:.1f}×[/b] as long"
+            f"{plural(paged['steps'], 'step')} against {contiguous['steps']}.{verdict} What bounds the ratio here: a "
+            f"step at the bigger batch took [b]{step_ratio:.1f}×[/b] as long"
             + (", since on a CPU a step's matmuls and attention cost grows with the tokens in it; "
                if step_ratio > 1.1 else ", and the paged batch shrank as its requests finished; ")
             + "the ratio is about the mean batch ratio divided by that. On a GPU a decode step is bound by reading the "

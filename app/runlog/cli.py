@@ -182,7 +182,9 @@ def _show(reader: RunLogReader, args: argparse.Namespace) -> int:
         ("steps", f"{_number(run['num_steps'])} ({_number(run['busy_seconds'], 2)} s in the engine)"),
         ("requests", f"{_number(run['num_requests'])} ({_number(run['num_finished_requests'])} finished: "
                      + (", ".join(f"{k} {v}" for k, v in run["finish_reasons"].items()) or "none") + ")"),
-        ("tokens", f"{_number(run['num_prefill_tokens'])} prompt, "
+        # Computed prompt tokens are fewer than the prompts' own where the prefix cache hit, and more where a
+        # preempted request computed its prompt again: both numbers, never one under the other's name.
+        ("tokens", f"{_number(run['num_prefill_tokens'])} computed of {_number(run['num_prompt_tokens'])} prompt, "
                    f"{_number(run['num_generated_tokens'])} generated"),
         ("mean tok/s", _number(run["mean_tokens_per_s"], 1)),
         ("mean TTFT", f"{_number(run['mean_time_to_first_token'], 3)} s"),

@@ -138,7 +138,7 @@ class RunLogReader:
         run["mean_tokens_per_s"] = generated / busy if busy else None
         run.update(self._one("""
             SELECT count(*) AS num_requests, count(finish_reason) AS num_finished_requests,
-                   sum(num_output_tokens) AS num_output_tokens,
+                   sum(num_output_tokens) AS num_output_tokens, sum(num_prompt_tokens) AS num_prompt_tokens,
                    avg(first_token_time - arrival_time) AS mean_time_to_first_token,
                    avg(finish_time - arrival_time) AS mean_latency
             FROM requests WHERE run_id = ?""", run_id))

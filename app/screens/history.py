@@ -39,7 +39,8 @@ ReplayFor = Callable[[RunLogReader, int], Screen]
 
 RUN_TEXT = ("status", "started_at", "status_detail", "model", "device", "dtype")
 COLUMNS = ("id", "status", "started", "source", "reqs", "tokens", "tok/s", "model")
-MIN_MODEL_WIDTH = 8
+MIN_TEXT_WIDTH = 8
+CUTTABLE = ("source", "model")    # the free-text columns, cut with "…" (the widest first) when the row is too wide
 
 
 def run_variables(run: dict) -> dict[str, str]:
@@ -51,6 +52,10 @@ def run_variables(run: dict) -> dict[str, str]:
     values["allocator"] = one_line(config.get("allocator", "?"), 40)
     values["preemption_mode"] = one_line(config.get("preemption_mode", "?"), 40)
     return values
+
+
+def cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def run_cells(run: dict) -> tuple[str, ...]:
@@ -87,6 +92,24 @@ def describe_run(run: dict) -> str:
     return "\n".join(lines)
 
 
+class RunsTable(DataTable):
+    """The list of runs, whose Home and End move the selection (DataTable's only scroll, leaving the summary on a
+    run no longer in sight)."""
+
+    BINDINGS = [
+        Binding("home,ctrl+home", "first_run", "First", show=False),
+        Binding("end,ctrl+end", "last_run", "Last", show=False),
+    ]
+
+    def action_first_run(self) -> None:
+        if self.row_count:
+            self.move_cursor(row=0)
+
+    def action_last_run(self) -> None:
+        if self.row_count:
+            self.move_cursor(row=self.row_count - 1)
+
+
 class HistoryScreen(Screen):
     BINDINGS = [
         Binding("escape", "app.pop_screen", "Back"),
@@ -105,7 +128,7 @@ class HistoryScreen(Screen):
     def compose(self) -> ComposeResult:
         yield Static("[b]Run history[/b]", id="history-title")
         with Horizontal(id="history-body"):
-            yield DataTable(id="runs", cursor_type="row", zebra_stripes=True, classes="panel")
+            yield RunsTable(id="runs", cursor_type="row", zebra_stripes=True, classes="panel")
             with Vertical(id="run-detail", classes="panel"):
                 yield Static("", id="run-summary")
                 yield Label("generated tokens/s over the run", classes="chart-label")
@@ -158,23 +181,30 @@ class HistoryScreen(Screen):
             self._say("The run log is empty.")
 
     def _show_runs(self) -> None:
-        """Every column whole, the model's name taking what the others leave (cut with "…" only if it must)."""
+        """Every figure column whole; the source and the model take what the others leave (the wider cut first,
+        with "…", only if it must), in the width left beside the scrollbar a long list will show."""
         table = self.query_one("#runs", DataTable)
         if not table.size.width:
             return
         highlighted = self.run_id
         widths = [max([len(header), *(len(cells[i]) for cells in self._runs)]) for i, header in enumerate(COLUMNS)]
-        model = COLUMNS.index("model")
-        room = table.scrollable_content_region.width - sum(w + 2 for i, w in enumerate(widths) if i != model) - 2
-        widths[model] = max(MIN_MODEL_WIDTH, min(widths[model], room))
+        region = table.scrollable_content_region
+        will_scroll = len(self._runs) + 1 > region.height and not table.show_vertical_scrollbar
+        scrollbar = table.styles.scrollbar_size_vertical if will_scroll else 0
+        room = region.width - scrollbar - sum(w + 2 for w in widths)
+        cuttable = [COLUMNS.index(name) for name in CUTTABLE]
+        while room < 0:
+            widest = max(cuttable, key=lambda i: widths[i])
+            if widths[widest] <= MIN_TEXT_WIDTH:
+                break
+            widths[widest] -= 1
+            room += 1
         table.clear(columns=True)
         for header, width in zip(COLUMNS, widths, strict=True):
             table.add_column(header, width=width, key=header)
         for cells in self._runs:
-            name = cells[model]
-            cut = name if len(name) <= widths[model] else name[:widths[model] - 1] + "…"
             # Text, never a str: DataTable would parse a str's square brackets as markup.
-            table.add_row(*(Text(cut) if i == model else Text(cell) for i, cell in enumerate(cells)), key=cells[0])
+            table.add_row(*(Text(cut(cell, widths[i])) for i, cell in enumerate(cells)), key=cells[0])
         if highlighted is not None and str(highlighted) in table.rows:
             table.move_cursor(row=table.get_row_index(str(highlighted)))
 

@@ -167,6 +167,14 @@ class LessonScreen(Screen):
             self.notify("End of the lesson: Backspace goes back, Esc returns to kvscope.", timeout=4)
 
     def action_back(self) -> None:
+        earlier = self.runner.showing - 1
+        if self.runner.running is None and 0 <= earlier < len(self.runner.records) \
+                and self.runner.records[earlier].run_id is None:
+            # The beat was never logged (the run log could not be opened): going back would wait for ever.
+            why = getattr(self.app.run_logger, "warning", None) or "the run log is off"
+            self.notify(f"Backspace replays earlier beats from the run log, and this lesson has none: {why}.",
+                        title="Cannot go back", severity="warning", timeout=10)
+            return
         if not self.runner.back() and self.runner.running is None:
             self.notify("This is the first beat.", timeout=2)
 

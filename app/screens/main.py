@@ -127,6 +127,10 @@ class MainScreen(Screen):
             header.show_stopped(error)
         self.chat.set_engine_waiting(still_running is None and self.engine_info is None)
 
+    def show_serving(self, url: str) -> None:
+        """kvscope --serve: the API's address stays in the header, where no toast can hide or time it out."""
+        self.header.show_serving(url)
+
     def engine_died(self, error: str) -> None:
         self.header.show_stopped(error)
 
@@ -142,15 +146,20 @@ class MainScreen(Screen):
     def chat_refused(self, request_id: str, error: str) -> None:
         self.chat.show_rejection(request_id, error)
 
+    @property
+    def reply_streaming(self) -> bool:
+        return self.chat.current_request is not None
+
     def abort_chat(self) -> str | None:
-        """Esc in the chat: stop showing the reply in flight and return its id for the engine to abort; with
-        none, the focus leaves the input for the map."""
+        """Stop showing the chat's reply in flight and return its id for the engine to abort (None: none)."""
         request_id = self.chat.abort()
-        if request_id is None:
-            self.view.block_map.focus()
-        else:
+        if request_id is not None:
             self.view.block_map.set_chat_request(None)
         return request_id
+
+    def action_leave_chat(self) -> None:
+        """Esc in the chat: the focus leaves the input for the map, whether or not a reply streams."""
+        self.view.block_map.focus()
 
     def new_conversation(self) -> str | None:
         """Forget every turn; returns the reply in flight, if any, for the engine to abort."""

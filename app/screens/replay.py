@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.containers import Horizontal
 from textual.content import Content
 from textual.screen import Screen
 from textual.timer import Timer
@@ -29,7 +30,7 @@ from textual.widgets import Input, Static
 from kvscope.app.runlog import ReplayFrame, RunLogReader
 from kvscope.app.safe_text import escape, one_line
 from kvscope.app.widgets.key_bar import KeyBar
-from kvscope.app.widgets.queues import FINISHED_KEEP_STEPS
+from kvscope.app.widgets.queue_rows import FINISHED_KEEP_STEPS
 from kvscope.app.widgets.snapshot_view import SnapshotView
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, StepStats
 
@@ -93,12 +94,16 @@ class ReplayScreen(Screen):
         self.view: StepView = SnapshotView(id="body", max_model_len=config.get("max_model_len"))
 
     def compose(self) -> ComposeResult:
-        yield Static("", id="replay-status")
+        # The jump box shares the status's one row: below the view it took three rows from the queues, and a
+        # status that wrapped to two rows shrank the map (its scale flipped between 5 and 6 blocks a cell).
+        with Horizontal(id="replay-top"):
+            yield Static("", id="replay-status")
+            yield Input(placeholder="g: jump to step", type="integer", id="jump", compact=True)
         yield self.view
-        yield Input(placeholder="step number, then Enter", type="integer", id="jump")
         yield KeyBar(own_only=True, id="keys")
 
     def on_mount(self) -> None:
+        self.view.block_map.focus()     # the replay's keys, not the jump box, which comes first on the screen
         if self._queues is not None:
             self._queues.note_logged_finals(self.reader.final_figures(self.run_id))
         if self.steps:

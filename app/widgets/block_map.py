@@ -21,6 +21,7 @@ from textual.widget import Widget
 from kvscope.app.messages import BlockHighlighted, RequestSelected
 from kvscope.app.widgets import block_cells as cells
 from kvscope.app.widgets.line_cache import LineCache
+from kvscope.app.widgets.theme_styled import ThemeStyled
 from kvscope.engine.outputs import CacheSnapshot
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
@@ -29,7 +30,7 @@ RUN_KEY = 1 << 16  # cache key of a run of one-char cells: code * RUN_KEY + run 
 DIMMED = 0.7  # how far the cells of requests other than the selected one fade into the background
 
 
-class BlockMap(Widget, can_focus=True):
+class BlockMap(ThemeStyled, Widget, can_focus=True):
     BINDINGS = [
         Binding("left", "move(-1, 0)", "Left", show=False),
         Binding("right", "move(1, 0)", "Right", show=False),
@@ -51,9 +52,6 @@ class BlockMap(Widget, can_focus=True):
         self._lines: LineCache[int] = LineCache(self._render_row)
         self._styles: dict[int, Style] = {}
         self._cell_cache: dict[int, Segment] = {}  # one-char cells: (code, run length) -> segment
-
-    def on_mount(self) -> None:
-        self.app.theme_changed_signal.subscribe(self, lambda _theme: self._restyle())
 
     # --- feeding -------------------------------------------------------------------
 
@@ -127,14 +125,6 @@ class BlockMap(Widget, can_focus=True):
         return f"{layout.num_blocks:,} blocks · {per_cell}"
 
     # --- styles ------------------------------------------------------------------------
-
-    def _restyle(self) -> None:
-        self._forget_styles()
-        self.refresh()
-
-    def notify_style_update(self) -> None:
-        super().notify_style_update()
-        self._forget_styles()
 
     def _forget_styles(self) -> None:
         self._styles.clear()

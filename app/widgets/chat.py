@@ -4,8 +4,8 @@ The pane keeps the conversation and the id of the reply in flight; the app sends
 each turn to the engine and feeds the outputs back. Every turn resends the whole
 conversation, so the second turn's prompt starts with the first turn's tokens
 and the prefix cache hands back their blocks. "New conversation" forgets it:
-the next turn is sent alone. Esc in the pane aborts the reply streaming (and
-only there: the key means other things elsewhere).
+the next turn is sent alone. Ctrl+G stops the reply streaming; Esc only leaves
+the input, as it steps out everywhere else.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
+from textual.reactive import reactive
 from textual.widgets import Input, Static
 
 from kvscope.app.messages import ChatSubmitted
@@ -28,18 +29,21 @@ DEFAULT_MAX_TOKENS = 256
 WAITING = "waiting for the engine…"
 SPEAKERS = {"user": "you", "assistant": "assistant"}
 HINT = ("Type a question below and press Enter. Its blocks light up in the map while the reply streams; "
-        "Esc stops the reply, Ctrl+N starts a new conversation.")
+        "Ctrl+G stops the reply, Ctrl+N starts a new conversation, Esc leaves the input.")
 
 
 class ChatPane(Vertical):
-    BINDINGS = [Binding("escape", "app.abort_reply", "Abort reply")]
+    # Esc means one thing here, as everywhere: step out (of the input, to the map). Stopping a reply is the App's
+    # Ctrl+G, which works from any panel.
+    BINDINGS = [Binding("escape", "screen.leave_chat", "Leave input")]
+    # The reply in flight; bindings=True so the footer's "Stop reply" shows exactly while one streams.
+    current_request: reactive[str | None] = reactive(None, bindings=True)
 
     def __init__(self, *, max_tokens: int = DEFAULT_MAX_TOKENS, id: str | None = None,
                  classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.max_tokens = max_tokens
         self.messages: list[dict] = []
-        self.current_request: str | None = None
         self._reply = ""
         self._reply_bubble: Static | None = None
         self._turns = itertools.count(1)
@@ -55,6 +59,16 @@ class ChatPane(Vertical):
         # a repaint pass the engine pays for under load.
         chat_input.cursor_blink = False
         yield chat_input
+        yield Static("", id="paste-note")
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        """The paste note follows the input: shown while a paste marker is in it, gone with the last one."""
+        chat_input = self.query_one("#chat-input", ChatInput)
+        if event.input is chat_input:
+            note = self.query_one("#paste-note", Static)
+            summary = chat_input.summary()
+            note.update(Content(summary))
+            note.display = bool(summary)
 
     @property
     def chat_log(self) -> VerticalScroll:
@@ -76,7 +90,7 @@ class ChatPane(Vertical):
             event.input.value = ""   # whitespace alone is nothing to send, and nothing to keep
             return
         if self.current_request is not None:
-            self.notify("A reply is still streaming; press Esc to abort it.", severity="warning")
+            self.notify("A reply is still streaming; Ctrl+G stops it.", severity="warning")
             return
         event.input.value = ""
         chat_input.clear_pastes()

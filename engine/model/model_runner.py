@@ -18,7 +18,7 @@ from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.model import patches, threads
 from kvscope.engine.model.attention import AttentionContext
-from kvscope.engine.model.loader import ModelError, load_model
+from kvscope.engine.model.loader import ModelError, load_model, refusal
 from kvscope.engine.model.memory import size_pool
 from kvscope.engine.model.sampler import Sampler, SampleRow
 from kvscope.engine.outputs import KVLayout
@@ -288,11 +288,11 @@ def _check_attention_features(text_config, max_model_len: int) -> None:
     """Refuse attention variants our kernels do not implement, rather than compute wrong tokens."""
     window = getattr(text_config, "sliding_window", None)
     if getattr(text_config, "use_sliding_window", True) and window and window < max_model_len:
-        raise ModelError(f"this model uses sliding-window attention ({window} tokens), which kvscope's kernels "
-                         f"do not implement; run it with --max-model-len {window} or less")
+        raise ModelError(refusal(text_config.model_type, f"it uses sliding-window attention ({window} tokens), which "
+                                 f"kvscope's kernels do not compute; run it with --max-model-len {window} or less"))
     if getattr(text_config, "attn_logit_softcapping", None):
-        raise ModelError("this model soft-caps attention logits, which kvscope's kernels do not implement; "
-                         "pick another model")
+        raise ModelError(refusal(text_config.model_type, "it soft-caps attention logits, which kvscope's "
+                                 "attention kernels do not compute"))
 
 
 def sampling_defaults(generation_config) -> tuple[tuple[str, float | int], ...]:

@@ -18,6 +18,8 @@ So in a reduced-precision model kvscope keeps, without any per-architecture code
   fp32 too, rounded once where the down projection takes it, and every sublayer reaches the residual stream
   unrounded. On SmolLM2 this took the logits' error against fp32 from 0.079 to 0.059 (docs/precision.md) for
   two more bytes per output value; torch has no CPU matmul that gives fp32 from bf16, so oneDNN's stay bf16;
+- LayerNorms (GPT-2's, Phi's) in fp32 on fp32 copies of their weights, and the input of transformers' Conv1D
+  (GPT-2's linears) rounded to the model's dtype like any linear's;
 - rotary in fp32 (its cos/sin take the hidden states' dtype), with q/k/v cast to the KV pool's dtype by the
   attention (``attention.paged_attention_forward``), whose kernels compute in fp32 over the 16-bit pool and
   round once, at their output (``kernels/reference.py``, ``kernels/paged_attention_cpu.cpp``);
@@ -38,6 +40,7 @@ import types
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from kvscope.engine.model import packed_linear
 
@@ -58,6 +61,12 @@ def keep_fp32(model: nn.Module, dtype: torch.dtype) -> None:
     setattr(model, _EMBEDDING_HOOK, embeddings.register_forward_hook(_upcast_output))
     head = model.get_output_embeddings()
     for module in model.modules():
+        if isinstance(module, nn.LayerNorm):
+            _fp32_layer_norm(module)
+            continue
+        if isinstance(module, Conv1D):
+            _cast_input(module, dtype)
+            continue
         if not isinstance(module, nn.Linear) or module is head:
             continue
         if packed_linear.rounds_its_input(module):
@@ -105,6 +114,19 @@ def _cast_input(module: nn.Linear, dtype: torch.dtype) -> None:
         return inner(x.to(dtype))
 
     _replace_forward(module, forward)
+
+
+def _fp32_layer_norm(norm: nn.LayerNorm) -> None:
+    """A LayerNorm (GPT-2's, Phi's) on the fp32 residual stream: torch's CPU kernel refuses an fp32 input with
+    bf16 parameters ("mixed dtype"), so it normalises in fp32 with fp32 copies of its (small) weight and bias,
+    and returns fp32 as RMSNorm does here."""
+    weight = None if norm.weight is None else norm.weight.detach().float()
+    bias = None if norm.bias is None else norm.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
+
+    _replace_forward(norm, forward)
 
 
 def _fp32_head(head: nn.Linear) -> None:

@@ -250,14 +250,14 @@ async def test_a_narrow_queue_table_leaves_out_the_least_needed_columns():
         assert "prompt" in table.render_line(0).text.split()
 
 
-async def test_escape_aborts_the_chat_reply_and_frees_its_blocks():
+async def test_ctrl_g_aborts_the_chat_reply_and_frees_its_blocks():
     engines = FakeEngines()
     app = make_app(engines, chat_max_tokens=200)
     async with app.run_test(size=(120, 36)) as pilot:
         await started(pilot)
         await type_chat(pilot, "Tell me a long story")
         await single_steps(pilot, 3)
-        await pilot.press("escape")
+        await pilot.press("ctrl+g")
         chat = app.main.query_one(ChatPane)
         assert chat.current_request is None
         assert _reply(app).endswith("[aborted]")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
 from rich.cells import cell_len
-from textual.widgets import HelpPanel
 
 from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.app.screens.replay import ReplayScreen
@@ -14,6 +13,7 @@ from kvscope.app.widgets.block_table import BlockTable
 from kvscope.app.widgets.chat import ChatPane
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.key_bar import KeyBar
+from kvscope.app.widgets.keys_panel import KeysPanel
 from kvscope.app.widgets.queues import QueuesTable
 from kvscope.app.worker.commands import AddChatTurn, LaunchPreset
 from kvscope.engine.config import EngineConfig, SamplingParams
@@ -66,27 +66,56 @@ async def test_question_mark_shows_and_hides_the_keys():
         await started(pilot)
         app.main.view.block_map.focus()
         await pilot.press("question_mark")
-        assert app.screen.query(HelpPanel)
+        assert app.screen.query(KeysPanel)
         await pilot.press("question_mark")
         await pilot.pause()
-        assert not app.screen.query(HelpPanel)
+        assert not app.screen.query(KeysPanel)
+        assert app.focused is app.main.view.block_map
 
 
-async def test_escape_aborts_the_reply_only_from_the_chat():
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_the_keys_panel_lists_the_apps_keys_first_folds_the_inputs_and_scrolls_by_keyboard(size):
+    app = make_app(FakeEngines())
+    async with app.run_test(size=size) as pilot:
+        await started(pilot)
+        chat_input = app.main.query_one("#chat-input")
+        chat_input.focus()
+        await pilot.press("question_mark")                # an empty input passes "?" on
+        await pilot.pause()
+        panel = app.screen.query_one(KeysPanel)
+        rows = panel.rows
+        assert rows[0][0] == "keys of the window" and "Quit" in rows[0][2]
+        editing = [row for row in rows if row[0] == "text editing in the input"]
+        assert len(editing) == 1 and rows[-1] == editing[0]     # the input's editing keys: one row, last
+        quit_row = next(child for child in panel.query(".keys-row") if "Quit" in str(child.render()))
+        assert quit_row.region.bottom <= panel.region.bottom     # on screen without scrolling
+        assert app.focused is panel
+        if panel.max_scroll_y:
+            await pilot.press("pagedown")
+            await pilot.pause()
+            assert panel.scroll_y > 0
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not app.screen.query(KeysPanel) and app.focused is chat_input
+
+
+async def test_escape_only_leaves_the_input_and_ctrl_g_stops_the_reply_from_any_panel():
+    """Esc meant "abort the reply" while one streamed and "leave the input" otherwise; now it has one meaning."""
     app = make_app(FakeEngines(), chat_max_tokens=200)
     async with app.run_test(size=(120, 36)) as pilot:
         await started(pilot)
         chat = app.main.query_one(ChatPane)
         await type_chat(pilot, "Tell me a long story")
         await single_steps(pilot, 2)
-        app.main.view.block_map.focus()
+        assert app.focused is app.main.query_one("#chat-input")
+        await pilot.press("escape")                      # a reply streams: Esc still only leaves the input
+        assert chat.current_request == "chat-1"
+        assert app.focused is app.main.view.block_map
         await pilot.press("escape")
         assert chat.current_request == "chat-1"          # Esc on the map is the map's, not the reply's
-        app.main.query_one("#chat-input").focus()
-        await pilot.press("escape")
+        await pilot.press("ctrl+g")                      # the reply stops from the map as from the input
         assert chat.current_request is None
-        await pilot.press("escape")                      # no reply left: Esc leaves the input for the map
-        assert app.focused is app.main.view.block_map
+        assert "Esc leaves the input" in app.main.query_one("#chat-input").placeholder
 
 
 async def test_keys_jump_to_the_map_the_queues_and_the_chat_and_the_focus_shows():
@@ -257,14 +286,20 @@ async def test_a_multi_line_paste_is_sent_whole():
         await pilot.press("R", "e", "a", "d", ":", "space")
         chat_input.post_message(events.Paste(pasted))
         await pilot.pause()
-        assert chat_input.value == f"Read: [pasted 25 lines, {len(pasted):,} characters]"   # what goes, in view
+        assert chat_input.value == "Read: [pasted 25 lines]"                      # what goes, in view
+        await pilot.pause()
+        note = app.main.query_one("#paste-note")
+        assert str(note.render()) == f"pasted 25 lines, {len(pasted):,} characters, sent whole" and note.display
+        assert chat_input.content_region.width > len(chat_input.value)      # the marker whole in the input
         await pilot.press("space", "o", "k")
         send = app.worker.send
         app.worker.send = lambda command: (isinstance(command, AddChatTurn) and sent.append(command), send(command))
         await pilot.press("enter")
         await until(pilot, lambda: sent)
         assert sent[0].messages[-1]["content"] == f"Read: {pasted} ok"          # every line of it
-        assert chat_input.value == "" and chat_input.expanded("[pasted 25 lines") == "[pasted 25 lines"
+        assert chat_input.value == "" and chat_input.expanded("[pasted 25 lines]") == "[pasted 25 lines]"
+        await pilot.pause()
+        assert not app.main.query_one("#paste-note").display
         bubble = str(app.main.query(".bubble.user").last().render())
         assert "line 0:" in bubble and "line 24:" in bubble
 
@@ -284,10 +319,10 @@ async def test_a_paste_with_the_focus_off_the_chat_goes_to_the_chat_and_a_first_
         assert app.focused is chat_input
         chat_input.value = ""
         await pilot.press("question_mark")                          # empty input: the keys, as everywhere
-        assert app.screen.query(HelpPanel) and chat_input.value == ""
+        assert app.screen.query(KeysPanel) and chat_input.value == ""
         await pilot.press("question_mark")
         await pilot.pause()
-        assert not app.screen.query(HelpPanel)
+        assert not app.screen.query(KeysPanel)
         await pilot.press("W", "h", "y", "question_mark")           # inside a question: a question mark
         assert chat_input.value == "Why?"
         text = _bar_text(app.main.query_one(KeyBar))

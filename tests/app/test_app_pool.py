@@ -9,7 +9,8 @@ from app_harness import FakeEngines, burst_steps, make_app, single_steps, starte
 
 from kvscope.app.load.presets import PRESETS, PresetContext, build, fit_reply
 from kvscope.app.widgets.event_line import narrate
-from kvscope.app.widgets.queues import FINISHED_KEEP_STEPS, QueuesTable
+from kvscope.app.widgets.queue_rows import FINISHED_KEEP_STEPS
+from kvscope.app.widgets.queues import QueuesTable
 from kvscope.app.widgets.status_line import RateWindow, describe_status
 from kvscope.app.worker.commands import AbortRequest, AddRequest, LaunchPreset
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams

@@ -192,17 +192,23 @@ async def test_history_over_garbage_pages_shows_the_error_and_the_app_lives_on(t
         assert app.screen is app.main and app.is_running
 
 
+async def replay_from_history(pilot, path, run_id: int) -> ReplayScreen:
+    """History on ``path``, the cursor on ``run_id``, Enter: its replay."""
+    history = await open_history(pilot, path)
+    runs = history.query_one("#runs")
+    runs.move_cursor(row=runs.get_row_index(str(run_id)))
+    await pilot.press("enter")
+    await until(pilot, lambda: isinstance(pilot.app.screen, ReplayScreen))
+    return pilot.app.screen
+
+
 async def test_replay_of_a_corrupt_snapshot_says_which_step_and_the_others_still_show(tmp_path):
     path = tmp_path / "runs.db"
     run_id = log_a_run(path)
     corrupt_snapshot(path, run_id, step=6)
     app = make_app(FakeEngines())
     async with app.run_test(size=(160, 48)) as pilot:
-        history = await open_history(pilot, path)
-        runs = history.query_one("#runs")
-        runs.move_cursor(row=runs.get_row_index(str(run_id)))
-        await pilot.press("enter")
-        await until(pilot, lambda: isinstance(app.screen, ReplayScreen))
+        await replay_from_history(pilot, path, run_id)
         replay = app.screen
         for _ in range(5):
             await pilot.press("right")
@@ -223,11 +229,7 @@ async def test_replay_of_a_run_whose_first_frame_is_corrupt_opens_and_says_so(tm
     corrupt_snapshot(path, run_id, step=1)
     app = make_app(FakeEngines())
     async with app.run_test(size=(160, 48)) as pilot:
-        history = await open_history(pilot, path)
-        runs = history.query_one("#runs")
-        runs.move_cursor(row=runs.get_row_index(str(run_id)))
-        await pilot.press("enter")
-        await until(pilot, lambda: isinstance(app.screen, ReplayScreen))
+        await replay_from_history(pilot, path, run_id)
         await pilot.pause()
         assert "cannot show step 1" in str(app.screen.query_one("#replay-status").render())
         await pilot.press("space")

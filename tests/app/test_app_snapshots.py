@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
 
+from kvscope.app.lessons import LESSONS
 from kvscope.app.lessons.play import play
 from kvscope.app.load.presets import PresetContext, build
 from kvscope.app.runlog import RunLogReader, record_run
@@ -124,6 +125,9 @@ LESSON_BEATS = [("fragmentation", 0), ("fragmentation", 3), ("fragmentation", 4)
                 ("prefix-sharing", 1), ("prefix-sharing", 3), ("copy-on-write", 1), ("preemption", 0),
                 ("preemption", 3), ("chunked-prefill", 1), ("latency", 0), ("latency", 3), ("continuous-batching", 2),
                 ("throughput", 1), ("throughput", 2), ("sizing", 0), ("sizing", 1), ("sizing", 5)]
+# And every lesson's last beat, where its conclusion is (issue 38): visible at 120x40, or cued on the panel's edge.
+LESSON_BEATS += [(name, len(lesson.beats) - 1) for name, lesson in LESSONS.items()
+                 if (name, len(lesson.beats) - 1) not in LESSON_BEATS]
 
 
 @pytest.mark.parametrize("name, beat", LESSON_BEATS, ids=[f"{name}-{beat + 1}" for name, beat in LESSON_BEATS])

@@ -8,7 +8,7 @@ import pytest
 from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, until
 
 from kvscope.app import cli
-from kvscope.app.app import RATE_CAPS
+from kvscope.app.engine_controls import RATE_CAPS
 from kvscope.app.runlog import RunLogReader
 from kvscope.app.widgets.queues import QueuesTable
 from kvscope.app.widgets.throughput import SERIES

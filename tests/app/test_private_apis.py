@@ -2,9 +2,9 @@
 
 They have no public equivalent: ``Screen._modal_binding_chain`` and ``App._check_action_state`` are what the
 key bar reads (``active_bindings`` merges by key, so a widget's hidden Esc would hide the screen's shown one),
-and ``atexit._run_exitfuncs`` is how ``kvscope`` runs its exit handlers before skipping the interpreter's
-teardown. A Textual or Python upgrade that removes or changes one fails here, by name, before the key bar or
-the run log quietly stops working.
+a node's ``_bindings`` is what the keys panel lists, and ``atexit._run_exitfuncs`` is how ``kvscope`` runs its
+exit handlers before skipping the interpreter's teardown. A Textual or Python upgrade that removes or changes
+one fails here, by name, before the key bar or the run log quietly stops working.
 """
 
 from __future__ import annotations
@@ -62,6 +62,19 @@ async def test_check_action_state_asks_the_node_that_owns_the_binding():
         assert app._check_action_state("hidden_action", screen) is False
         assert app._check_action_state("app.pop_screen", screen) is True
         assert app._check_action_state("quit", app) is True
+
+
+async def test_a_nodes_own_bindings_map_its_keys_to_bindings():
+    """The keys panel (widgets/keys_panel.py) lists each node's own bindings, the App's first: ``_bindings``'s
+    ``key_to_bindings``, which the chain's merged views would hide behind the focused input's."""
+    app = Probe()
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        for node in (app, app.screen, app.screen.query_one(Input)):
+            assert hasattr(node, "_bindings") and hasattr(node._bindings, "key_to_bindings"), type(node)
+            for key, bound in node._bindings.key_to_bindings.items():
+                assert isinstance(key, str) and all(isinstance(binding, Binding) for binding in bound)
+        assert [b.action for b in app._bindings.key_to_bindings["q"]] == ["quit"]
 
 
 def test_run_exitfuncs_runs_the_registered_handlers_before_os_exit(tmp_path):

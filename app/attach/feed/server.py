@@ -59,6 +59,14 @@ class EventEndpoint:
         return f"{'bind ' if self.bind else ''}{self.endpoint}"
 
 
+KVSCOPE_KIND = "kvscope"
+
+
+def server_kind(version: str, owned_by: str | None) -> str:
+    """kvscope's own server, told by its /version or its model card; anything else is taken for vLLM."""
+    return KVSCOPE_KIND if version.startswith(KVSCOPE_KIND) or owned_by == KVSCOPE_KIND else "vLLM"
+
+
 @dataclass(frozen=True)
 class ServerInfo:
     url: str
@@ -73,6 +81,19 @@ class ServerInfo:
     event_sources: tuple[EventEndpoint, ...]
     events_note: str = ""       # why there are no event sources, and what turns them on
     process_start_time: float | None = None
+    # What answers: vLLM, or a `kvscope serve` (its /version says "kvscope …", its model card is owned_by
+    # "kvscope"), which publishes vLLM's series but may swap preempted requests to a host pool of that many blocks.
+    kind: str = "vLLM"
+    swap_blocks: int | None = None
+
+    @property
+    def is_kvscope(self) -> bool:
+        return self.kind == KVSCOPE_KIND
+
+    @property
+    def version_label(self) -> str:
+        """"vLLM 0.32.0", or kvscope's own "kvscope 0.4.0" (its /version already names it)."""
+        return self.version if self.version.startswith(self.kind) else f"{self.kind} {self.version}"
 
 
 def normalise_url(url: str) -> str:
@@ -133,7 +154,10 @@ def probe_server(client: Fetcher, url: str, *, event_endpoints: tuple[EventEndpo
     card = _model_card(client, url)
     prefix_caching = dict(engine.cache_config).get("enable_prefix_caching", "True") == "True"
     sources, note = (event_endpoints, "") if event_endpoints else _discover(client, url, prefix_caching)
+    kind = server_kind(version, _text(card.get("owned_by")))
+    host_blocks = dict(engine.cache_config).get("num_cpu_blocks", "")
     info = ServerInfo(
+        kind=kind, swap_blocks=int(host_blocks) if kind == KVSCOPE_KIND and host_blocks.isdigit() else None,
         url=url, version=version, model=_text(card.get("id")) or sample.model_name or "unknown",
         model_root=_text(card.get("root"), 4096), max_model_len=_model_len(card.get("max_model_len")),
         num_gpu_blocks=engine.num_gpu_blocks, block_size=engine.block_size,

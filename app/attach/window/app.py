@@ -1,8 +1,8 @@
 """AttachApp: the kvscope window over a vLLM server. The data source thread feeds it frames.
 
 It is the app's window with another data source, so the themes, the run log's
-History (F9, where the session shows up as a "vllm" run while it is recorded)
-and screenshots (F10) work as they do in the app.
+History (F9, where the session shows up as a "vllm" run while it is recorded),
+screenshots (Ctrl+S), the keys (?) and quitting (q or F10) work as in the app.
 
 The data source runs in a daemon thread of its own, not a Textual thread worker:
 the worker pool is joined when the app's event loop closes, so a thread that
@@ -18,10 +18,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from textual.binding import Binding
 from textual.message import Message
 from textual.screen import Screen
 
+from kvscope.app.actions import ATTACH_ACTIONS, bindings
 from kvscope.app.attach.feed.frame import AttachFrame
 from kvscope.app.attach.feed.source import AttachSource
 from kvscope.app.attach.window.replay_view import replay_screen_for
@@ -46,11 +46,7 @@ class FrameArrived(Message):
 class AttachApp(ThemedApp):
     TITLE = "kvscope attach"
     CSS_PATH = [APP_CSS, ATTACH_CSS, *THEME_CSS_PATHS]
-    BINDINGS = [
-        Binding("f9", "history", "History"),
-        Binding("f10", "screenshot_svg", "Screenshot"),
-        Binding("ctrl+t", "toggle_theme", "Theme"),
-    ]
+    BINDINGS = bindings(*ATTACH_ACTIONS)
 
     def __init__(self, source: AttachSource, first_sample=None, *, db_path: str | Path | None = None,
                  screenshot_dir: str | Path | None = None, run_thread: bool = True,

@@ -11,8 +11,8 @@ import time
 
 from textual.app import ComposeResult
 from textual.screen import Screen
-from textual.widgets import Footer
 
+from kvscope.app.actions import FOOTER_RANKS
 from kvscope.app.attach.feed.frame import AttachFrame
 from kvscope.app.attach.window.widgets.events_panel import EventsPanel
 from kvscope.app.attach.window.widgets.header import AttachHeader
@@ -25,6 +25,7 @@ from kvscope.app.attach.window.widgets.slot_inspector import SlotInspector
 from kvscope.app.messages import RequestSelected
 from kvscope.app.safe_text import escape, one_line
 from kvscope.app.widgets.box import Box, titled
+from kvscope.app.widgets.key_bar import KeyBar
 from kvscope.app.widgets.throughput import Series, Throughput
 
 FRAME_RATE = 10
@@ -81,7 +82,7 @@ class AttachScreen(Screen):
             with Box(id="bottom", classes="row"):
                 yield self.queues
                 yield self.events
-        yield Footer(compact=True)
+        yield KeyBar(keep_first=FOOTER_RANKS, id="keys")
 
     def on_mount(self) -> None:
         self.set_interval(1 / FRAME_RATE, self.paint)

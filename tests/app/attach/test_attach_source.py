@@ -8,7 +8,6 @@ import threading
 
 import msgspec
 import pytest
-import zmq
 from vllm_fakes import SHARED, FakePublisher, FakeServer, recorded_payloads, until
 
 from kvscope.app.attach.feed import source as source_module
@@ -31,13 +30,6 @@ def zmq_sources(publisher: FakePublisher, rank: int = 0) -> dict:
 
     return {str(rank): {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": wildcard(publisher.endpoint),
                         "replay_endpoint": wildcard(publisher.replay_endpoint), "topic": "kv-events"}}
-
-
-@pytest.fixture
-def context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import tracemalloc
 
 import msgspec
 import pytest
-import zmq
 from hostile_fakes import HostileHTTP, HostilePublisher, batch, endless, page, silent, trickle
 from vllm_fakes import SHARED, FakePublisher, until
 
@@ -39,13 +38,6 @@ MiB = 1 << 20
 def fetcher():
     with Fetcher() as fetcher:
         yield fetcher
-
-
-@pytest.fixture
-def context():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @contextlib.contextmanager

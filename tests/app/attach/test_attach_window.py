@@ -122,3 +122,46 @@ async def test_a_pool_that_appears_later_gets_its_own_map():
         await pilot.pause()
         assert [m.border_title for m in app.view.maps] == ["Block map · rank 0 · 54 announced of 96",
                                                            "Block map · rank 1 · 54 announced of 96"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("key", ["q", "f10"])
+async def test_the_attached_window_quits_and_saves_screenshots_with_the_apps_keys(key, tmp_path):
+    """F10 saved a screenshot and q did nothing; only Ctrl+Q, which no footer shows, quit."""
+    app = AttachApp(busy_source(), run_thread=False, db_path="/nonexistent/runs.db", screenshot_dir=tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert len(list(tmp_path.glob("*.svg"))) == 1
+        footer = str(app.screen.query_one("#keys").render())
+        assert "q Quit" in footer
+        await pilot.press(key)
+        await pilot.pause()
+    assert app.return_code == 0 and len(list(tmp_path.glob("*.svg"))) == 1
+
+
+@pytest.mark.parametrize("swap_blocks", [None, 32])
+def test_attached_to_kvscope_serve_the_window_names_it_and_words_its_swapped_queue(swap_blocks):
+    """The window called a `kvscope serve` vLLM, and said there is no swapped queue even in swap mode."""
+    from kvscope.app.attach.feed.server import server_kind
+    from kvscope.app.attach.window.widgets.header import describe_server
+    from kvscope.app.attach.window.widgets.server_counters import describe_counters
+
+    assert server_kind("kvscope 0.4.0", None) == "kvscope" and server_kind("0.32.0", "kvscope") == "kvscope"
+    assert server_kind("0.32.0", "vllm") == "vLLM"
+    source = busy_source()
+    source.server = dataclasses.replace(source.server, version="kvscope 0.4.0", kind="kvscope",
+                                        swap_blocks=swap_blocks)
+    frame = source.make_frame()
+    queues = describe_queues(frame)
+    assert "vLLM publishes" not in queues and "V1 scheduler" not in queues
+    header = describe_server(frame)
+    assert header.startswith("$version") and frame.server.version_label == "kvscope 0.4.0"
+    counters = describe_counters(frame)
+    if swap_blocks:
+        assert "host pool of 32 blocks" in queues and "no swapped queue" not in queues
+        assert "never swapped" not in counters and "swapped out" in counters
+    else:
+        assert "no swapped queue" in queues and "recompute mode" in queues
+    vllm = busy_source().make_frame()
+    assert vllm.server.version_label == "vLLM 0.32.0" and "V1 scheduler" in describe_queues(vllm)

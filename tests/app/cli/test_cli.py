@@ -80,6 +80,35 @@ def test_hub_id_without_network(capsys, monkeypatch):
     assert_one_line_error(status, err, "cannot fetch", "someone/some-model-kvscope-test")
 
 
+def test_hub_id_with_the_hub_unreachable_fails_at_once_without_a_network_request(capsys, monkeypatch):
+    import huggingface_hub.file_download
+    from huggingface_hub import constants
+
+    # A port nobody listens on, as a machine without network refuses: the hub client, which would retry for
+    # about 30 s, is never asked to fetch anything.
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(loader, "HUB_CONNECT_TIMEOUT_S", 0.2)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the hub was asked over the network")
+
+    monkeypatch.setattr(huggingface_hub.file_download, "get_hf_file_metadata", no_network)
+    status, _, err = run_cli(capsys, "chat", "hi", "--model", "someone/some-model-kvscope-test")
+    assert_one_line_error(status, err, "cannot be reached", "someone/some-model-kvscope-test")
+
+
+def test_gemma2_is_refused_in_kvscopes_words_naming_the_family_and_why(capsys, tmp_path):
+    from transformers import Gemma2Config
+
+    Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, vocab_size=64).save_pretrained(tmp_path)
+    status, _, err = run_cli(capsys, "chat", "hi", "--model", str(tmp_path))
+    assert_one_line_error(status, err, "kvscope cannot serve 'gemma2' models", "soft-caps attention logits")
+    assert "attn_implementation" not in err
+
+
 def test_no_space_for_the_model_cache(capsys, tmp_path, monkeypatch):
     from models import tiny_model
 
@@ -246,3 +275,18 @@ def test_a_reader_that_stops_early_ends_chat_quietly_and_the_run_log_says_aborte
     (run,) = RunLogReader(tmp_path / "runs.db").list_runs()
     (request,) = RunLogReader(tmp_path / "runs.db").rows("requests", run["id"])
     assert run["status"] == "finished" and request["finish_reason"] == "abort"
+
+
+def test_a_sliding_window_shorter_than_max_model_len_is_refused_naming_the_family(tmp_path):
+    from models import tokenizer
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from kvscope.engine.config import EngineConfig
+    from kvscope.engine.model.model_runner import ModelRunner
+
+    tok = tokenizer()
+    config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=1, vocab_size=len(tok), sliding_window=64, max_position_embeddings=512)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(loader.ModelError, match="kvscope cannot serve 'mistral' models: it uses sliding-window"):
+        ModelRunner(EngineConfig(num_blocks=8, max_model_len=256), model=model, tokenizer=tok)

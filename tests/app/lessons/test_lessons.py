@@ -252,3 +252,17 @@ async def test_lesson_runs_are_named_for_their_lesson_and_leave_no_empty_runs(tm
     assert cli.main(["runs", "--db", str(path)]) == 0
     listed = capsys.readouterr().out
     assert "source" in listed.splitlines()[0] and "lesson copy-on-write" in listed
+
+
+async def test_backspace_with_the_run_log_on_a_directory_says_why_it_cannot_go_back(tmp_path):
+    """--db pointing at a directory: the log cannot open, and Backspace did nothing without a word."""
+    app = make_app(FakeEngines(fixed_clock=True), db_path=tmp_path, log_enabled=True)
+    notices = []
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        await play(pilot, "copy-on-write", beat_timeout=60, stop_at=1)
+        app.lesson_screen.notify = lambda message, **kwargs: notices.append((message, kwargs.get("title")))
+        await pilot.press("backspace")
+        await pilot.pause()
+        assert app.lesson_screen.runner.showing == 1             # stays on the beat it can show
+        assert notices and notices[-1][1] == "Cannot go back" and "run log" in notices[-1][0]

@@ -14,8 +14,9 @@ from kvscope.app.lessons import LESSONS, fragmentation, latency, sizing, through
 from kvscope.app.lessons.latency import inter_token_latencies, time_to_first_token
 from kvscope.app.lessons.play import play
 from kvscope.app.lessons.script import Moment, StepRecord
+from kvscope.app.widgets.lesson_panel import MORE
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
-from kvscope.engine.outputs import KVLayout
+from kvscope.engine.outputs import EventKind, KVLayout
 
 pytestmark = pytest.mark.anyio
 
@@ -115,3 +116,65 @@ async def test_sizing_builds_each_pool_from_its_budget_and_runs_the_printed_conc
 
 def test_the_new_lessons_are_listed():
     assert {"sizing", "latency", "throughput"} <= set(LESSONS)
+
+
+async def test_preemptions_swap_in_counts_the_blocks_actually_copied_back():
+    """The caption said blocks "2 → 6" came back from the host pool where one block had been swapped: the event
+    lists the whole table, with a block newly allocated for the next token."""
+    beats, moment, runner = await played("preemption")
+    caption = next(beat.caption for beat in beats if beat.title == "And back in")
+    steps = list(runner.steps)
+    at = next(i for i, r in enumerate(steps) if any(e.kind == EventKind.SWAP_IN for e in r.events))
+    before = steps[at - 1].stats.num_swapped_in_blocks if steps[at - 1].run == steps[at].run else 0
+    copied = steps[at].stats.num_swapped_in_blocks - before
+    table = next(e.blocks for e in steps[at].events if e.kind == EventKind.SWAP_IN)
+    assert copied < len(table) or "new for the tokens" not in caption
+    assert f"{copied} swapped {'block was' if copied == 1 else 'blocks were'} copied back" in caption
+
+
+def test_the_latency_conclusion_says_only_what_its_own_figures_show():
+    """A busy CPU gave budget 32 a longer gap than 256 and the same TTFT, under a fixed sentence saying the
+    opposite: the conclusion is now read from the figures, and says when noise hides the effect."""
+    def runs(ttft_small, ttft_large, gap_small, gap_large):
+        return [("budget 32", {"ttft": ttft_small, "itl_max": gap_small}),
+                ("budget 96", {"ttft": 0.5, "itl_max": 0.25}),
+                ("budget 256", {"ttft": ttft_large, "itl_max": gap_large})]
+
+    busy = latency.conclusion(runs(0.510, 0.513, 0.299, 0.232))
+    assert "sooner" not in busy and "wait longer" not in busy
+    assert "noise" in busy and "510 ms" in busy and "299 ms" in busy
+    clear = latency.conclusion(runs(0.900, 0.300, 0.040, 0.300))
+    assert "gave r3 its first token sooner" in clear and "wait longer between tokens" in clear
+    assert "noise" not in clear.split("Where the effects")[0]
+    # Measured on a busy CPU: the middle budget slowest of all, beyond both ends.
+    middle = [runs(1.367, 1.115, 0.259, 1.115)[0], ("budget 96", {"ttft": 2.090, "itl_max": 0.953}),
+              runs(1.367, 1.115, 0.259, 1.115)[2]]
+    assert "budget 96's time to first token, 2,090 ms, is outside both ends" in latency.conclusion(middle)
+
+
+def test_throughputs_ratio_is_told_as_a_gain_only_above_the_noise():
+    from kvscope.app.lessons.script import NOISE, compared
+
+    assert compared(200.0, 342.9) == 1
+    assert compared(200.0, 200.0 * (1 + NOISE / 2)) == 0 and compared(200.0, 150.0) == -1
+
+
+@pytest.mark.parametrize("name", list(LESSONS))
+async def test_each_lessons_last_beat_fits_the_panel_at_120x40_and_cues_what_is_below(name):
+    app = make_app(FakeEngines(fixed_clock=True))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        await play(pilot, name, beat_timeout=60)
+        await pilot.pause()
+        panel = app.lesson_screen.panel
+        width = panel.scrollable_content_region.width
+        for line in str(panel.render()).split("\n"):
+            if "  " in line.strip() or "█" in line:       # a table row or a bar: it must not wrap
+                assert len(line) <= width, line
+        if panel.max_scroll_y:
+            assert panel.border_subtitle == MORE
+            await pilot.press("end")
+            await pilot.pause()
+            assert panel.border_subtitle == ""
+        else:
+            assert not panel.border_subtitle

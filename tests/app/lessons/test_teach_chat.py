@@ -43,5 +43,5 @@ async def test_a_question_on_the_teaching_pool_is_answered_by_the_real_model():
         prompt = engines[-1].prompt_token_ids([{"role": "user", "content": QUESTION}])
         assert list(request.prompt_token_ids) == prompt and len(prompt) == 37
         assert request.params.max_tokens == 256 - 37    # all the room max_model_len leaves
-        await pilot.press("escape")
+        await pilot.press("ctrl+g")         # stop the reply (Esc only leaves the input)
         await until(pilot, lambda: chat.current_request is None)

@@ -164,3 +164,24 @@ def test_list_and_show_print_logged_strings_without_control_characters(tmp_path,
     assert kvscope("runs", "--db", str(path)) == 0 and kvscope("runs", "show", str(run_id), "--db", str(path)) == 0
     out = capsys.readouterr().out
     assert "evil]0;pwned2J-model" in out and not any(c in out for c in "\x1b\x07\x9b")
+
+
+def test_show_names_computed_prompt_tokens_beside_the_prompts_own(tmp_path, capsys):
+    """The prefix cache computes fewer prompt tokens than the prompts hold: `runs show` called the computed ones
+    "prompt", as if they were the prompts' length."""
+    from kvscope.app.runlog import record_run
+    from kvscope.engine.config import EngineConfig, SamplingParams
+    from kvscope.engine.fake_runner import fake_engine
+
+    path = tmp_path / "runs.db"
+    engine = fake_engine(EngineConfig(num_blocks=64, max_model_len=256))
+    prompt = "the same long prompt, asked twice so the second reuses its cached blocks " * 2
+    with record_run(engine, db_path=path) as logger:
+        for _ in range(2):
+            engine.add_request(prompt, SamplingParams(max_tokens=2))
+            while engine.has_unfinished_requests():
+                engine.step()
+    assert kvscope("runs", "show", str(logger.run_id), "--db", str(path)) == 0
+    tokens = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tokens"))
+    computed, prompts = (int(word.replace(",", "")) for word in tokens.split()[1:5:3])
+    assert f"{computed:,} computed of {prompts:,} prompt" in tokens and computed < prompts

@@ -12,6 +12,7 @@ from textual.widgets import Static
 
 from kvscope.app.attach.feed.frame import CONNECTED, DISCONNECTED, AttachFrame
 from kvscope.app.safe_text import one_line
+from kvscope.app.widgets.header import fill_lines
 
 MAX_DETAIL = 120
 
@@ -35,7 +36,7 @@ def describe_server(frame: AttachFrame) -> str:
     pools = f"{ranks} ranks × " if ranks > 1 else ""
     context = f" · max_model_len {server.max_model_len:,}" if server.max_model_len else ""
     caching = "prefix cache on" if server.prefix_caching else "prefix cache off"
-    return (f"vLLM $version · [b]$model[/b] · {pools}{server.num_gpu_blocks:,} blocks × "
+    return (f"$version · [b]$model[/b] · {pools}{server.num_gpu_blocks:,} blocks × "
             f"{server.block_size} tokens = {server.num_gpu_blocks * server.block_size:,} tokens"
             f"{context} · {caching}")
 
@@ -43,12 +44,21 @@ def describe_server(frame: AttachFrame) -> str:
 class AttachHeader(Static):
     def __init__(self, url: str, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(Content(f"kvscope · attaching to {one_line(url)}…"), id=id, classes=classes)
+        self._frame: AttachFrame | None = None     # the last drawn, drawn again at a new width
+
+    def on_resize(self) -> None:
+        if self._frame is not None:
+            self.show_frame(self._frame)
 
     def show_frame(self, frame: AttachFrame) -> None:
+        self._frame = frame
         first = f"[b $accent]kvscope[/] attached to [b]$url[/] │ {describe_connection(frame)}"
-        text = f"{first}\n{describe_server(frame)}"
         server = frame.server
-        self.update(Content.from_markup(
-            text, url=one_line(server.url), model=one_line(server.model), version=one_line(server.version),
-            detail=one_line(frame.connection.detail, MAX_DETAIL),
-            bad=one_line(frame.bad_samples.last_reason, MAX_DETAIL)))
+        values = dict(url=one_line(server.url), model=one_line(server.model), version=one_line(server.version_label),
+                      detail=one_line(frame.connection.detail, MAX_DETAIL),
+                      bad=one_line(frame.bad_samples.last_reason, MAX_DETAIL))
+        # The server's facts break between themselves, never inside one ("prefix cache" / "on").
+        facts = [(" · ", fact) for fact in describe_server(frame).split(" · ")]
+        width = self.content_region.width or 10_000
+        self.update(Content.assemble(Content.from_markup(first, **values), "\n",
+                                     fill_lines(facts, width, **values)))

@@ -57,7 +57,10 @@ def describe_counters(frame: AttachFrame) -> str:
         lines.append(f"prefix hits {percent(rates.hit_rate)} [dim]{int(totals.prefix_cache_hits):,}/"
                      f"{int(totals.prefix_cache_queries):,} tok{window}[/]")
     recent = f"{rates.window_preemptions:,} in the last {rates.window_s:.0f} s; " if rates.window_s else ""
-    lines.append(f"preemptions {rates.num_preemptions:,} [dim]({recent}recomputed, never swapped)[/]")
+    server = frame.server
+    how = "swapped out, or recomputed when the host pool is full" if server.is_kvscope and server.swap_blocks \
+        else "recomputed" if server.is_kvscope else "recomputed, never swapped"
+    lines.append(f"preemptions {rates.num_preemptions:,} [dim]({recent}{how})[/]")
     lines.append(describe_latency("TTFT", rates.ttft))
     lines.append(describe_latency("inter-token", rates.itl))
     return "\n".join(lines)
