@@ -161,13 +161,8 @@ def _paged_decode_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    kv_layer: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale) -> torch.Tensor:
+    """The reference's contract (kernels/reference.py): one query row per sequence."""
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
     query, block_tables = _last_dim_contiguous(query), _last_dim_contiguous(block_tables)

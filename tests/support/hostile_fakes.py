@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import msgspec
 import zmq
+from vllm_fakes import FakePublisher
 
 LIFETIME_S = 30.0
 
@@ -158,39 +159,19 @@ def batch(events: list, rank: int | None = 0, ts: float = 1.0) -> bytes:
     return msgspec.msgpack.encode([ts, events, rank])
 
 
-class HostilePublisher:
-    """An XPUB for live messages and a ROUTER replay socket that is ``silent`` or answers ``endless``-ly."""
+class HostilePublisher(FakePublisher):
+    """vLLM's KV-event sockets whose replay socket is ``silent`` (never answers) or answers ``endless``-ly."""
 
     def __init__(self, context: zmq.Context, mode: str, payload: bytes = b"") -> None:
         self.mode, self.payload = mode, payload or batch([])
-        self.pub = context.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind("tcp://127.0.0.1:*")
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.router = context.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.SNDHWM, 1000)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)     # a send to a peer that left raises
-        self.router.bind("tcp://127.0.0.1:*")
-        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_requests: list[int] = []
         self.num_replies = 0
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        # A send to a peer that left raises, rather than queueing for nobody.
+        super().__init__(context, router_options=((zmq.SNDHWM, 1000), (zmq.ROUTER_MANDATORY, 1)))
 
-    def wait_for_subscriber(self, timeout_s: float = 5.0) -> None:
-        if not self.pub.poll(int(timeout_s * 1000)):
-            raise TimeoutError("no subscriber joined")
-        self.pub.recv()
-
-    def publish(self, seq: int, payload: bytes, topic: bytes = b"kv-events") -> None:
-        self.pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
-
-    def _serve(self) -> None:
+    def _serve_replays(self) -> None:
         until = time.monotonic() + LIFETIME_S
         client, seq = None, 0
-        while not self._closing.is_set() and time.monotonic() < until:
+        while not self._stop.is_set() and time.monotonic() < until:
             if self.router.poll(0 if client is not None else 50):
                 client, _, start = self.router.recv_multipart()
                 seq = int.from_bytes(start, "big", signed=True)
@@ -198,17 +179,11 @@ class HostilePublisher:
             if self.mode != "endless" or client is None:
                 continue
             try:    # as fast as the socket takes them, never blocking: the peer may be gone
-                self.router.send_multipart([client, b"", b"kv-events", seq.to_bytes(8, "big"), self.payload],
+                self.router.send_multipart([client, b"", self.topic, seq.to_bytes(8, "big"), self.payload],
                                            flags=zmq.NOBLOCK)
                 seq += 1
                 self.num_replies += 1
             except zmq.Again:
-                self._closing.wait(0.001)
+                self._stop.wait(0.001)
             except zmq.ZMQError:
                 client = None   # the requester has gone
-
-    def close(self) -> None:
-        self._closing.set()
-        self._thread.join(2)
-        self.pub.close(linger=0)
-        self.router.close(linger=0)

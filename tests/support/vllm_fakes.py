@@ -38,7 +38,11 @@ def timeseries_pages(path: Path = SHARED / "metrics-timeseries.txt") -> list[tup
 
 
 class FakePublisher:
-    def __init__(self, context: zmq.Context, topic: bytes = b"kv-events") -> None:
+    """vLLM's KV-event sockets: an XPUB for live batches and a ROUTER that replays the buffer from a seq.
+
+    tests/support/hostile_fakes.py's HostilePublisher is this one with a replay socket that misbehaves."""
+
+    def __init__(self, context: zmq.Context, topic: bytes = b"kv-events", *, router_options=()) -> None:
         self.topic = topic
         self.pub = context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -46,6 +50,8 @@ class FakePublisher:
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.router = context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        for option, value in router_options:
+            self.router.setsockopt(option, value)
         self.router.bind("tcp://127.0.0.1:*")
         self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.buffer: list[tuple[int, bytes]] = []
