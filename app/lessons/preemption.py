@@ -13,15 +13,7 @@ the cache).
 from __future__ import annotations
 
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import (
-    Beat,
-    Highlight,
-    Lesson,
-    Moment,
-    all_done,
-    arrows,
-    has_event,
-)
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, all_done, arrows, has_event
 from kvscope.engine.outputs import EventKind
 
 POOL_BLOCKS = 7

@@ -17,14 +17,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from kvscope.app.runlog.reader import (
-    EXPORT_TABLES,
-    DamagedRunLog,
-    RunInUse,
-    RunLogReader,
-    RunNotFound,
-    run_origin,
-)
+from kvscope.app.runlog.reader import EXPORT_TABLES, DamagedRunLog, RunInUse, RunLogReader, RunNotFound, run_origin
 from kvscope.app.runlog.schema import SchemaError
 from kvscope.app.safe_text import one_line
 from kvscope.settings import settings

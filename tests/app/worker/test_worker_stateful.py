@@ -34,15 +34,7 @@ from kvscope.app.messages import (
     EngineStepped,
     RequestRejected,
 )
-from kvscope.app.worker.commands import (
-    AbortRequest,
-    AddRequest,
-    LaunchPreset,
-    Rebuild,
-    SetPaused,
-    SetRateCap,
-    StepOnce,
-)
+from kvscope.app.worker.commands import AbortRequest, AddRequest, LaunchPreset, Rebuild, SetPaused, SetRateCap, StepOnce
 from kvscope.app.worker.thread import ENGINE_REBUILT, ENGINE_STOPPED, EngineWorker
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
