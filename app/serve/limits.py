@@ -1,5 +1,5 @@
-"""What keeps one client from exhausting the server: a bound on request bodies, on requests in flight, and the
-API key.
+"""What keeps one client from exhausting the server: bounds on request bodies, on requests in flight, on the
+prompt tokens they hold, on how long a stalled stream may wait, and the API key.
 
 The body bound is an ASGI middleware: a declared Content-Length over the bound is refused before a byte is
 read, and a chunked body is refused as soon as it passes the bound, so memory never holds more than the bound.
@@ -14,6 +14,8 @@ from kvscope.app.serve.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
+DEFAULT_WRITE_STALL_S = 30.0        # a streaming client that takes no bytes this long is dropped
+PROMPT_BUDGET_POOLS = 4             # prompt tokens in flight: this many KV pools' worth
 
 
 def body_too_large(limit: int) -> APIError:
@@ -84,6 +86,31 @@ class ConcurrencyLimit:
 
     def release(self) -> None:
         self.in_flight -= 1
+
+
+class PromptTokenBudget:
+    """Prompt tokens held by the requests in flight, at most ``limit`` (a few pools' worth: more could not run
+    soon anyway, and each token held costs memory); one request over it is refused with 503 and Retry-After.
+    A request larger than the whole budget is let in alone, when nothing else holds any, so it is not
+    starved (the body limit bounds it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def admit(self, num_tokens: int):
+        """Take ``num_tokens`` (event-loop thread only); returns the release, safe to call once."""
+        if self.held and self.held + num_tokens > self.limit:
+            raise APIError(503, f"The server is busy: the requests in flight already hold {self.held:,} prompt "
+                                f"tokens of its budget of {self.limit:,}; retry shortly", headers={"retry-after": "1"})
+        self.held += num_tokens
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                self.held -= num_tokens
+        return release
 
 
 def check_api_key(expected: str | None, authorization: str | None) -> None:

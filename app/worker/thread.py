@@ -77,11 +77,13 @@ class EngineWorker:
 
     ``log_factory(engine)`` is called for each engine built and returns its run logger (which it has
     attached as an engine observer, as ``runlog.record_run`` does) or None; the worker closes it when
-    the engine is replaced or the thread ends. ``clock`` times the rate cap.
+    the engine is replaced or the thread ends. ``on_engine_installed(engine)`` is told of each engine
+    before it runs (kvscope --serve puts its server in front of it). ``clock`` times the rate cap.
     """
 
     def __init__(self, target, config: EngineConfig, *, engine_factory: Callable = build_engine,
                  log_factory: Callable[[Any], Any] | None = None,
+                 on_engine_installed: Callable[[Any], None] | None = None,
                  paused: bool = False, steps_per_s_cap: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.target = target
@@ -90,6 +92,7 @@ class EngineWorker:
         self.info: EngineInfo | None = None
         self._engine_factory = engine_factory
         self._log_factory = log_factory
+        self._on_engine_installed = on_engine_installed
         self._clock = clock
         self._logger = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -277,11 +280,15 @@ class EngineWorker:
         self._abort_unreported |= self.engine.abort_request(request_id)
 
     def _add_chat_turn(self, request_id: str, messages: tuple[dict, ...], params: SamplingParams) -> None:
+        """The reply is as long as the chat pane asks, or what is left after the prompt (the engine's rule)."""
+        try:    # the chat template, applied once: add_request takes the tokenized prompt as is
+            prompt = self.engine.tokenize(list(messages)) if self.engine is not None else list(messages)
+        except Exception as exc:
+            return self._reject(request_id, exc)
         if self.engine is not None:
-            context = presets.PresetContext.from_engine(self.engine)
-            params = dataclasses.replace(params, max_tokens=presets.fit_reply(context, list(messages),
-                                                                              params.max_tokens))
-        self._add(AddRequest(request_id, list(messages), params))
+            room = max(1, self.engine.reply_room(len(prompt.token_ids), params.n))
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens or room, room))
+        self._add(AddRequest(request_id, prompt, params))
 
     def _launch_preset(self, key: str, count: int) -> None:
         self._launch("LaunchPreset", lambda context: presets.build(key, count, context),
@@ -380,6 +387,8 @@ class EngineWorker:
         self._steps_done = self._last_step = 0
         self._abort_unreported = False
         warning = None
+        if self._on_engine_installed is not None:
+            self._on_engine_installed(engine)
         try:
             self._logger = self._log_factory(engine) if self._log_factory else None
         except Exception as exc:    # the run log is never worth the engine
@@ -414,8 +423,8 @@ class EngineWorker:
 
     def _final_step(self, engine, logger, aborted: set[str], reason: str) -> None:
         """One last step hands out the aborted requests' final outputs, with the reason added."""
-        if logger is not None and logger in engine.observers:
-            engine.observers.remove(logger)     # it hears this step below, with the reasons
+        if logger is not None:
+            logger.detach()     # it hears this step below, with the reasons
         result = engine.step()
         outputs = [output._replace(error=reason) if output.request_id in aborted and output.finished
                    else output for output in result.outputs]
