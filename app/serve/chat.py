@@ -20,21 +20,13 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(protocol.Choice):
     message: ChatMessage
-    logprobs: None = None
-    finish_reason: str | None
-    stop_reason: None = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(protocol.Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: protocol.Usage
 
 
 class Delta(BaseModel):
@@ -42,21 +34,13 @@ class Delta(BaseModel):
     content: str
 
 
-class DeltaChoice(BaseModel):
-    index: int
+class DeltaChoice(protocol.Choice):
     delta: Delta
-    logprobs: None = None
-    finish_reason: str | None
-    stop_reason: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(protocol.Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[DeltaChoice]
-    usage: protocol.Usage | None = None
 
 
 class ChatJob(Job):

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
-
 from kvscope.app.serve import protocol
 from kvscope.app.serve.generation import EngineFacts, Job
 from kvscope.engine.outputs import SampleOutput
@@ -16,23 +14,15 @@ from kvscope.engine.outputs import SampleOutput
 DEFAULT_MAX_TOKENS = 16
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(protocol.Choice):
     text: str
-    logprobs: None = None
-    finish_reason: str | None
-    stop_reason: None = None
 
 
-class Completion(BaseModel):
+class Completion(protocol.Envelope):
     """The whole body, and each streamed chunk (whose usage is null unless it is the usage chunk)."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: protocol.Usage | None = None
 
 
 class CompletionJob(Job):

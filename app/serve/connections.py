@@ -31,14 +31,37 @@ def is_loopback(host: str) -> bool:
 
 
 class DeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request head has not arrived within
-    ``HEAD_DEADLINE_S`` (uvicorn times only the idle wait between requests)."""
+    """uvicorn's h11 protocol with two deadlines of its own: a connection whose request head has not arrived
+    within ``head_deadline_s`` is closed (uvicorn times only the idle wait between requests), and one whose
+    client takes no bytes for ``write_stall_s`` while the server has some for it (the socket's buffers full) is
+    cut: the response sees the client gone, and its requests are aborted. ``for_server`` sets them."""
 
     head_deadline_s = HEAD_DEADLINE_S
+    write_stall_s = 30.0
+
+    @classmethod
+    def for_server(cls, write_stall_s: float) -> type[DeadlineProtocol]:
+        return type(cls.__name__, (cls,), {"write_stall_s": write_stall_s})
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._stall_timer = None
         self._arm_head_deadline()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.write_stall_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        # abort, not close: close() would wait to hand the client the bytes it is not taking
+        self.transport.abort()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -8,6 +8,7 @@ The key is compared in constant time (hmac.compare_digest), so response timing s
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from kvscope.app.serve.errors import APIError
@@ -15,6 +16,7 @@ from kvscope.app.serve.errors import APIError
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 DEFAULT_WRITE_STALL_S = 30.0        # a streaming client that takes no bytes this long is dropped
+BODY_READ_DEADLINE_S = 30.0         # a body that stops arriving this long is refused with 408
 PROMPT_BUDGET_POOLS = 4             # prompt tokens in flight: this many KV pools' worth
 
 
@@ -24,17 +26,20 @@ def body_too_large(limit: int) -> APIError:
 
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413.
+    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413, and one that stops arriving with 408.
 
     Before answering, what the client is still sending is read and dropped, up to DRAIN_BYTES: a server that
     closes a connection with unread data makes the kernel reset it, and the client would see a broken
     connection instead of the 413 that says why."""
 
     DRAIN_BYTES = 1024 * 1024
+    DRAIN_S = 1.0       # and for at most this long: a client that declared a huge body and sends nothing gets
+                        # its 413 at once
 
-    def __init__(self, app, limit: int) -> None:
+    def __init__(self, app, limit: int, read_deadline_s: float = BODY_READ_DEADLINE_S) -> None:
         self.app = app
         self.limit = limit
+        self.read_deadline_s = read_deadline_s     # the longest wait for each piece of a body
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -45,12 +50,19 @@ class BodyLimit:
             await self._drain(receive, more=True)
             await body_too_large(self.limit).response()(scope, receive, send)
             return
-        received = 0
+        received, body_done = 0, False
 
         async def bounded_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:   # past the body, receive() waits for the client to leave: no deadline on that
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_deadline_s)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"The request body did not arrive: nothing came for {self.read_deadline_s:g} "
+                                    "s") from None
             if message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > self.limit:
                     await self._drain(receive, message.get("more_body", False))
@@ -60,6 +72,12 @@ class BodyLimit:
         await self.app(scope, bounded_receive, send)
 
     async def _drain(self, receive, more: bool) -> None:
+        try:
+            await asyncio.wait_for(self._drop(receive, more), self.DRAIN_S)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _drop(self, receive, more: bool) -> None:
         dropped = 0
         while more and dropped < self.DRAIN_BYTES:
             message = await receive()

@@ -175,6 +175,24 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
+class Choice(BaseModel):
+    """What every choice of every response and chunk has; the endpoints add their text, message or delta."""
+
+    index: int
+    logprobs: None = None
+    finish_reason: str | None
+    stop_reason: None = None
+
+
+class Envelope(BaseModel):
+    """What every response body and chunk has around its choices; the endpoints add ``object`` and them."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

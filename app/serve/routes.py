@@ -9,7 +9,6 @@ error shape.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import time
@@ -30,7 +29,7 @@ from kvscope.app.serve.completions import CompletionJob
 from kvscope.app.serve.errors import APIError, ErrorBody, from_validation_error, lone_surrogate
 from kvscope.app.serve.generation import EngineFacts, Job
 from kvscope.app.serve.limits import (
-    DEFAULT_WRITE_STALL_S,
+    BODY_READ_DEADLINE_S,
     BodyLimit,
     ConcurrencyLimit,
     PromptTokenBudget,
@@ -51,14 +50,13 @@ class ServeState:
     api_key: str | None = None
     dev_routes: bool = False            # POST /reset_prefix_cache, as vLLM's dev mode has it
     started: int = field(default_factory=lambda: int(time.time()))
-    write_stall_s: float = DEFAULT_WRITE_STALL_S    # a streaming client that takes no bytes this long is dropped
     numbers: itertools.count = field(default_factory=lambda: itertools.count(1))   # the requests served
 
 
-def build_app(state: ServeState, max_body_bytes: int) -> FastAPI:
+def build_app(state: ServeState, max_body_bytes: int, body_read_deadline_s: float = BODY_READ_DEADLINE_S) -> FastAPI:
     app = FastAPI(title="kvscope serve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(BodyLimit, limit=max_body_bytes, read_deadline_s=body_read_deadline_s)
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
     app.add_exception_handler(StarletteHTTPException, _http_error)
 
@@ -153,8 +151,7 @@ async def _generate(state: ServeState, request: Request, model, make_job: type[J
             state.concurrency.release()
 
     if parsed.stream:
-        return _EventStream(generation.events(job, stream), on_close=release, write_stall_s=state.write_stall_s,
-                            headers={"cache-control": "no-cache"})
+        return _EventStream(generation.events(job, stream), on_close=release, headers={"cache-control": "no-cache"})
     try:
         body = await generation.collect(job, stream, request.is_disconnected)
     finally:
@@ -165,30 +162,16 @@ async def _generate(state: ServeState, request: Request, model, make_job: type[J
 
 class _EventStream(EventSourceResponse):
     """Server-sent events that release their request however the response ends: finished, the client gone
-    (Starlette cancels the response), never started, or stalled: a client that takes no bytes for
-    ``write_stall_s`` (its socket buffer full) is dropped, so a reader that stopped never holds the engine's
-    blocks."""
+    (Starlette cancels the response; a client that stopped reading is cut by connections.DeadlineProtocol),
+    or never started."""
 
-    def __init__(self, content, on_close, write_stall_s: float, **options) -> None:
+    def __init__(self, content, on_close, **options) -> None:
         super().__init__(content, **options)
         self.on_close = on_close
-        self.write_stall_s = write_stall_s
 
     async def __call__(self, scope, receive, send) -> None:
-        stalled = []
-
-        async def send_or_give_up(message) -> None:
-            try:
-                await asyncio.wait_for(send(message), self.write_stall_s)
-            except asyncio.TimeoutError:
-                stalled.append(True)
-                raise
-
         try:
-            await super().__call__(scope, receive, send_or_give_up)
-        except BaseException:
-            if not stalled:
-                raise       # the stalled client is dropped quietly; on_close aborts its requests
+            await super().__call__(scope, receive, send)
         finally:
             self.on_close()
 

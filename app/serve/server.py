@@ -27,6 +27,7 @@ from kvscope.app.serve.connections import DeadlineProtocol, connection_limit, is
 from kvscope.app.serve.generation import EngineFacts
 from kvscope.app.serve.kv_events import KVEventPublisher, KVEventsConfig
 from kvscope.app.serve.limits import (
+    BODY_READ_DEADLINE_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     DEFAULT_WRITE_STALL_S,
@@ -55,11 +56,22 @@ class ServeOptions:
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     max_connections: int = 2 * DEFAULT_MAX_CONCURRENT_REQUESTS     # open HTTP connections; more get 503
     write_stall_s: float = DEFAULT_WRITE_STALL_S
+    body_read_deadline_s: float = BODY_READ_DEADLINE_S
     access_log: bool = True
     status_interval_s: float = STATUS_INTERVAL_S
     model_root: str | None = None               # what /v1/models says the model was loaded from
     dev_routes: bool = False                    # POST /reset_prefix_cache
     terminal_logs: bool = True                  # uvicorn's and vLLM's lines; off under a window, which shows it all
+
+
+def pool_warning(info) -> str | None:
+    """What a pool smaller than one request of max_model_len means, said at start (vLLM refuses to start)."""
+    pool_tokens = info.num_device_blocks * info.block_size
+    if pool_tokens >= info.max_model_len:
+        return None
+    return (f"The KV pool holds {pool_tokens:,} tokens, less than one request of max_model_len "
+            f"({info.max_model_len:,} tokens): longer requests will be refused; pass --max-model-len "
+            f"{pool_tokens:,} (or less), or a larger pool with --num-blocks or --kv-cache-memory")
 
 
 class ServeError(Exception):
@@ -122,15 +134,15 @@ class ServeApp:
         self._bind(engine)
         self.state = ServeState(self.bridge, self.facts, ConcurrencyLimit(options.max_concurrent_requests),
                                 self.metrics, kv_events.sources(self.publisher.config if self.publisher else None),
-                                self._prompt_budget(), options.api_key, options.dev_routes,
-                                write_stall_s=options.write_stall_s)
-        self.app = build_app(self.state, options.max_body_bytes)
+                                self._prompt_budget(), options.api_key, options.dev_routes)
+        self.app = build_app(self.state, options.max_body_bytes, options.body_read_deadline_s)
         self.engine_loop = EngineLoop(engine, self.bridge) if own_engine_loop else None
         self.status = StatusLogger(self._status_line(), options.status_interval_s)
         quiet = {} if options.terminal_logs else {"log_config": None}
         rate_limit_accept_errors()
         config = uvicorn.Config(self.app, host=options.host, port=options.port, lifespan="off",
-                                access_log=options.access_log and options.terminal_logs, http=DeadlineProtocol,
+                                access_log=options.access_log and options.terminal_logs,
+                                http=DeadlineProtocol.for_server(options.write_stall_s),
                                 limit_concurrency=connection_limit(options.max_connections),
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **quiet)
         self.server = _Uvicorn(config, on_exit=lambda: self.bridge.abort_all(), on_started=self._startup_lines)
@@ -222,7 +234,7 @@ class ServeApp:
             log.info("KV-cache events: ZMQ on %s, replay on %s, topic %r", config.endpoint,
                      config.replay_endpoint or "none", config.topic)
         log.info("Starting kvscope server on %s (OpenAI-compatible API, vLLM's /metrics)", self.url)
-        for warning in self.warnings():
+        for warning in self.warnings() + ([pool_warning(info)] if pool_warning(info) else []):
             log.warning(warning)
 
     # --- running ------------------------------------------------------------------------------------------
