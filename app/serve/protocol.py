@@ -18,6 +18,7 @@ from kvscope.app.serve.errors import APIError, bad_request
 MAX_N = 32              # samples per prompt; the engine also checks that they fit the pool
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64        # prompts in one batched /v1/completions request
+MAX_INT = 2**31 - 1     # the largest count or seed taken: a 4,000-digit number is refused, not carried along
 
 # name -> (values that change nothing, why kvscope cannot do anything else)
 NEUTRAL = {
@@ -52,14 +53,14 @@ class StreamOptions(_Strict):
 
 class GenerationRequest(_Strict):
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None     # any 64-bit seed
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT)]] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -132,7 +133,7 @@ class Message(_Strict):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     top_logprobs: object = None
     tools: object = None
     tool_choice: object = None
