@@ -133,3 +133,19 @@ def test_serve_addresses_read_as_host_and_port():
     for bad in ("", "http", ":8000", "host:", "127.0.0.1:99999"):
         with pytest.raises(Exception, match="HOST:"):
             parse_address(bad)
+
+
+def test_sigterm_is_a_clean_stop_with_status_0_and_a_small_pool_is_warned_about_at_start(tmp_path):
+    process = serve(tmp_path, "--port", "0", "--num-blocks", "256", "--no-log")
+    lines: list[str] = []
+    try:
+        _, reader = read_until(process, STARTED, lines)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0        # not 130, Ctrl+C's: a service manager records a clean stop
+        reader.join(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+    assert any("WARNING" in line and "--max-model-len 4,096" in line for line in lines), lines
