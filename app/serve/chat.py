@@ -55,7 +55,7 @@ class ChatJob(Job):
         return self.request.requested_max_tokens    # None: the engine gives what is left after the prompt
 
     def body(self, choices: list[tuple[int, SampleOutput]], usage: protocol.Usage) -> ChatCompletion:
-        return ChatCompletion(id=self.response_id, created=self.created, model=self.model, usage=usage, choices=[
+        return ChatCompletion(**self.envelope, usage=usage, choices=[
             ChatChoice(index=index, message=ChatMessage(content=sample.text), finish_reason=sample.finish_reason)
             for index, sample in choices])
 
@@ -70,5 +70,4 @@ class ChatJob(Job):
         return self._chunk([], usage)
 
     def _chunk(self, choices: list[DeltaChoice], usage: protocol.Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=choices,
-                                   usage=usage)
+        return ChatCompletionChunk(**self.envelope, choices=choices, usage=usage)

@@ -50,4 +50,4 @@ class CompletionJob(Job):
         return self._completion([], usage)
 
     def _completion(self, choices: list[CompletionChoice], usage: protocol.Usage | None = None) -> Completion:
-        return Completion(id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage)
+        return Completion(**self.envelope, choices=choices, usage=usage)

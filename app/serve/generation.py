@@ -77,6 +77,11 @@ class Job:
     # --- shared ------------------------------------------------------------------------------------------
 
     @property
+    def envelope(self) -> dict:
+        """The fields every body and chunk of this response carries (protocol.Envelope's)."""
+        return {"id": self.response_id, "created": self.created, "model": self.model}
+
+    @property
     def n(self) -> int:
         return self.request.n
 

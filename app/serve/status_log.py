@@ -8,7 +8,7 @@ hit rate: …%", so the scripts and habits of people who watch vLLM's log work h
 server logs one zero line and then stays quiet until work comes. kvscope swaps: with --preemption-mode swap
 the line also counts swapped requests. The hit rate is over the server's lifetime (vLLM's is over recent
 requests). Both sentences are the window's too, written once: engine/runner.py's kv_cache_sentence and
-app/widgets/status_sentence.py.
+app/status_sentence.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from kvscope.app.widgets.status_sentence import status_sentence
+from kvscope.app.status_sentence import status_sentence
 
 FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 DATE_FORMAT = "%m-%d %H:%M:%S"

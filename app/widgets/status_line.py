@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvscope.app.status_sentence import status_sentence
 from kvscope.app.widgets.line_panel import LinePanel
-from kvscope.app.widgets.status_sentence import status_sentence
 from kvscope.engine.outputs import CacheSnapshot, StepStats
 
 INTERVAL_S = 10.0   # vLLM logs its stats every 10 s
