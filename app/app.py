@@ -92,6 +92,7 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
         self.screenshot_dir = Path(screenshot_dir or os.getcwd())
         self.main = MainScreen(system_sampler=system_sampler, chat_max_tokens=chat_max_tokens)
         self.worker = EngineWorker(self, config, engine_factory=engine_factory, log_factory=self._record_run,
+                                   on_engine_installed=serve.engine_installed if serve is not None else None,
                                    paused=paused, steps_per_s_cap=steps_per_s_cap)
         self.engine_died: str | None = None     # why the engine thread ended, once it has
         # The cap the user asked for, kept here: presses that arrive before the engine thread applied
@@ -153,8 +154,6 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
             self._lesson_log_dir.cleanup()
 
     def _record_run(self, engine):
-        if self.serve is not None:
-            self.serve.engine_installed(engine)
         # A lesson's engines are the lesson's, named for it; an engine replaced before anything was asked of it
         # (the app's, when a lesson starts) leaves no run behind.
         lesson = self.lesson_screen.lesson.name if self.lesson_screen is not None else None
@@ -319,9 +318,16 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
         self.push_screen(ConfirmQuit(in_flight), answered)
 
     def shut_down(self) -> None:
-        """Say so, stop the engine thread, and exit once it has ended (its step done, its run log closed)."""
+        """Say so, stop the engine thread, and exit once it has ended (its step done, its run log closed). A
+        hosted server closes first, off the UI thread: its aborts run on the engine thread, still stepping, so
+        every stream it serves ends with finish_reason "abort" and [DONE] (a paused engine resumes to report them)."""
         self.push_screen(ShuttingDown())
-        self.worker.send(Stop())
+        if self.serve is not None:
+            serve = self.serve
+            self.worker.send(SetPaused(False))
+            self.run_worker(lambda: (serve.close(), self.worker.send(Stop())), thread=True, name="serve-close")
+        else:
+            self.worker.send(Stop())
 
         def exit_when_stopped() -> None:
             if self.engine_thread is None or self.engine_thread.is_finished:

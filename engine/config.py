@@ -24,7 +24,14 @@ class ConfigError(ValueError):
 
 
 class RequestError(ValueError):
-    """A request the engine refuses. Raised by ``add_request``; the engine state is unchanged."""
+    """A request the engine refuses. Raised by ``add_request``; the engine state is unchanged.
+
+    ``param`` names what is refused: a SamplingParams field, "prompt" or "request_id" (None: the request as a
+    whole), so a server can name the field of its own request without reading the message."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 # Below this, sampling is greedy. Dividing logits by a smaller temperature overflows float32 (1e-38 gives
@@ -153,7 +160,8 @@ def _checked(name: str, value, hint, error: type[ValueError]):
             return float(value)
         elif option is str and isinstance(value, str):
             return value
-    raise error(f"{name} must be {describe_type(hint)}, got {value!r}")
+    message = f"{name} must be {describe_type(hint)}, got {value!r}"
+    raise error(message, name) if issubclass(error, RequestError) else error(message)
 
 
 def describe_type(hint) -> str:
@@ -169,7 +177,7 @@ def describe_type(hint) -> str:
 @dataclass
 class SamplingParams:
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16     # None: whatever the context and the pool leave after the prompt
     temperature: float = 1.0    # below GREEDY_TEMPERATURE (0 included): greedy
     top_p: float = 1.0
     top_k: int = -1
@@ -190,26 +198,28 @@ class SamplingParams:
 
         Stop rules become tuples and a temperature below GREEDY_TEMPERATURE becomes 0.0 (greedy).
         """
-        for name in ("n", "max_tokens", "top_k"):
+        for name in ("n", "top_k"):
             _checked(name, getattr(self, name), int, RequestError)
+        _checked("max_tokens", self.max_tokens, int | None, RequestError)
         for name in ("ignore_eos", "detokenize"):
             _checked(name, getattr(self, name), bool, RequestError)
         seed = _checked("seed", self.seed, int | None, RequestError)
         temperature = _checked("temperature", self.temperature, float, RequestError)
         top_p = _checked("top_p", self.top_p, float, RequestError)
         if self.n < 1:
-            raise RequestError(f"n must be at least 1, got {self.n!r}")
-        if self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
+            raise RequestError(f"n must be at least 1, got {self.n!r}", "n")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens!r}", "max_tokens")
         if not 0 <= temperature < math.inf:  # also refuses NaN
-            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if not 0.0 < top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if self.top_k < -1:
-            raise RequestError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
+            raise RequestError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}", "top_k")
         stop = self._stop_strings()
+        max_tokens = None if self.max_tokens is None else int(self.max_tokens)
         return dataclasses.replace(
-            self, n=int(self.n), max_tokens=int(self.max_tokens), top_k=int(self.top_k), seed=seed,
+            self, n=int(self.n), max_tokens=max_tokens, top_k=int(self.top_k), seed=seed,
             temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature, top_p=top_p,
             stop=stop, stop_token_ids=self._stop_token_ids())
 
@@ -218,11 +228,11 @@ class SamplingParams:
         if stop is None:
             return ()
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise RequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise RequestError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
         if not all(stop):
-            raise RequestError("stop strings must be non-empty")
+            raise RequestError("stop strings must be non-empty", "stop")
         if stop and not self.detokenize:
-            raise RequestError("stop strings need detokenize=True: they are matched against the text")
+            raise RequestError("stop strings need detokenize=True: they are matched against the text", "stop")
         return tuple(stop)
 
     def _stop_token_ids(self) -> tuple[int, ...]:
@@ -231,12 +241,26 @@ class SamplingParams:
             return ()
         if not isinstance(ids, (list, tuple, set, frozenset)) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise RequestError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
+            raise RequestError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}",
+                               "stop_token_ids")
         return tuple(int(t) for t in ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def max_request_tokens(n: int, num_blocks: int, block_size: int, max_model_len: int, contiguous: bool) -> int:
+    """The longest prompt plus reply one request of ``n`` samples may have on this pool, capped at
+    max_model_len; 0 when not even one token fits. The inverse of KVCacheManager.max_blocks_needed, and the one
+    place this rule is written: the engine sizes a request's default reply with it, the load presets their
+    requests."""
+    if contiguous:
+        reservation = -(-max_model_len // block_size)
+        return max_model_len if n * reservation <= num_blocks else 0
+    # A paged sample at its peak holds prompt + reply - 1 tokens: the last sampled token is never written.
+    per_sample = num_blocks // n * block_size
+    return min(max_model_len, per_sample + 1) if per_sample else 0
 
 
 def model_sampling(defaults: tuple[tuple[str, float | int], ...] = (), **fields) -> SamplingParams:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvscope.engine.block_pool import BlockPool
+from kvscope.engine.config import max_request_tokens
 from kvscope.engine.request import Request, Sequence
 
 _HASH_MASK = (1 << 63) - 1
@@ -69,6 +70,7 @@ class KVCacheManager:
         self.contiguous = allocator == "contiguous"
         # The contiguous baseline predates paging: no sharing, so no prefix cache and no copy-on-write.
         self.enable_prefix_caching = enable_prefix_caching and not self.contiguous
+        self.max_model_len = max_model_len
         self.blocks_per_reservation = cdiv(max_model_len, block_size)
         self.prefix_cache_queries = 0   # tokens looked up
         self.prefix_cache_hits = 0      # tokens found
@@ -80,6 +82,12 @@ class KVCacheManager:
         self.blocks_to_swap_in: list[tuple[int, int]] = []
 
     # ---- sizing ---------------------------------------------------------------------------------
+
+    def max_request_tokens(self, n: int) -> int:
+        """The longest prompt plus reply one request of ``n`` samples may have: the inverse of
+        max_blocks_needed (0 when none fits)."""
+        return max_request_tokens(n, self.block_pool.num_blocks, self.block_size, self.max_model_len,
+                                  self.contiguous)
 
     def max_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
         """Blocks a request may hold at its peak, assuming no sharing (a recomputed n>1 request has none)."""

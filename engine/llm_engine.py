@@ -12,8 +12,8 @@ generate(), belong to one thread: each step's outputs go to whoever called it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import numbers
 import threading
 import time
 import warnings
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
 from kvscope.engine.observer import EngineObserver
 from kvscope.engine.outputs import CacheSnapshot, RequestOutput, StepResult
+from kvscope.engine.prompt import PromptTokenizer, TokenizedPrompt
 from kvscope.engine.request import Request
 from kvscope.engine.runner import Runner, RunnerInfo, RunnerOutput
 from kvscope.engine.scheduler import Scheduler
@@ -40,6 +41,7 @@ class LLMEngine:
         self.info: RunnerInfo = runner.info
         self.tokenizer = tokenizer if tokenizer is not None else runner.tokenizer
         info = self.info
+        self.prompts = PromptTokenizer(self.tokenizer, info.vocab_size, info.max_model_len)
         self.scheduler = Scheduler(config, num_blocks=info.num_device_blocks, num_host_blocks=info.num_host_blocks,
                                    block_size=info.block_size, max_model_len=info.max_model_len)
         self.step_counter = 0
@@ -72,25 +74,54 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a prompt: str, token ids or chat messages. RequestError if refused; then nothing changed.
+        """Queue a prompt: str, token ids, chat messages, or a TokenizedPrompt from ``tokenize`` (taken as is).
+        RequestError if refused; then nothing changed.
 
         The engine keeps a checked copy of ``params``: changing the object afterwards changes nothing.
+        ``max_tokens=None`` becomes what is left after the prompt (``reply_room``).
         """
+        if not isinstance(prompt, TokenizedPrompt):
+            prompt = self.tokenize(prompt)     # before the lock: a long prompt does not hold up the steps
         with self._lock:
             request = self._make_request(prompt, params, request_id)
             self.scheduler.add(request)
             if self.observers:
-                request_id, n = request.request_id, request.params.n
-                text, num_tokens = self._prompt_text(prompt, request.prompt_token_ids), len(request.prompt_token_ids)
-                self._notify(lambda observer: observer.request_added(request_id, text, num_tokens, n))
+                request_id, n, num_tokens = request.request_id, request.params.n, len(prompt.token_ids)
+                self._notify(lambda observer: observer.request_added(request_id, prompt.text, num_tokens, n))
         return request.request_id
 
-    def prompt_token_ids(self, prompt) -> list[int]:
-        """The token ids ``add_request`` would give ``prompt`` (the chat template applied to messages), without
-        adding it: what a caller sizing a request against max_model_len must count. RequestError as there."""
-        return self._tokenize(prompt)[0]
+    def tokenize(self, prompt) -> TokenizedPrompt:
+        """The prompt as ``add_request`` takes it (the chat template applied to messages), changing nothing;
+        RequestError if it is malformed or too long to fit even before counting its tokens. Safe from any
+        thread while another steps: a server tokenizes here, off its engine thread."""
+        return self.prompts.tokenize(prompt)
 
-    def _make_request(self, prompt, params: SamplingParams | None, request_id: str | None) -> Request:
+    def prompt_token_ids(self, prompt) -> list[int]:
+        """The token ids ``add_request`` would give ``prompt``, without adding it. RequestError as there."""
+        return list(self.tokenize(prompt).token_ids)
+
+    def max_request_tokens(self, n: int = 1) -> int:
+        """The longest prompt plus reply one request of ``n`` samples may have here (max_model_len and the
+        pool, the contiguous allocator's reservation included); 0 when none fits."""
+        return self.scheduler.max_request_tokens(n)
+
+    def reply_room(self, num_prompt_tokens: int, n: int = 1) -> int:
+        """The longest reply that fits after a prompt of ``num_prompt_tokens``: what ``max_tokens=None`` means."""
+        return self.max_request_tokens(n) - num_prompt_tokens
+
+    def add_observer(self, observer: EngineObserver) -> Callable[[], None]:
+        """Tell ``observer`` of every accepted request and every step; returns the call that stops it (safe to
+        call twice, or after the engine dropped an observer that raised)."""
+        with self._lock:
+            self.observers.append(observer)
+
+        def detach() -> None:
+            with self._lock:
+                if observer in self.observers:
+                    self.observers.remove(observer)
+        return detach
+
+    def _make_request(self, prompt: TokenizedPrompt, params: SamplingParams | None, request_id: str | None) -> Request:
         """Check everything about a new request, changing nothing; the Request if it is acceptable."""
         if request_id is not None:
             self._check_request_id(request_id)
@@ -99,29 +130,32 @@ class LLMEngine:
         elif not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params = params.normalized()
-        token_ids, preview = self._tokenize(prompt)
+        token_ids = list(prompt.token_ids)
+        if params.max_tokens is None:
+            params = self._resolve_max_tokens(len(token_ids), params)
         self._check_fits(len(token_ids), params)
         stop_token_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.info.eos_token_ids)
         return Request(request_id if request_id is not None else self._new_request_id(), token_ids, params,
-                       next(self._arrivals), time.time(), tokenizer=self.tokenizer, prompt_preview=preview,
+                       next(self._arrivals), time.time(), tokenizer=self.tokenizer, prompt_preview=prompt.preview,
                        stop_token_ids=stop_token_ids,
                        max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len))
 
+    def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        room = self.reply_room(num_prompt_tokens, params.n)
+        if room < 1:
+            raise RequestError(f"the prompt is {num_prompt_tokens} tokens, which leaves no room for a reply "
+                               f"(max_model_len {self.max_model_len}, {self.num_blocks} blocks of "
+                               f"{self.block_size} for n={params.n})", "prompt")
+        return dataclasses.replace(params, max_tokens=room)
+
     def _check_request_id(self, request_id) -> None:
         if not isinstance(request_id, str) or not request_id:
-            raise RequestError(f"request_id must be a non-empty string, got {request_id!r}")
+            raise RequestError(f"request_id must be a non-empty string, got {request_id!r}", "request_id")
         if request_id in self.scheduler.requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         if request_id in self._pending:
             raise RequestError(f"request id {request_id!r} is still in use: its final output has not been "
-                               "reported yet; call step() first")
-
-    def _prompt_text(self, prompt, token_ids) -> str:
-        if isinstance(prompt, str):
-            return prompt
-        if prompt and isinstance(prompt[0], dict):
-            return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
-        return self.tokenizer.decode(list(token_ids)) if self.tokenizer is not None else f"<{len(token_ids)} token ids>"
+                               "reported yet; call step() first", "request_id")
 
     def _notify(self, tell: Callable[[EngineObserver], None]) -> None:
         """Tell every observer; one that raises is dropped with a warning, and the engine goes on."""
@@ -139,73 +173,19 @@ class LLMEngine:
             if request_id not in self.scheduler.requests and request_id not in self._pending:
                 return request_id
 
-    def _tokenize(self, prompt) -> tuple[list[int], str]:
-        """(token ids, a one-line preview) for a text, chat or token-id prompt."""
-        preview = None
-        if isinstance(prompt, str):
-            token_ids, preview = self._encode(prompt), prompt
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            token_ids, preview = self._apply_chat_template(list(prompt)), prompt[-1]["content"]
-        elif isinstance(prompt, (list, tuple)) and all(_is_token_id(t) for t in prompt):
-            token_ids = [int(t) for t in prompt]
-        else:
-            raise RequestError("prompt must be a string, a list of token ids or a list of chat messages "
-                               "(dicts with a 'role' and a 'content')")
-        if not token_ids:
-            raise RequestError("prompt is empty")
-        self._check_vocabulary(token_ids)
-        if preview is None:     # decoded only now: the tokenizer may overflow on ids outside its vocabulary
-            preview = self._decode_preview(token_ids)
-        return token_ids, " ".join(preview.split())[:_PREVIEW_CHARS]
-
-    def _encode(self, text: str) -> list[int]:
-        if not text:
-            raise RequestError("prompt is empty")
-        try:
-            return list(self._need_tokenizer("a text prompt").encode(text))
-        except (UnicodeError, TypeError, ValueError) as exc:
-            raise RequestError(f"the tokenizer cannot encode this prompt: {exc}") from exc
-
-    def _check_vocabulary(self, token_ids: list[int]) -> None:
-        vocab_size = self.info.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"prompt token ids must be in [0, vocab_size={vocab_size}); got {bad}")
-
-    def _decode_preview(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids[:_PREVIEW_CHARS])
-
-    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
-        for message in messages:
-            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
-                raise RequestError("each chat message needs a 'role' and a 'content' that are strings, got "
-                                   f"{message!r}")
-        tokenizer = self._need_tokenizer("chat messages")
-        try:
-            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # jinja raises its own errors, and a template may refuse a conversation
-            raise RequestError(f"the chat template refused these messages: {type(exc).__name__}: {exc}") from exc
-        if hasattr(encoded, "keys"):    # transformers 5 returns a BatchEncoding by default
-            encoded = encoded["input_ids"]
-        return list(encoded)
-
-    def _need_tokenizer(self, what: str):
-        if self.tokenizer is None:
-            raise RequestError(f"{what} needs a tokenizer; pass token ids instead")
-        return self.tokenizer
-
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
             raise RequestError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = "
-                               f"{total} exceeds max_model_len ({self.max_model_len})")
+                               f"{total} exceeds max_model_len ({self.max_model_len})", "prompt")
         needed = self.scheduler.max_blocks_needed(num_prompt_tokens, params.max_tokens, params.n)
         if needed > self.num_blocks:
+            contiguous = "" if self.config.allocator != "contiguous" else (
+                f"; the contiguous allocator reserves max_model_len ({self.max_model_len} tokens) per sample: a "
+                "smaller --max-model-len fits more")
             raise RequestError(f"request could never fit in the KV cache: it may need {needed} blocks "
                                f"(n={params.n}, {total} tokens, block_size={self.block_size}) but "
-                               f"num_blocks is {self.num_blocks}")
+                               f"num_blocks is {self.num_blocks}{contiguous}", "prompt")
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if it is unknown or already finished.
@@ -244,7 +224,7 @@ class LLMEngine:
             prompts = [prompts]
         if isinstance(params, list):
             if len(params) != len(prompts):
-                raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+                raise RequestError(f"got {len(params)} SamplingParams for {len(prompts)} prompts", "params")
         else:
             params = [params] * len(prompts)
         request_ids: list[str] = []
@@ -329,7 +309,3 @@ class LLMEngine:
         error = f"the engine step failed: {type(exc).__name__}: {exc}"
         for output in self.scheduler.fail_step(error):
             self._pending[output.request_id] = output
-
-
-def _is_token_id(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

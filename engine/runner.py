@@ -53,13 +53,19 @@ class Runner(Protocol):
         ...
 
 
+def kv_cache_sentence(device: str, num_tokens: int, max_model_len: int, detail: str = "") -> str:
+    """vLLM's KV-cache line, in its words and number format, written once for the window, the engine's banner
+    and the server's log: "CPU KV cache size: 46,592 tokens, Maximum concurrency for 1,024 tokens per request:
+    45.50x"; ``detail`` goes in brackets after the size."""
+    return (f"{'GPU' if device.startswith('cuda') else 'CPU'} KV cache size: {num_tokens:,} tokens"
+            f"{f' ({detail})' if detail else ''}, Maximum concurrency for {max_model_len:,} tokens per request: "
+            f"{num_tokens / max_model_len:.2f}x")
+
+
 def format_banner(num_blocks: int, block_size: int, pool_bytes: int | None, max_model_len: int,
                   device: str = "cpu") -> str:
-    """vLLM's start-up line, in its words and number format, with the blocks it is made of:
-    "CPU KV cache size: 46,592 tokens (2,912 blocks x 16, 2,048 MiB), Maximum concurrency for 1,024 tokens
-    per request: 45.50x"."""
-    tokens = num_blocks * block_size
+    """vLLM's start-up line with the blocks it is made of: "CPU KV cache size: 46,592 tokens (2,912 blocks x 16,
+    2,048 MiB), Maximum concurrency for 1,024 tokens per request: 45.50x"."""
     size = f", {pool_bytes / 2**20:,.0f} MiB" if pool_bytes is not None else ""
-    return (f"{'GPU' if device.startswith('cuda') else 'CPU'} KV cache size: {tokens:,} tokens ({num_blocks:,} blocks "
-            f"x {block_size}{size}), Maximum concurrency for {max_model_len:,} tokens per request: "
-            f"{tokens / max_model_len:.2f}x")
+    detail = f"{num_blocks:,} blocks x {block_size}{size}"
+    return kv_cache_sentence(device, num_blocks * block_size, max_model_len, detail)

@@ -107,6 +107,9 @@ class Scheduler:
     def max_blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int) -> int:
         return self.kv.max_blocks_needed(num_prompt_tokens, max_tokens, n)
 
+    def max_request_tokens(self, n: int) -> int:
+        return self.kv.max_request_tokens(n)
+
     def take_events(self) -> StepEvents:
         """Everything to report since the last call, leaving nothing queued."""
         self._record_cache_events(None, self.kv.take_events())

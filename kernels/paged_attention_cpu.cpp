@@ -455,10 +455,33 @@ void check_int32(const at::Tensor& tensor, const char* name) {
               " must be contiguous int32");
 }
 
+// Every block a sequence reads (the first ceil(context_len / block_size) of its table) must be in the pool: a
+// wrong id would read another process's memory, or crash, without a word. One pass over the ids read, before
+// any attention: a few hundred integer compares next to the attention's millions of multiply-adds.
+void check_block_ids(const at::Tensor& kv_layer, const at::Tensor& block_tables, const at::Tensor& context_lens) {
+  const Pool pool = pool_of(kv_layer);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t st = block_tables.stride(0), width = block_tables.size(1);
+  TORCH_CHECK(block_tables.size(0) >= context_lens.size(0), "kvscope_cpu: fewer block tables than sequences");
+  for (int64_t seq = 0; seq < context_lens.size(0); ++seq) {
+    const int64_t used = (static_cast<int64_t>(lens[seq]) + pool.block_size - 1) / pool.block_size;
+    TORCH_CHECK(lens[seq] >= 0 && used <= width, "kvscope_cpu: sequence ", seq, " has context_len ", lens[seq],
+                " but its block table holds only ", width, " blocks of ", pool.block_size);
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t block = tables[seq * st + i];
+      TORCH_CHECK(block >= 0 && block < pool.num_blocks, "kvscope_cpu: sequence ", seq, " reads block id ", block,
+                  " at table entry ", i, ", outside the pool of ", pool.num_blocks, " blocks");
+    }
+  }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_layer,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   check_common(query, kv_layer, block_tables);
   check_int32(context_lens, "context_lens");
+  TORCH_CHECK(context_lens.size(0) == query.size(0), "kvscope_cpu: one context_len per query row");
+  check_block_ids(kv_layer, block_tables, context_lens);
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (query.size(0) == 0) return out;
   dispatch(query, [&]<int C, typename T>() {
@@ -473,6 +496,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
   check_common(query, kv_layer, block_tables);
   check_int32(cu_seqlens_q, "cu_seqlens_q");
   check_int32(context_lens, "context_lens");
+  check_block_ids(kv_layer, block_tables, context_lens);
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (query.size(0) == 0) return out;
   dispatch(query, [&]<int C, typename T>() {

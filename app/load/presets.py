@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvscope.engine.config import SamplingParams
+from kvscope.engine.config import SamplingParams, max_request_tokens
 
 PROMPTS_DIR = Path(__file__).with_name("prompts")
 CHAT_TEMPLATE_MARGIN = 48  # tokens a chat template adds around the messages, with room to spare
@@ -49,12 +49,10 @@ class PresetContext:
         return self.block_size * self.num_blocks
 
     def max_request_tokens(self, n: int = 1) -> int:
-        """The longest prompt plus output one request of ``n`` samples may have; 0 when none can run."""
-        if self.allocator == "contiguous":
-            reservation = -(-self.max_model_len // self.block_size)
-            return self.max_model_len if n * reservation <= self.num_blocks else 0
-        # A paged sample at its peak holds prompt + output - 1 tokens (the last one is never written).
-        return min(self.max_model_len, self.num_blocks // n * self.block_size + 1)
+        """The longest prompt plus output one request of ``n`` samples may have; 0 when none can run (the
+        engine's own rule, LLMEngine.max_request_tokens)."""
+        return max_request_tokens(n, self.num_blocks, self.block_size, self.max_model_len,
+                                  self.allocator == "contiguous")
 
     def check_runnable(self) -> None:
         """ValueError, with a max_model_len that would fit, when the engine can run no request at all."""

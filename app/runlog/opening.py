@@ -84,7 +84,7 @@ def record_run(engine, *, source: str = "script", db_path: str | Path | None = N
                           model=info.model_name, device=info.device, dtype=info.dtype, on_failure=on_failure,
                           label=label, keep_empty=keep_empty)
     if logger.enabled:
-        engine.observers.append(logger)
+        logger.detach = engine.add_observer(logger)
     return logger
 
 

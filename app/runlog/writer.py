@@ -61,6 +61,7 @@ class RunLogger(EngineObserver):
                  on_failure: Callable[[str], None] | None = None, keep_empty: bool = True):
         self.path = path
         self.run_id = run_id
+        self.detach: Callable[[], None] = lambda: None     # record_run sets it: stops hearing the engine
         self.warning = warning
         self.num_dropped_records = 0
         self.on_failure = on_failure    # called once, from the writer thread, if the log stops writing

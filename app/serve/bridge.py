@@ -2,7 +2,7 @@
 
 One thread steps the engine: EngineLoop here when the server runs headless, or the window's engine worker
 when the server shares the app's engine. Either way the bridge hears every step as an engine observer
-(LLMEngine.observers), so HTTP requests are ordinary engine requests that the window, the run log and the
+(LLMEngine.add_observer), so HTTP requests are ordinary engine requests that the window, the run log and the
 metrics see like chat turns. Each HTTP request owns a RequestStream: the engine thread hands it outputs with
 ``call_soon_threadsafe``, and the request's coroutine awaits them.
 
@@ -11,8 +11,8 @@ they were made: an abort sent for a request whose add is still queued runs after
 left running for a client that left. They run on the engine thread between steps (``run_pending``: the
 EngineLoop's, or the host's that steps the engine, told by ``on_call``); a thread that waited for the
 engine's lock instead would starve, since a busy stepping thread takes the lock again the moment it lets
-it go (Python's locks are not fair), and new requests waited 10-30 steps to be added. Without anyone to run
-them (a host that does not, the tests' bare bridges) they go through one worker thread.
+it go (Python's locks are not fair), and new requests waited 10-30 steps to be added. Prompts are tokenized
+before that, on a thread of the event loop's pool (LLMEngine.tokenize), so a long prompt never stalls the steps.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import NamedTuple
 
 from kvscope.app.serve.errors import APIError
 from kvscope.engine.outputs import RequestOutput
 
 log = logging.getLogger("kvscope.serve")
+MAX_BUFFERED_PER_REQUEST = 8     # outputs a stream holds per engine request for a reader that is late
 IDLE_WAKE_S = 0.25      # the longest the idle loop sleeps, so stop() is quick
 STEP_FAILURE_PAUSE_S = 0.05
 
@@ -40,30 +41,66 @@ class StreamClosed(NamedTuple):
 
 
 class RequestStream:
-    """The outputs of one HTTP request's engine requests (several for a batched prompt), in step order."""
+    """The outputs of one HTTP request's engine requests (several for a batched prompt), in step order.
+
+    Outputs are cumulative (each carries every token and the whole text so far), so a stream need not keep them
+    all: it keeps the last MAX_BUFFERED_PER_REQUEST of each engine request, enough for a reader that is a few
+    steps late to still send a chunk per step, while a client that stops reading holds a bounded few however
+    many steps go by (the older ones are dropped; the newest says everything they said)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, request_ids: tuple[str, ...]) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.request_ids = request_ids
         self.unfinished = set(request_ids)
+        self._buffer: deque[RequestOutput] = deque()    # not yet read, in step order
+        self._closed: StreamClosed | None = None
+        self._lock = threading.Lock()
+        self._ready = asyncio.Event()
+        self._wake_queued = False
 
     def push(self, output: RequestOutput | StreamClosed) -> None:
-        """From the engine thread."""
+        """From the engine thread: kept for the reader, within the bound."""
+        with self._lock:
+            if isinstance(output, StreamClosed):
+                self._closed = output
+            else:
+                self._keep(output)
+            if self._wake_queued:
+                return      # one wake-up is enough for whatever arrives before the reader runs
+            self._wake_queued = True
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, output)
+            self.loop.call_soon_threadsafe(self._ready.set)
         except RuntimeError:
             pass    # the event loop has closed: the server is gone, and nobody is waiting
 
-    async def next(self) -> RequestOutput:
-        """The next output; APIError (503) if the engine went away before the request finished."""
-        output = await self.queue.get()
-        if isinstance(output, StreamClosed):
+    def _keep(self, output: RequestOutput) -> None:
+        same = [kept for kept in self._buffer if kept.request_id == output.request_id]
+        if len(same) >= MAX_BUFFERED_PER_REQUEST:
+            self._buffer.remove(same[0])
+        self._buffer.append(output)
+
+    @property
+    def num_buffered(self) -> int:
+        """Outputs held for the reader: at most MAX_BUFFERED_PER_REQUEST per engine request."""
+        with self._lock:
+            return len(self._buffer)
+
+    async def next(self) -> list[RequestOutput]:
+        """The outputs that came since the last call, in step order; APIError (503) if the engine went away
+        before the request finished."""
+        await self._ready.wait()
+        with self._lock:
+            self._ready.clear()
+            self._wake_queued = False
+            outputs, self._buffer = list(self._buffer), deque()
+            closed = self._closed
+        if closed is not None:
             self.unfinished.clear()
-            raise APIError(503, f"The request was ended: {output.reason}")
-        if output.finished:
-            self.unfinished.discard(output.request_id)
-        return output
+            raise APIError(503, f"The request was ended: {closed.reason}")
+        for output in outputs:
+            if output.finished:
+                self.unfinished.discard(output.request_id)
+        return outputs
 
     @property
     def finished(self) -> bool:
@@ -80,10 +117,8 @@ class EngineBridge:
         self.step_wanted = False        # step even with nothing to run: what happened between steps is reported
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
-        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-serve-engine-calls")
-        self.calls_between_steps = on_call is not None     # an EngineLoop sets it too
         self._pending: deque[tuple] = deque()
-        engine.observers.append(self)
+        self._detach = engine.add_observer(self)
 
     # --- the engine's observer interface (called from the stepping thread, inside step()) --------------
 
@@ -103,6 +138,11 @@ class EngineBridge:
 
     # --- called from the event loop ---------------------------------------------------------------------
 
+    async def tokenize(self, prompt):
+        """The engine's tokenization of ``prompt`` (its chat template applied to messages), on a thread of the
+        event loop's pool: neither the event loop nor the engine thread waits for a long prompt."""
+        return await asyncio.to_thread(self.engine.tokenize, prompt)
+
     async def add(self, prompts: list, params: list, request_ids: list[str]) -> RequestStream:
         """Queue one engine request per prompt, all feeding one stream. All or nothing: if the engine refuses
         one (RequestError), those already added are aborted and the error raised."""
@@ -121,9 +161,7 @@ class EngineBridge:
         return stream
 
     def _submit(self, function, *args) -> Future:
-        """Run an engine call off the event loop, after every call submitted before it."""
-        if not self.calls_between_steps:
-            return self._calls.submit(function, *args)
+        """Run an engine call on the engine thread between steps, after every call submitted before it."""
         future: Future = Future()
         self._pending.append((function, args, future))
         self.work.set()
@@ -190,9 +228,7 @@ class EngineBridge:
 
     def close(self) -> None:
         self.run_pending()      # whatever the engine loop left (it has stopped): aborts, mostly
-        self._calls.shutdown(wait=True)
-        if self in self.engine.observers:
-            self.engine.observers.remove(self)
+        self._detach()
 
 
 class EngineLoop:
@@ -204,7 +240,6 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvscope-serve-engine", daemon=True)
         self.num_failed_steps = 0
-        bridge.calls_between_steps = True
 
     def start(self) -> None:
         self._thread.start()

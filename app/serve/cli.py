@@ -2,7 +2,8 @@
 
 Everything that can be wrong before serving (a taken port, a bad --kv-events-config, a model that does not
 load) is one line on stderr and exit status 2, found before the model loads where it can be. Ctrl+C (or
-SIGTERM) ends it cleanly: requests in flight end with finish_reason "abort" and the run log is closed.
+SIGTERM, which exits 0 as a service manager expects of a clean stop) ends it cleanly: requests in flight end
+with finish_reason "abort" and the run log is closed.
 """
 
 from __future__ import annotations
@@ -85,12 +86,17 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class Terminated(Exception):
+    """SIGTERM: a service manager's clean stop, which ends with status 0 (Ctrl+C's KeyboardInterrupt is 130)."""
+
+
 def _terminate(signum, frame) -> None:
-    raise KeyboardInterrupt     # SIGTERM stops the server as Ctrl+C does
+    raise Terminated    # stops the server as Ctrl+C does: uvicorn re-raises the signal here once it has stopped
 
 
 def run(args: argparse.Namespace) -> int:
     from kvscope.app.runlog import record_run
+    from kvscope.app.serve.connections import raise_file_limit
     from kvscope.app.serve.server import ServeApp, ServeError, listen, start_publisher
     from kvscope.app.serve.status_log import configure_logging
 
@@ -110,11 +116,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options.model_root = _model_root(engine)
     signal.signal(signal.SIGTERM, _terminate)
-    with record_run(engine, source="serve", db_path=args.db, enabled=not args.no_log,
-                    on_failure=lambda warning: print(f"kvscope serve: {warning}", file=sys.stderr)) as run_log:
-        if run_log.warning:
-            print(f"kvscope serve: {run_log.warning}", file=sys.stderr)
-        ServeApp(engine, options, listener=listener, publisher=publisher).serve_forever()
+    raise_file_limit()
+    try:
+        with record_run(engine, source="serve", db_path=args.db, enabled=not args.no_log,
+                        on_failure=lambda warning: print(f"kvscope serve: {warning}", file=sys.stderr)) as run_log:
+            if run_log.warning:
+                print(f"kvscope serve: {run_log.warning}", file=sys.stderr)
+            ServeApp(engine, options, listener=listener, publisher=publisher).serve_forever()
+    except Terminated:
+        pass
     return 0
 
 

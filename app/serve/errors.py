@@ -11,7 +11,7 @@ from __future__ import annotations
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 _TYPES = {
     400: "BadRequestError",
@@ -20,6 +20,22 @@ _TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+    @classmethod
+    def of(cls, status: int, message: str, param: str | None = None) -> ErrorBody:
+        kind = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+        return cls(error=ErrorDetail(message=message, type=kind, param=param, code=status))
 
 
 class APIError(Exception):
@@ -32,16 +48,11 @@ class APIError(Exception):
         self.param = param
         self.headers = headers
 
-    def body(self) -> dict:
-        return error_body(self.status, self.message, self.param)
+    def body(self) -> ErrorBody:
+        return ErrorBody.of(self.status, self.message, self.param)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = _TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -53,7 +64,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
     error = exc.errors(include_url=False)[0]
     kind, loc = error["type"], [str(part) for part in error["loc"]]
     if kind == "json_invalid":
-        return bad_request(f"The request body is not valid JSON: {error['ctx'].get('error', error['msg'])}")
+        reason = _clip(str(error["ctx"].get("error", error["msg"])), 200)
+        return bad_request(f"The request body is not valid JSON: {reason}")
     if kind == "model_type" and not loc:
         return bad_request("The request body must be a JSON object")
     field = _field_name(loc)
@@ -62,7 +74,7 @@ def from_validation_error(exc: ValidationError) -> APIError:
         return bad_request(f"Unrecognized request argument supplied: {field}", field)
     if kind == "missing":
         return bad_request(f"{field} is required", field)
-    return bad_request(f"{field}: {error['msg']} (got {_short(error.get('input'))})", field)
+    return bad_request(f"{field}: {_clip(error['msg'], 200)} (got {_short(error.get('input'))})", field)
 
 
 def _field_name(loc: list[str]) -> str:
@@ -73,6 +85,17 @@ def _field_name(loc: list[str]) -> str:
     return ".".join(parts) or "body"
 
 
+def lone_surrogate() -> APIError:
+    """JSON may write a UTF-16 surrogate on its own (\\ud800); it is no character, so no text can hold it."""
+    return bad_request("The request body is not valid JSON text: it has a \\u escape of a lone UTF-16 surrogate "
+                       "(\\ud800-\\udfff without its pair), which is no Unicode character; send the text as UTF-8 "
+                       "or as a surrogate pair")
+
+
 def _short(value, limit: int = 60) -> str:
-    text = repr(value)
+    return _clip(repr(value), limit)
+
+
+def _clip(text: str, limit: int) -> str:
+    """At most ``limit`` characters of a message that may quote the client's input (a 4,000-digit number)."""
     return text if len(text) <= limit else text[:limit - 1] + "…"

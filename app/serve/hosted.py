@@ -31,6 +31,7 @@ class HostedServe:
             raise
         self.server: ServeApp | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def engine_installed(self, engine) -> None:
         with self._lock:
@@ -52,15 +53,21 @@ class HostedServe:
             self.wake()
 
     def network_warning(self) -> str | None:
-        return self.server.network_warning() if self.server is not None else None
+        """Who beyond this machine can reach the API or its KV events, in words; None when nobody can."""
+        warnings = self.server.warnings() if self.server is not None else []
+        return ". ".join(warnings) or None
 
     @property
     def url(self) -> str | None:
         return self.server.url if self.server is not None else None
 
     def close(self) -> None:
-        """Stop serving: requests in flight are aborted (the host's last steps report them)."""
+        """Stop serving: requests in flight are aborted (the host's next steps report them, so every stream
+        ends with "abort"). Idempotent."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             if self.server is not None:
                 self.server.stop()
             else:

@@ -31,6 +31,7 @@ from collections import deque
 import msgspec
 import zmq
 
+from kvscope.app.serve.connections import is_loopback
 from kvscope.engine import outputs as engine_outputs
 
 log = logging.getLogger("kvscope.serve")
@@ -85,6 +86,18 @@ def sources(config: KVEventsConfig | None) -> dict:
     if config is None or not config.enable_kv_cache_events:
         return {}
     return {"0": json.loads(msgspec.json.encode(config))}
+
+
+def exposure_warning(config: KVEventsConfig) -> str | None:
+    """What a TCP event endpoint on a wildcard or non-loopback address means, in words; None when every
+    endpoint stays on this machine (ipc://, inproc://, tcp://127.0.0.1)."""
+    exposed = [endpoint for endpoint in (config.endpoint, config.replay_endpoint) if endpoint
+               and endpoint.startswith("tcp://") and not is_loopback(endpoint[6:].rpartition(":")[0])]
+    if not config.enable_kv_cache_events or not exposed:
+        return None
+    return (f"KV-cache events are published on {', '.join(exposed)}, which the network can reach: they carry every "
+            "request's token ids, and no API key guards them; use tcp://127.0.0.1:PORT or ipc:// to keep them on "
+            "this machine")
 
 
 def binds(endpoint: str) -> bool:

@@ -1,5 +1,5 @@
-"""What keeps one client from exhausting the server: a bound on request bodies, on requests in flight, and the
-API key.
+"""What keeps one client from exhausting the server: bounds on request bodies, on requests in flight, on the
+prompt tokens they hold, on how long a stalled stream may wait, and the API key.
 
 The body bound is an ASGI middleware: a declared Content-Length over the bound is refused before a byte is
 read, and a chunked body is refused as soon as it passes the bound, so memory never holds more than the bound.
@@ -8,12 +8,16 @@ The key is compared in constant time (hmac.compare_digest), so response timing s
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from kvscope.app.serve.errors import APIError
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
+DEFAULT_WRITE_STALL_S = 30.0        # a streaming client that takes no bytes this long is dropped
+BODY_READ_DEADLINE_S = 30.0         # a body that stops arriving this long is refused with 408
+PROMPT_BUDGET_POOLS = 4             # prompt tokens in flight: this many KV pools' worth
 
 
 def body_too_large(limit: int) -> APIError:
@@ -22,17 +26,20 @@ def body_too_large(limit: int) -> APIError:
 
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413.
+    """ASGI middleware: refuse request bodies over ``limit`` bytes with 413, and one that stops arriving with 408.
 
     Before answering, what the client is still sending is read and dropped, up to DRAIN_BYTES: a server that
     closes a connection with unread data makes the kernel reset it, and the client would see a broken
     connection instead of the 413 that says why."""
 
     DRAIN_BYTES = 1024 * 1024
+    DRAIN_S = 1.0       # and for at most this long: a client that declared a huge body and sends nothing gets
+                        # its 413 at once
 
-    def __init__(self, app, limit: int) -> None:
+    def __init__(self, app, limit: int, read_deadline_s: float = BODY_READ_DEADLINE_S) -> None:
         self.app = app
         self.limit = limit
+        self.read_deadline_s = read_deadline_s     # the longest wait for each piece of a body
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -43,12 +50,19 @@ class BodyLimit:
             await self._drain(receive, more=True)
             await body_too_large(self.limit).response()(scope, receive, send)
             return
-        received = 0
+        received, body_done = 0, False
 
         async def bounded_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:   # past the body, receive() waits for the client to leave: no deadline on that
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_deadline_s)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"The request body did not arrive: nothing came for {self.read_deadline_s:g} "
+                                    "s") from None
             if message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > self.limit:
                     await self._drain(receive, message.get("more_body", False))
@@ -58,6 +72,12 @@ class BodyLimit:
         await self.app(scope, bounded_receive, send)
 
     async def _drain(self, receive, more: bool) -> None:
+        try:
+            await asyncio.wait_for(self._drop(receive, more), self.DRAIN_S)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _drop(self, receive, more: bool) -> None:
         dropped = 0
         while more and dropped < self.DRAIN_BYTES:
             message = await receive()
@@ -84,6 +104,31 @@ class ConcurrencyLimit:
 
     def release(self) -> None:
         self.in_flight -= 1
+
+
+class PromptTokenBudget:
+    """Prompt tokens held by the requests in flight, at most ``limit`` (a few pools' worth: more could not run
+    soon anyway, and each token held costs memory); one request over it is refused with 503 and Retry-After.
+    A request larger than the whole budget is let in alone, when nothing else holds any, so it is not
+    starved (the body limit bounds it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def admit(self, num_tokens: int):
+        """Take ``num_tokens`` (event-loop thread only); returns the release, safe to call once."""
+        if self.held and self.held + num_tokens > self.limit:
+            raise APIError(503, f"The server is busy: the requests in flight already hold {self.held:,} prompt "
+                                f"tokens of its budget of {self.limit:,}; retry shortly", headers={"retry-after": "1"})
+        self.held += num_tokens
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                self.held -= num_tokens
+        return release
 
 
 def check_api_key(expected: str | None, authorization: str | None) -> None:

@@ -14,11 +14,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvscope.app.serve.errors import APIError, bad_request
-from kvscope.engine.config import SamplingParams, model_sampling
 
 MAX_N = 32              # samples per prompt; the engine also checks that they fit the pool
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64        # prompts in one batched /v1/completions request
+MAX_INT = 2**31 - 1     # the largest count or seed taken: a 4,000-digit number is refused, not carried along
 
 # name -> (values that change nothing, why kvscope cannot do anything else)
 NEUTRAL = {
@@ -51,16 +51,16 @@ class StreamOptions(_Strict):
     continuous_usage_stats: Literal[False] = False
 
 
-class _Request(_Strict):
+class GenerationRequest(_Strict):
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None     # any 64-bit seed
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT)]] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -85,20 +85,12 @@ class _Request(_Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
-    def sampling(self, max_tokens: int, defaults) -> SamplingParams:
-        fields = {"n": self.n, "max_tokens": max_tokens, "ignore_eos": self.ignore_eos,
-                  "stop": self.stop or (), "stop_token_ids": self.stop_token_ids or ()}
-        for name in ("temperature", "top_p", "top_k", "seed"):
-            if getattr(self, name) is not None:
-                fields[name] = getattr(self, name)
-        return model_sampling(defaults, **fields)
-
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(GenerationRequest):
     prompt: str | Annotated[list[int], Field(min_length=1)] | \
         Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | \
         Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
@@ -139,9 +131,9 @@ class Message(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     top_logprobs: object = None
     tools: object = None
     tool_choice: object = None
@@ -165,31 +157,54 @@ def check_model(requested: str | None, served: str) -> None:
         raise APIError(404, f"The model `{requested}` does not exist.", "model")
 
 
-# ---- response bodies --------------------------------------------------------------------------------------
+# ---- what both endpoints' responses hold ---------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": finish_reason, "stop_reason": None}
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens + completion_tokens,
+                   completion_tokens=completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-def chat_delta(index: int, delta: dict, finish_reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+class Choice(BaseModel):
+    """What every choice of every response and chunk has; the endpoints add their text, message or delta."""
+
+    index: int
+    logprobs: None = None
+    finish_reason: str | None
+    stop_reason: None = None
 
 
-def envelope(kind: str, response_id: str, created: int, model: str, choices: list, **extra) -> dict:
-    """The fields every completion body and chunk has, around its choices."""
-    return {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
+class Envelope(BaseModel):
+    """What every response body and chunk has around its choices; the endpoints add ``object`` and them."""
+
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
 
 
-def model_card(name: str, root: str, max_model_len: int, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "kvscope", "root": root,
-            "parent": None, "max_model_len": max_model_len, "permission": []}
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvscope"
+    root: str
+    parent: None = None
+    max_model_len: int
+    permission: list = []
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

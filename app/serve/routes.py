@@ -10,6 +10,7 @@ error shape.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -21,11 +22,19 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvscope import __version__
-from kvscope.app.serve import completions, protocol
+from kvscope.app.serve import generation, protocol
 from kvscope.app.serve.bridge import EngineBridge
-from kvscope.app.serve.completions import EngineFacts
-from kvscope.app.serve.errors import APIError, error_body, from_validation_error
-from kvscope.app.serve.limits import BodyLimit, ConcurrencyLimit, check_api_key
+from kvscope.app.serve.chat import ChatJob
+from kvscope.app.serve.completions import CompletionJob
+from kvscope.app.serve.errors import APIError, ErrorBody, from_validation_error, lone_surrogate
+from kvscope.app.serve.generation import EngineFacts, Job
+from kvscope.app.serve.limits import (
+    BODY_READ_DEADLINE_S,
+    BodyLimit,
+    ConcurrencyLimit,
+    PromptTokenBudget,
+    check_api_key,
+)
 
 CLIENT_CLOSED_REQUEST = 499
 
@@ -37,16 +46,17 @@ class ServeState:
     concurrency: ConcurrencyLimit
     metrics: object                     # ServeMetrics: render() -> the Prometheus page
     event_sources: dict                 # GET /kv_event_sources
+    prompt_tokens: PromptTokenBudget
     api_key: str | None = None
     dev_routes: bool = False            # POST /reset_prefix_cache, as vLLM's dev mode has it
     started: int = field(default_factory=lambda: int(time.time()))
     numbers: itertools.count = field(default_factory=lambda: itertools.count(1))   # the requests served
 
 
-def build_app(state: ServeState, max_body_bytes: int) -> FastAPI:
+def build_app(state: ServeState, max_body_bytes: int, body_read_deadline_s: float = BODY_READ_DEADLINE_S) -> FastAPI:
     app = FastAPI(title="kvscope serve", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(BodyLimit, limit=max_body_bytes, read_deadline_s=body_read_deadline_s)
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
     app.add_exception_handler(StarletteHTTPException, _http_error)
 
@@ -87,32 +97,47 @@ def _v1(state: ServeState) -> APIRouter:
     @router.get("/models")
     async def models() -> dict:
         facts = state.facts
-        return {"object": "list", "data": [protocol.model_card(facts.model_name, facts.model_root,
-                                                               facts.max_model_len, state.started)]}
+        card = protocol.ModelCard(id=facts.model_name, root=facts.model_root, created=state.started,
+                                  max_model_len=facts.runner.max_model_len)
+        return protocol.ModelList(data=[card]).model_dump()
 
     @router.post("/completions")
     async def create_completion(request: Request) -> Response:
-        return await _generate(state, request, protocol.CompletionRequest, chat=False)
+        return await _generate(state, request, protocol.CompletionRequest, CompletionJob)
 
     @router.post("/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        return await _generate(state, request, protocol.ChatCompletionRequest, chat=True)
+        return await _generate(state, request, protocol.ChatCompletionRequest, ChatJob)
 
     return router
 
 
-async def _generate(state: ServeState, request: Request, model, chat: bool) -> Response:
-    body = await request.body()
+def _parse(body: bytes, model):
     try:
-        parsed = model.model_validate_json(body)
+        return model.model_validate_json(body)
     except ValidationError as exc:
-        raise from_validation_error(exc) from None
-    job = completions.new_job(chat, parsed, state.facts, next(state.numbers))
+        error = from_validation_error(exc)
+        if exc.errors()[0]["type"] == "json_invalid" and _python_reads(body):
+            error = lone_surrogate()    # the one JSON text Python reads and pydantic refuses
+        raise error from None
+
+
+def _python_reads(body: bytes) -> bool:
+    try:
+        json.loads(body)
+    except ValueError:
+        return False
+    return True
+
+
+async def _generate(state: ServeState, request: Request, model, make_job: type[Job]) -> Response:
+    parsed = _parse(await request.body(), model)
+    job = make_job(parsed, state.facts, next(state.numbers))
     if not state.bridge.accepting:
         raise APIError(503, "The server is shutting down")
     state.concurrency.acquire()
     try:
-        stream = await completions.start(job, state.bridge, state.facts)
+        stream, release_tokens = await generation.start(job, state.bridge, state.facts, state.prompt_tokens.admit)
     except BaseException:
         state.concurrency.release()
         raise
@@ -122,21 +147,23 @@ async def _generate(state: ServeState, request: Request, model, chat: bool) -> R
         if not released:
             released.append(True)
             state.bridge.release(stream)
+            release_tokens()
             state.concurrency.release()
 
     if parsed.stream:
-        return _EventStream(completions.events(job, stream), on_close=release, headers={"cache-control": "no-cache"})
+        return _EventStream(generation.events(job, stream), on_close=release, headers={"cache-control": "no-cache"})
     try:
-        body = await completions.collect(job, stream, request.is_disconnected)
+        body = await generation.collect(job, stream, request.is_disconnected)
     finally:
         release()
     # Nobody reads the answer to a client that left; 499 is what proxies log for it.
-    return JSONResponse(body) if body is not None else Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(body.model_dump()) if body is not None else Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 class _EventStream(EventSourceResponse):
     """Server-sent events that release their request however the response ends: finished, the client gone
-    (Starlette cancels the response), or never started."""
+    (Starlette cancels the response; a client that stopped reading is cut by connections.DeadlineProtocol),
+    or never started."""
 
     def __init__(self, content, on_close, **options) -> None:
         super().__init__(content, **options)
@@ -153,4 +180,5 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     """FastAPI's own refusals (an unknown route, a wrong method) in the same shape as ours."""
     message = {404: f"Not found: {request.method} {request.url.path}",
                405: f"Method not allowed: {request.method} {request.url.path}"}.get(exc.status_code, str(exc.detail))
-    return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+    return JSONResponse(ErrorBody.of(exc.status_code, message).model_dump(), status_code=exc.status_code,
+                        headers=exc.headers)

@@ -11,7 +11,6 @@ line and the publisher stop, in that order, so nothing is left half done.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
@@ -24,12 +23,22 @@ import zmq
 from kvscope import __version__
 from kvscope.app.serve import kv_events
 from kvscope.app.serve.bridge import EngineBridge, EngineLoop
-from kvscope.app.serve.completions import EngineFacts
+from kvscope.app.serve.connections import DeadlineProtocol, connection_limit, is_loopback, rate_limit_accept_errors
+from kvscope.app.serve.generation import EngineFacts
 from kvscope.app.serve.kv_events import KVEventPublisher, KVEventsConfig
-from kvscope.app.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_REQUESTS, ConcurrencyLimit
+from kvscope.app.serve.limits import (
+    BODY_READ_DEADLINE_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_WRITE_STALL_S,
+    PROMPT_BUDGET_POOLS,
+    ConcurrencyLimit,
+    PromptTokenBudget,
+)
 from kvscope.app.serve.metrics import ServeMetrics
 from kvscope.app.serve.routes import ServeState, build_app
-from kvscope.app.serve.status_log import STATUS_INTERVAL_S, StatusLine, StatusLogger, kv_cache_line
+from kvscope.app.serve.status_log import STATUS_INTERVAL_S, StatusLine, StatusLogger
+from kvscope.engine.runner import kv_cache_sentence
 
 log = logging.getLogger("kvscope.serve")
 GRACEFUL_SHUTDOWN_S = 30.0
@@ -45,6 +54,9 @@ class ServeOptions:
     kv_events: KVEventsConfig | None = None     # None: the default loopback-only (ipc) publisher
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    max_connections: int = 2 * DEFAULT_MAX_CONCURRENT_REQUESTS     # open HTTP connections; more get 503
+    write_stall_s: float = DEFAULT_WRITE_STALL_S
+    body_read_deadline_s: float = BODY_READ_DEADLINE_S
     access_log: bool = True
     status_interval_s: float = STATUS_INTERVAL_S
     model_root: str | None = None               # what /v1/models says the model was loaded from
@@ -52,13 +64,14 @@ class ServeOptions:
     terminal_logs: bool = True                  # uvicorn's and vLLM's lines; off under a window, which shows it all
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+def pool_warning(info) -> str | None:
+    """What a pool smaller than one request of max_model_len means, said at start (vLLM refuses to start)."""
+    pool_tokens = info.num_device_blocks * info.block_size
+    if pool_tokens >= info.max_model_len:
+        return None
+    return (f"The KV pool holds {pool_tokens:,} tokens, less than one request of max_model_len "
+            f"({info.max_model_len:,} tokens): longer requests will be refused; pass --max-model-len "
+            f"{pool_tokens:,} (or less), or a larger pool with --num-blocks or --kv-cache-memory")
 
 
 class ServeError(Exception):
@@ -117,17 +130,20 @@ class ServeApp:
         self.on_call = on_call
         self.listener = listener or listen(options.host, options.port)
         self.publisher = publisher if publisher is not None else start_publisher(options.kv_events)
-        self._observers: list = []
+        self._detachers: list = []
         self._bind(engine)
         self.state = ServeState(self.bridge, self.facts, ConcurrencyLimit(options.max_concurrent_requests),
                                 self.metrics, kv_events.sources(self.publisher.config if self.publisher else None),
-                                options.api_key, options.dev_routes)
-        self.app = build_app(self.state, options.max_body_bytes)
+                                self._prompt_budget(), options.api_key, options.dev_routes)
+        self.app = build_app(self.state, options.max_body_bytes, options.body_read_deadline_s)
         self.engine_loop = EngineLoop(engine, self.bridge) if own_engine_loop else None
         self.status = StatusLogger(self._status_line(), options.status_interval_s)
         quiet = {} if options.terminal_logs else {"log_config": None}
+        rate_limit_accept_errors()
         config = uvicorn.Config(self.app, host=options.host, port=options.port, lifespan="off",
                                 access_log=options.access_log and options.terminal_logs,
+                                http=DeadlineProtocol.for_server(options.write_stall_s),
+                                limit_concurrency=connection_limit(options.max_connections),
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **quiet)
         self.server = _Uvicorn(config, on_exit=lambda: self.bridge.abort_all(), on_started=self._startup_lines)
         self._thread: threading.Thread | None = None
@@ -137,14 +153,16 @@ class ServeApp:
         """Everything that belongs to one engine: its facts, its bridge, its metrics, the observers."""
         self.engine = engine
         info, options = engine.info, self.options
-        self.facts = EngineFacts(
-            model_name=options.served_model_name or info.model_name, model_root=options.model_root or
-            engine.config.model, max_model_len=info.max_model_len, num_blocks=info.num_device_blocks,
-            block_size=info.block_size, sampling_defaults=info.sampling_defaults, tokenizer=engine.tokenizer)
+        self.facts = EngineFacts(options.served_model_name or info.model_name,
+                                 options.model_root or engine.config.model, info)
         self.bridge = EngineBridge(engine, on_call=self.on_call)
         self.metrics = ServeMetrics(self.facts.model_name, info.max_model_len, self._cache_config())
-        self._observers = [self.metrics] + ([self.publisher] if self.publisher else [])
-        engine.observers.extend(self._observers)
+        self._detachers = [engine.add_observer(observer)
+                           for observer in [self.metrics] + ([self.publisher] if self.publisher else [])]
+
+    def _prompt_budget(self) -> PromptTokenBudget:
+        info = self.engine.info
+        return PromptTokenBudget(PROMPT_BUDGET_POOLS * info.num_device_blocks * info.block_size)
 
     def _status_line(self) -> StatusLine:
         return StatusLine(self.metrics, self.engine.info.device, self.engine.config.preemption_mode == "swap")
@@ -161,14 +179,14 @@ class ServeApp:
         old_bridge.close()
         self._bind(engine)
         self.state.bridge, self.state.facts, self.state.metrics = self.bridge, self.facts, self.metrics
+        self.state.prompt_tokens = self._prompt_budget()
         self.status.status = self._status_line()
         if self.publisher is not None:
             self.publisher.publish_cleared()
 
     def _detach(self) -> None:
-        for observer in self._observers:
-            if observer in self.engine.observers:
-                self.engine.observers.remove(observer)
+        for detach in self._detachers:
+            detach()
 
     def _cache_config(self) -> dict[str, str]:
         """vllm:cache_config_info's labels: vLLM's names, kvscope's values (num_cpu_blocks is the swap pool)."""
@@ -199,19 +217,25 @@ class ServeApp:
         return (f"The API is reachable from the network at {self.url} (--host {self.options.host})"
                 + ("" if self.options.api_key else "; anyone who reaches it can use the model: set --api-key"))
 
+    def warnings(self) -> list[str]:
+        """What the user should know about who can reach this server: the API's address, the KV events'."""
+        config = self.publisher.config if self.publisher is not None else None
+        found = [self.network_warning(), kv_events.exposure_warning(config) if config else None]
+        return [warning for warning in found if warning]
+
     def _startup_lines(self) -> None:
         if not self.options.terminal_logs:
             return
         info = self.engine.info
         log.info("kvscope serve %s · model %s (%s, %s)", __version__, self.facts.model_name, info.device, info.dtype)
-        log.info(kv_cache_line(info.device, info.num_device_blocks * info.block_size, info.max_model_len))
+        log.info(kv_cache_sentence(info.device, info.num_device_blocks * info.block_size, info.max_model_len))
         if self.publisher is not None:
             config = self.publisher.config
             log.info("KV-cache events: ZMQ on %s, replay on %s, topic %r", config.endpoint,
                      config.replay_endpoint or "none", config.topic)
         log.info("Starting kvscope server on %s (OpenAI-compatible API, vLLM's /metrics)", self.url)
-        if self.network_warning():
-            log.warning(self.network_warning())
+        for warning in self.warnings() + ([pool_warning(info)] if pool_warning(info) else []):
+            log.warning(warning)
 
     # --- running ------------------------------------------------------------------------------------------
 

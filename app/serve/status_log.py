@@ -7,7 +7,8 @@ generation throughput: … tokens/s, Running: N reqs, Waiting: N reqs, CPU KV ca
 hit rate: …%", so the scripts and habits of people who watch vLLM's log work here. Like vLLM, an idle
 server logs one zero line and then stays quiet until work comes. kvscope swaps: with --preemption-mode swap
 the line also counts swapped requests. The hit rate is over the server's lifetime (vLLM's is over recent
-requests).
+requests). Both sentences are the window's too, written once: engine/runner.py's kv_cache_sentence and
+app/status_sentence.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import logging
 import sys
 import threading
 import time
+
+from kvscope.app.status_sentence import status_sentence
 
 FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
 DATE_FORMAT = "%m-%d %H:%M:%S"
@@ -35,21 +38,12 @@ def configure_logging(stream=None) -> None:
     log.propagate = False
 
 
-def kv_cache_line(device: str, num_tokens: int, max_model_len: int) -> str:
-    return (f"{_device_name(device)} KV cache size: {num_tokens:,} tokens, Maximum concurrency for "
-            f"{max_model_len:,} tokens per request: {num_tokens / max_model_len:.2f}x")
-
-
-def _device_name(device: str) -> str:
-    return "CPU" if device.startswith("cpu") else "GPU"
-
-
 class StatusLine:
     """Computes the 10-second line from the serve metrics' running totals and latest step."""
 
     def __init__(self, metrics, device: str, show_swapped: bool) -> None:
         self.metrics = metrics
-        self.device = _device_name(device)
+        self.device = device
         self.show_swapped = show_swapped
         self._last_time = time.monotonic()
         self._last_totals = dict(metrics.totals)
@@ -72,10 +66,8 @@ class StatusLine:
         usage = stats.kv_usage if stats else 0.0
         hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats and stats.prefix_cache_queries \
             else 0.0
-        swapped_part = f"Swapped: {swapped} reqs, " if self.show_swapped else ""
-        return (f"Engine 000: Avg prompt throughput: {prompt:.1f} tokens/s, Avg generation throughput: "
-                f"{generation:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, {swapped_part}"
-                f"{self.device} KV cache usage: {usage * 100:.1f}%, Prefix cache hit rate: {hit_rate * 100:.1f}%")
+        return "Engine 000: " + status_sentence(prompt, generation, running, waiting,
+                                                swapped if self.show_swapped else None, self.device, usage, hit_rate)
 
 
 class StatusLogger:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvscope.app.status_sentence import status_sentence
 from kvscope.app.widgets.line_panel import LinePanel
 from kvscope.engine.outputs import CacheSnapshot, StepStats
 
@@ -52,14 +53,8 @@ def describe_status(prompt_rate: float, generation_rate: float, snapshot: CacheS
     as vLLM's CPU build says)."""
     queues = [view.queue for view in snapshot.requests]
     hits = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
-    kv_name = "GPU" if device.startswith("cuda") else "CPU"
-    parts = [f"Avg prompt throughput: {prompt_rate:,.1f} tokens/s",
-             f"Avg generation throughput: {generation_rate:,.1f} tokens/s",
-             f"Running: {queues.count('running')} reqs", f"Waiting: {queues.count('waiting')} reqs"]
-    if queues.count("swapped"):
-        parts.append(f"Swapped: {queues.count('swapped')} reqs")
-    parts += [f"{kv_name} KV cache usage: {100 * stats.kv_usage:.1f}%", f"Prefix cache hit rate: {100 * hits:.1f}%"]
-    return ", ".join(parts)
+    return status_sentence(prompt_rate, generation_rate, queues.count("running"), queues.count("waiting"),
+                           queues.count("swapped") or None, device, stats.kv_usage, hits, grouped=True)
 
 
 class VllmStatusLine(LinePanel):

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvscope.app.load import presets
 from kvscope.app.messages import (
     CommandRejected,
     EngineBuildFailed,
@@ -58,30 +57,28 @@ from kvscope.app.worker.commands import (
 )
 from kvscope.app.worker.delayed import DelayedRequests
 from kvscope.app.worker.factory import build_engine, engine_info
-from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
+from kvscope.app.worker.requests import RequestCommands, describe_error
+from kvscope.engine.config import EngineConfig
 
 MAX_STEPS_AHEAD_OF_UI = 256
 ENGINE_REBUILT = "the engine was restarted"
 ENGINE_STOPPED = "kvscope quit while the request was in flight"
 
 
-def describe_error(exc: BaseException) -> str:
-    """A refusal (RequestError) in its own words; anything else, which is a bug, with its type."""
-    return str(exc) if isinstance(exc, RequestError) else f"{type(exc).__name__}: {exc}"
-
-
-class EngineWorker:
+class EngineWorker(RequestCommands):
     """``run`` is the thread body (the app starts it as a thread worker); ``send`` and the methods
     that call it are for the UI. ``start``, ``run_once`` and ``shutdown`` are the thread body's
     parts, for a caller that drives the worker on its own thread (the tests).
 
     ``log_factory(engine)`` is called for each engine built and returns its run logger (which it has
     attached as an engine observer, as ``runlog.record_run`` does) or None; the worker closes it when
-    the engine is replaced or the thread ends. ``clock`` times the rate cap.
+    the engine is replaced or the thread ends. ``on_engine_installed(engine)`` is told of each engine
+    before it runs (kvscope --serve puts its server in front of it). ``clock`` times the rate cap.
     """
 
     def __init__(self, target, config: EngineConfig, *, engine_factory: Callable = build_engine,
                  log_factory: Callable[[Any], Any] | None = None,
+                 on_engine_installed: Callable[[Any], None] | None = None,
                  paused: bool = False, steps_per_s_cap: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.target = target
@@ -90,6 +87,7 @@ class EngineWorker:
         self.info: EngineInfo | None = None
         self._engine_factory = engine_factory
         self._log_factory = log_factory
+        self._on_engine_installed = on_engine_installed
         self._clock = clock
         self._logger = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -253,58 +251,6 @@ class EngineWorker:
     def _post_state(self) -> None:
         self.target.post_message(RunStateChanged(self.state))
 
-    def _add(self, request: AddRequest) -> None:
-        if self.engine is None:
-            self.target.post_message(RequestRejected(request.request_id, "the engine is not running"))
-            return
-        try:
-            request_id = self.engine.add_request(request.prompt, request.params, request_id=request.request_id)
-        except Exception as exc:    # a refusal, or an engine bug: either way this request only
-            self._reject(request.request_id, exc)
-            return
-        self._accepted.add(request_id)
-        self._queued = True
-
-    def _reject(self, request_id: str, exc: BaseException) -> None:
-        self.target.post_message(RequestRejected(request_id, describe_error(exc)))
-
-    def _abort(self, request_id: str) -> None:
-        if self.engine is None:
-            return
-        self._delayed.drop(request_id)
-        # The engine reports an abort with its next step: make sure one runs, even with nothing
-        # else left to do (a paused engine reports it when the user steps or resumes).
-        self._abort_unreported |= self.engine.abort_request(request_id)
-
-    def _add_chat_turn(self, request_id: str, messages: tuple[dict, ...], params: SamplingParams) -> None:
-        if self.engine is not None:
-            context = presets.PresetContext.from_engine(self.engine)
-            params = dataclasses.replace(params, max_tokens=presets.fit_reply(context, list(messages),
-                                                                              params.max_tokens))
-        self._add(AddRequest(request_id, list(messages), params))
-
-    def _launch_preset(self, key: str, count: int) -> None:
-        self._launch("LaunchPreset", lambda context: presets.build(key, count, context),
-                     lambda item: f"{key}-{next(self._ids)}")
-
-    def _launch_plan(self, plan: Callable) -> None:
-        self._launch("LaunchPlan", plan, lambda item: item.name or f"load-{next(self._ids)}")
-
-    def _launch(self, command_name: str, make_plan: Callable, name: Callable) -> None:
-        if self.engine is None:
-            return
-        try:
-            planned = make_plan(presets.PresetContext.from_engine(self.engine))
-        except ValueError as exc:   # the load cannot fit this pool: a refusal in its own words, with the fix
-            self.target.post_message(CommandRejected(command_name, str(exc)))
-            return
-        for item in planned:
-            request = AddRequest(name(item), item.prompt, item.params)
-            if item.delay_steps:
-                self._delayed.push(self._steps_done + item.delay_steps, request)
-            else:
-                self._add(request)
-
     def _step(self) -> None:
         for request in self._delayed.pop_due(self._steps_done):
             self._add(request)
@@ -380,6 +326,8 @@ class EngineWorker:
         self._steps_done = self._last_step = 0
         self._abort_unreported = False
         warning = None
+        if self._on_engine_installed is not None:
+            self._on_engine_installed(engine)
         try:
             self._logger = self._log_factory(engine) if self._log_factory else None
         except Exception as exc:    # the run log is never worth the engine
@@ -414,8 +362,8 @@ class EngineWorker:
 
     def _final_step(self, engine, logger, aborted: set[str], reason: str) -> None:
         """One last step hands out the aborted requests' final outputs, with the reason added."""
-        if logger is not None and logger in engine.observers:
-            engine.observers.remove(logger)     # it hears this step below, with the reasons
+        if logger is not None:
+            logger.detach()     # it hears this step below, with the reasons
         result = engine.step()
         outputs = [output._replace(error=reason) if output.request_id in aborted and output.finished
                    else output for output in result.outputs]

@@ -110,7 +110,7 @@ def test_step_from_inside_an_observer_is_refused():
         def step(self, result):
             engine.step()
 
-    engine.observers.append(Restepping())
+    engine.add_observer(Restepping())
     engine.add_request([1, 2], greedy(2))
     with pytest.warns(RuntimeWarning, match="called from inside step"):
         engine.step()

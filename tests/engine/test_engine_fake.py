@@ -288,7 +288,8 @@ def test_an_observer_that_raises_is_dropped_and_the_engine_goes_on():
     engine = make_engine()
     broken, counting = Broken(), Counting()
     assert isinstance(counting, EngineObserver)     # a Protocol: any object with its two methods
-    engine.observers += [broken, counting]
+    engine.add_observer(broken)
+    engine.add_observer(counting)
     engine.add_request("hi", greedy(3), request_id="a")
     with pytest.warns(RuntimeWarning, match="disk full"):
         outputs = run_checked(engine)

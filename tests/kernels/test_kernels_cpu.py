@@ -183,3 +183,24 @@ def test_a_failing_build_falls_back_to_the_torch_path_with_one_line(monkeypatch,
             "kvscope: C++ CPU kernels unavailable (c++ failed: simulated); using the torch attention path (slower)"]
     finally:
         cpu.status.cache_clear()  # the next caller finds the real build again
+
+
+@needs_cpp
+@pytest.mark.parametrize("bad_id", [-1, 10**6])
+def test_a_block_id_outside_the_pool_is_refused_by_name_not_read(bad_id):
+    gen = torch.Generator().manual_seed(9)
+    layout = random_layout([5, 17], 4, 1, 16, torch.float32, gen)
+    num_blocks = layout.kv_layer.shape[1]
+    tables = layout.block_tables.clone()
+    tables[1, 3] = bad_id if bad_id < 0 else num_blocks + bad_id     # one the second sequence reads
+    query = make_query(2, 2, 16, torch.float32, gen)
+    with pytest.raises(RuntimeError, match=f"sequence 1 reads block id {tables[1, 3].item()} at table entry 3, "
+                                           f"outside the pool of {num_blocks} blocks"):
+        cpu.paged_decode_attention(query, layout.kv_layer, tables, layout.context_lens, 0.25)
+    chunk = make_query(17, 2, 16, torch.float32, gen)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu.paged_prefill_attention(chunk, layout.kv_layer, tables, torch.tensor([0, 0, 17], dtype=torch.int32),
+                                    layout.context_lens, 0.25)
+    # the tables as they were still serve
+    out = cpu.paged_decode_attention(query, layout.kv_layer, layout.block_tables, layout.context_lens, 0.25)
+    assert_matches(out, naive_attention(query, layout, [torch.tensor([4]), torch.tensor([16])], 0.25), torch.float32)

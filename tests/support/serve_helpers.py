@@ -35,8 +35,8 @@ def ipc_events(tag: str) -> KVEventsConfig:
 def running_server(engine: LLMEngine | None = None, **options):
     """A started ServeApp over ``engine`` (a fresh tiny one by default) on 127.0.0.1, port 0."""
     engine = engine or tiny_engine()
-    settings = ServeOptions(host="127.0.0.1", port=0, served_model_name="tiny", access_log=False,
-                            status_interval_s=3600, **options)
+    settings = ServeOptions(**({"host": "127.0.0.1", "port": 0, "served_model_name": "tiny", "access_log": False,
+                               "status_interval_s": 3600} | options))
     server = ServeApp(engine, settings)
     server.start_in_thread()
     try:
@@ -60,6 +60,19 @@ class SlowSteps:
 
     def step(self, result) -> None:
         time.sleep(self.seconds)
+
+
+def count_template_calls(engine: LLMEngine) -> list[int]:
+    """Counts the engine tokenizer's apply_chat_template calls: ``[n]``, read after the request."""
+    calls = [0]
+    apply = engine.tokenizer.apply_chat_template
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return apply(*args, **kwargs)
+
+    engine.tokenizer.apply_chat_template = counted
+    return calls
 
 
 def wait_until(predicate, timeout_s: float = 20.0) -> None:

@@ -125,7 +125,7 @@ def test_the_default_max_tokens_is_sixteen_for_completions(api):
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks():
     engine = tiny_engine()
-    engine.observers.append(SlowSteps())    # 200 tokens take seconds: the client leaves long before the end
+    engine.add_observer(SlowSteps())    # 200 tokens take seconds: the client leaves long before the end
     with running_server(engine) as server:
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=30) as http:
@@ -147,7 +147,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks():
 
 def test_a_client_that_gives_up_on_a_whole_reply_frees_its_blocks():
     engine = tiny_engine()
-    engine.observers.append(SlowSteps())
+    engine.add_observer(SlowSteps())
     with running_server(engine) as server:
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):

@@ -48,6 +48,14 @@ def read_until(process: subprocess.Popen, pattern: re.Pattern, lines: list[str],
     return found["match"], thread
 
 
+def reap(process: subprocess.Popen) -> None:
+    """Whatever the test saw, leave no server behind."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    process.stdout.close()
+
+
 def test_ctrl_c_aborts_the_streaming_request_and_closes_the_run_log(tmp_path):
     db = tmp_path / "runs.db"
     process = serve(tmp_path, "--port", "0", "--num-blocks", "256", "--db", str(db))
@@ -68,10 +76,7 @@ def test_ctrl_c_aborts_the_streaming_request_and_closes_the_run_log(tmp_path):
         assert process.wait(60) in (0, 130)
         reader.join(10)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        process.stdout.close()
+        reap(process)
     assert chunks[-1] == "[DONE]"
     last = json.loads(chunks[-2])
     assert last["choices"][0]["finish_reason"] == "abort"
@@ -133,3 +138,16 @@ def test_serve_addresses_read_as_host_and_port():
     for bad in ("", "http", ":8000", "host:", "127.0.0.1:99999"):
         with pytest.raises(Exception, match="HOST:"):
             parse_address(bad)
+
+
+def test_sigterm_is_a_clean_stop_with_status_0_and_a_small_pool_is_warned_about_at_start(tmp_path):
+    process = serve(tmp_path, "--port", "0", "--num-blocks", "256", "--no-log")
+    lines: list[str] = []
+    try:
+        _, reader = read_until(process, STARTED, lines)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0        # not 130, Ctrl+C's: a service manager records a clean stop
+        reader.join(10)
+    finally:
+        reap(process)
+    assert any("WARNING" in line and "--max-model-len 4,096" in line for line in lines), lines

@@ -151,7 +151,7 @@ def test_the_api_key_is_required_on_every_v1_route():
 
 def test_requests_beyond_the_concurrency_bound_get_a_503_and_the_next_one_is_served():
     engine = tiny_engine()
-    engine.observers.append(SlowSteps())
+    engine.add_observer(SlowSteps())
     with running_server(engine, max_concurrent_requests=1) as server, \
             httpx.Client(base_url=server.url, timeout=30) as http:
         slow = GOOD | {"max_tokens": 200, "stream": True, "ignore_eos": True}

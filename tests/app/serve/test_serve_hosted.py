@@ -49,7 +49,7 @@ class Host:
 
 def test_a_hosted_server_follows_its_hosts_engine():
     first, second = tiny_engine(), tiny_engine()
-    first.observers.append(SlowSteps())
+    first.add_observer(SlowSteps())
     host = Host(first)
     options = ServeOptions(port=0, served_model_name="tiny", access_log=False, status_interval_s=3600,
                            kv_events=ipc_events("hosted"))

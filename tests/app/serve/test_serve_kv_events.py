@@ -120,7 +120,7 @@ def test_the_payloads_have_vllms_fields_in_vllms_order():
 
 def test_a_prefix_cache_reset_reaches_subscribers_as_all_blocks_cleared():
     engine = tiny_engine()
-    engine.observers.append(SlowSteps())
+    engine.add_observer(SlowSteps())
     with running_server(engine, kv_events=ipc_events("reset"), dev_routes=True) as server:
         http = make_client()
         context = zmq.Context()

@@ -47,7 +47,7 @@ def busy_load(server, count: int = 6, max_tokens: int = 60) -> list:
 def loaded():
     engine = tiny_engine(num_blocks=24)
     recorder = StepRecorder()
-    engine.observers.append(recorder)
+    engine.add_observer(recorder)
     with running_server(engine) as server:
         replies = busy_load(server)
         wait_until(lambda: not engine.has_unfinished_requests())

@@ -39,3 +39,27 @@ async def test_http_requests_run_on_the_windows_engine_and_show_in_its_queues():
         engine = app.worker.engine
         assert serve.server.engine is engine and not engine.has_unfinished_requests()
     assert serve.server._closed     # the window's quitting stopped the server
+
+
+async def test_quitting_the_window_ends_every_stream_with_abort_and_done():
+    serve = HostedServe(ServeOptions(port=0, served_model_name="fake"))
+    app = make_app(FakeEngines(), serve=serve)      # paused: the request waits, in flight, until the quit
+    lines: list[str] = []
+
+    async def stream() -> None:
+        async with httpx.AsyncClient(base_url=serve.url, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json={
+                    "model": "fake", "prompt": "hello there", "max_tokens": 300, "ignore_eos": True,
+                    "stream": True}) as response:
+                lines.extend([line async for line in response.aiter_lines() if line.startswith("data: ")])
+
+    async with app.run_test(size=(160, 48)) as pilot:
+        await started(pilot)
+        streaming = asyncio.create_task(stream())
+        await until(pilot, lambda: app.worker.engine.has_unfinished_requests())
+        app.shut_down()
+        await until(pilot, lambda: streaming.done())
+        await streaming
+    assert lines[-1] == "data: [DONE]"
+    assert '"finish_reason":"abort"' in lines[-2]
+    assert serve.server._closed

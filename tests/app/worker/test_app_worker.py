@@ -7,6 +7,7 @@ import time
 
 import pytest
 from app_harness import FakeEngines
+from serve_helpers import count_template_calls, tiny_engine
 
 from kvscope.app.messages import (
     CommandRejected,
@@ -19,7 +20,7 @@ from kvscope.app.messages import (
     RunStateChanged,
 )
 from kvscope.app.runlog import RunLogReader, record_run
-from kvscope.app.worker.commands import AddRequest, LaunchPreset, Rebuild, SetPaused, StepOnce, Stop
+from kvscope.app.worker.commands import AddChatTurn, AddRequest, LaunchPreset, Rebuild, SetPaused, StepOnce, Stop
 from kvscope.app.worker.thread import ENGINE_REBUILT, ENGINE_STOPPED, EngineWorker
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -346,3 +347,29 @@ def test_quitting_with_requests_in_flight_ends_them_and_marks_the_run_interrupte
     assert run["status"] == "interrupted"
     (row,) = reader.rows("requests", run["id"])
     assert (row["finish_reason"], row["error"]) == ("abort", ENGINE_STOPPED)
+
+
+# A chat turn from the window is tokenized once: the chat template runs once per turn, and the reply is sized by
+# the engine's one fit rule (LLMEngine.reply_room).
+
+def run_turn(engine, max_tokens: int | None) -> list:
+    worker, inbox, thread = start(lambda config, previous=None: engine)
+    messages = ({"role": "user", "content": "Hello there, how are you?"},)
+    worker.send(AddChatTurn("chat-1", messages, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                               ignore_eos=True)))
+    inbox.wait_for(lambda: any(o.finished for m in inbox.of(EngineStepped) for o in m.result.outputs))
+    stop(worker, thread)
+    return [o for m in inbox.of(EngineStepped) for o in m.result.outputs if o.finished]
+
+
+def test_a_chat_turn_applies_the_chat_template_once():
+    engine = tiny_engine()
+    calls = count_template_calls(engine)
+    (final,) = run_turn(engine, max_tokens=4)
+    assert calls == [1] and len(final.samples[0].token_ids) == 4
+
+
+def test_a_chat_turn_longer_than_the_room_gets_what_is_left_after_its_prompt():
+    engine = tiny_engine()
+    (final,) = run_turn(engine, max_tokens=10_000)
+    assert len(final.prompt_token_ids) + len(final.samples[0].token_ids) == engine.max_request_tokens(1) == 256
