@@ -51,7 +51,7 @@ from kvscope.app.themed_app import APP_CSS, ThemedApp
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS
 from kvscope.app.widgets.key_bar import key_label
 from kvscope.app.widgets.system import SystemSampler
-from kvscope.app.worker.commands import AddChatTurn, LaunchPreset, RunOnEngine, Stop
+from kvscope.app.worker.commands import AddChatTurn, LaunchPreset, RunOnEngine, SetPaused, Stop
 from kvscope.app.worker.factory import build_engine, first_engine_then_build
 from kvscope.app.worker.thread import EngineWorker
 from kvscope.engine.config import EngineConfig, model_sampling

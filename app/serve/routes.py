@@ -28,13 +28,7 @@ from kvscope.app.serve.chat import ChatJob
 from kvscope.app.serve.completions import CompletionJob
 from kvscope.app.serve.errors import APIError, ErrorBody, from_validation_error, lone_surrogate
 from kvscope.app.serve.generation import EngineFacts, Job
-from kvscope.app.serve.limits import (
-    BODY_READ_DEADLINE_S,
-    BodyLimit,
-    ConcurrencyLimit,
-    PromptTokenBudget,
-    check_api_key,
-)
+from kvscope.app.serve.limits import BODY_READ_DEADLINE_S, BodyLimit, ConcurrencyLimit, PromptTokenBudget, check_api_key
 
 CLIENT_CLOSED_REQUEST = 499
 
