@@ -11,6 +11,7 @@ dataclasses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -55,9 +56,50 @@ class RequestMetrics(NamedTuple):
     finished_time: float | None = None
 
 
+class TokenIds(Sequence):
+    """A sample's output token ids as they stood when an output was made: a window on the sample's own token
+    list, which only ever grows at its end, so building one costs the same after 4,000 tokens as after one.
+    It reads as a tuple (compares equal to one, slices into one); tuple(ids) copies it out."""
+
+    __slots__ = ("_ids", "_start", "_stop")
+
+    def __init__(self, ids: list[int], start: int, stop: int | None = None) -> None:
+        self._ids, self._start, self._stop = ids, start, len(ids) if stop is None else stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self._ids[self._start:self._stop][index])
+        if not -len(self) <= index < len(self):
+            raise IndexError("token index out of range")
+        return self._ids[(self._stop if index < 0 else self._start) + index]
+
+    def __iter__(self):
+        return iter(self._ids[self._start:self._stop])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (tuple, list, TokenIds)):
+            return len(self) == len(other) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __add__(self, other):
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other):
+        return tuple(other) + tuple(self)
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
 class SampleOutput(NamedTuple):
     index: int
-    token_ids: tuple[int, ...]
+    token_ids: TokenIds                 # the whole output so far
     text: str
     finish_reason: FinishReason | None
 
@@ -67,7 +109,7 @@ class RequestOutput(NamedTuple):
     prompt_token_ids: tuple[int, ...]
     new_token_ids: tuple[int, ...]      # sample 0's tokens produced by this step
     text_delta: str                     # sample 0's text produced by this step
-    token_ids: tuple[int, ...]          # sample 0's whole output so far
+    token_ids: TokenIds                 # sample 0's whole output so far
     text: str
     finished: bool
     finish_reason: FinishReason | None
