@@ -43,6 +43,13 @@ class BlockArrays:
         self._previous = None if arrays is not None else previous
         self._arrays = None if arrays is None else tuple(arrays)   # as given: a hand-made snapshot's stay its own
 
+    @property
+    def held_bytes(self) -> int:
+        """What this version keeps alive by itself: its whole arrays once built, else its changes."""
+        if self._arrays is not None:
+            return sum(a.nbytes for a in self._arrays)
+        return self.changes.indices.nbytes + sum(v.nbytes for v in self.changes.values)
+
     @classmethod
     def whole(cls, arrays) -> BlockArrays:
         return cls(None, arrays=tuple(arrays))
