@@ -137,8 +137,11 @@ class BlockPool:
 
     def mark(self, blocks) -> None:
         """Record that ``blocks``' arrays changed (anyone writing to them directly calls this)."""
-        if self.changed is not None:
-            self.changed.extend(blocks)
+        changed = self.changed
+        if changed is not None:
+            changed.extend(blocks)
+            if len(changed) > 4 * self.num_blocks + 4096:   # untaken for long: "all" is cheaper to keep
+                self.changed = None
 
     def take_changes(self) -> np.ndarray | None:
         """The sorted distinct blocks changed since the last call, or None if every block may have."""

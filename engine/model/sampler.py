@@ -89,7 +89,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int | None]:
         """logits: [len(rows), vocab] on any device. Returns a token per row, or None where the logits hold NaN."""
-        logits = logits.float()
+        logits = logits.float().contiguous()
         tokens, row_max = first_argmax(logits)
         bad = torch.isnan(row_max)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
