@@ -37,6 +37,8 @@ class BlockPool:
         self.num_cached_free_blocks = 0
         self.num_evicted_blocks = 0     # cumulative: cached prefixes dropped to make room
         self.kv_event_queue: list = []  # since the last take_events(), oldest first
+        # Blocks whose arrays changed since the last take_changes(); None: every block may have.
+        self.changed: list[int] | None = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,6 +61,7 @@ class BlockPool:
             self.fill[block] = 0
         self.ref_counts[blocks] = 1
         self.state[blocks] = BLOCK_USED
+        self.mark(blocks)
         return blocks
 
     def _evict(self, block: int) -> None:
@@ -71,6 +74,7 @@ class BlockPool:
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on blocks found in the prefix cache, pulling free ones out of the free queue."""
+        self.mark(blocks)
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self.free_block_queue[block]
@@ -80,13 +84,16 @@ class BlockPool:
 
     def incref(self, blocks: list[int]) -> None:
         """Add a reference to blocks that are already in use (sharing between samples)."""
+        self.mark(blocks)
         for block in blocks:
             self.ref_counts[block] += 1
 
     def free(self, blocks) -> None:
         """Drop one reference from each block, in the order given (callers pass tails first)."""
-        queue = self.free_block_queue
+        queue, changed = self.free_block_queue, self.changed
         for block in blocks:
+            if changed is not None:
+                changed.append(block)
             count = self.ref_counts[block] - 1
             self.ref_counts[block] = count
             if count:
@@ -110,6 +117,7 @@ class BlockPool:
             return  # the same prefix already has a block, or this block is registered
         self.cached_blocks[block_hash] = block
         self.hashes[block] = block_hash
+        self.mark((block,))
         self.kv_event_queue.append(BlockStored(block_hash, parent_hash, tuple(token_ids), self.block_size, block))
 
     def reset_prefix_cache(self) -> bool:
@@ -123,8 +131,27 @@ class BlockPool:
             self.state[:] = BLOCK_FREE
             self.fill[:] = 0
             self.num_cached_free_blocks = 0
+            self.changed = None
         self.kv_event_queue.append(AllBlocksCleared())
         return True
+
+    def mark(self, blocks) -> None:
+        """Record that ``blocks``' arrays changed (anyone writing to them directly calls this)."""
+        changed = self.changed
+        if changed is not None:
+            changed.extend(blocks)
+            if len(changed) > 4 * self.num_blocks + 4096:   # untaken for long: "all" is cheaper to keep
+                self.changed = None
+
+    def take_changes(self) -> np.ndarray | None:
+        """The sorted distinct blocks changed since the last call, or None if every block may have."""
+        changed = self.peek_changes()
+        self.changed = []
+        return changed
+
+    def peek_changes(self) -> np.ndarray | None:
+        """take_changes() without taking: the blocks stay recorded."""
+        return None if self.changed is None else np.unique(np.asarray(self.changed, dtype=np.int64))
 
     def take_events(self) -> list:
         """The queued events, oldest first, leaving the queue empty; an empty tuple when there are none."""
@@ -142,6 +169,7 @@ class BlockPool:
         prefix hash: the failed step may have left it half written. Blocks that were free keep their place
         in the free queue; newly freed ones join it as free() would put them.
         """
+        self.changed = None
         entries = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64)
         self.ref_counts[:] = np.bincount(entries, minlength=self.num_blocks)
         unreferenced = self.ref_counts == 0

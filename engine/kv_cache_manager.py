@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvscope.engine.block_changes import BlockArrays, BlockPublisher
 from kvscope.engine.block_pool import BlockPool
 from kvscope.engine.config import max_request_tokens
 from kvscope.engine.request import Request, Sequence
@@ -34,12 +35,12 @@ def hash_block(parent_hash: int, token_ids) -> int:
 
 
 class KVCacheState(NamedTuple):
-    """A copy of both pools' state at one moment, for a snapshot and its stats: read-only arrays, plain counts."""
+    """Both pools' state at one moment, for a snapshot and its stats: the device pool's per-block arrays as
+    a published version (engine/block_changes.py: built whole only when asked), and plain counts."""
 
-    block_state: np.ndarray             # int8 [num_blocks], BLOCK_* values
-    ref_counts: np.ndarray              # int32 [num_blocks]
-    block_fill: np.ndarray              # int16 [num_blocks], token slots written
-    block_hashes: np.ndarray            # uint64 [num_blocks], 0 = no cached prefix
+    blocks: BlockArrays                 # block_state, ref_counts, block_fill, block_hashes
+    num_blocks: int
+    live_fill: np.ndarray               # the pool's own fill array: read only while this state is current
     num_free_blocks: int                # cached-free ones included
     num_cached_free_blocks: int
     num_host_blocks: int
@@ -67,6 +68,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks, block_size)
         self.host_pool = BlockPool(num_host_blocks, block_size)
+        self.publisher = BlockPublisher()
         self.contiguous = allocator == "contiguous"
         # The contiguous baseline predates paging: no sharing, so no prefix cache and no copy-on-write.
         self.enable_prefix_caching = enable_prefix_caching and not self.contiguous
@@ -203,7 +205,7 @@ class KVCacheManager:
         table = seq.block_table
         src = table[index]
         dst = pool.allocate(1)[0]
-        pool.fill[dst] = pool.fill[src]
+        pool.fill[dst] = pool.fill[src]     # allocate() marked dst
         seq.block_table = (*table[:index], dst, *table[index + 1:])
         pool.free([src])
         self.blocks_to_copy.append((src, dst))
@@ -219,6 +221,7 @@ class KVCacheManager:
             for i in range(cdiv(parent.num_computed_tokens, self.block_size)):
                 src, dst = parent.block_table[i], child.block_table[i]
                 pool.fill[dst] = pool.fill[src]
+                pool.mark((dst,))
                 self.blocks_to_copy.append((src, dst))
             return
         child.block_table = parent.block_table
@@ -229,12 +232,16 @@ class KVCacheManager:
         the blocks now full. The caller advances num_computed_tokens."""
         bs = self.block_size
         new = old + num_new
-        table, fill = seq.block_table, self.block_pool.fill
+        pool = self.block_pool
+        table, fill = seq.block_table, pool.fill
         if num_new == 1:    # a decode: one slot in one block
-            fill[table[old // bs]] = old % bs + 1
+            block = table[old // bs]
+            fill[block] = old % bs + 1
+            pool.mark((block,))
         else:
             for i in range(old // bs, cdiv(new, bs)):
                 fill[table[i]] = min(bs, new - i * bs)
+            pool.mark(table[old // bs:cdiv(new, bs)])
         if self.enable_prefix_caching and new // bs > old // bs:
             self._extend_hashes(seq, new // bs)
             self._register(seq, old // bs, new // bs)
@@ -326,6 +333,7 @@ class KVCacheManager:
         refs = np.bincount(np.asarray([mapping[b] for table in tables for b in table], dtype=np.int64),
                            minlength=dst_pool.num_blocks)
         dst_pool.ref_counts[targets] = refs[targets]
+        dst_pool.mark(targets)
         return list(zip(unique, targets, strict=True))
 
     # ---- per-step drains and the state copy -----------------------------------------------------
@@ -345,18 +353,14 @@ class KVCacheManager:
         self.blocks_to_copy.clear()
         return moves
 
-    def copy_state(self) -> KVCacheState:
+    def copy_state(self, advance: bool = True) -> KVCacheState:
+        """Publish the device pool's changes since the last step as a new version; O(blocks changed).
+        ``advance=False`` (a look between steps) leaves them to be reported by the next step too."""
         pool, host = self.block_pool, self.host_pool
-        fill = _frozen_copy(pool.fill)
+        blocks, fill_total = self.publisher.publish(pool, advance)
         return KVCacheState(
-            _frozen_copy(pool.state), _frozen_copy(pool.ref_counts), fill, _frozen_copy(pool.hashes),
-            pool.num_free_blocks, pool.num_cached_free_blocks, host.num_blocks, host.num_free_blocks,
-            int(fill.sum(dtype=np.int64)) - pool.num_cached_free_blocks * self.block_size,
+            blocks, pool.num_blocks, pool.fill, pool.num_free_blocks, pool.num_cached_free_blocks, host.num_blocks,
+            host.num_free_blocks, fill_total - pool.num_cached_free_blocks * self.block_size,
             self.prefix_cache_queries, self.prefix_cache_hits, self.num_swapped_out_blocks,
             self.num_swapped_in_blocks, self.num_copy_on_write_blocks, pool.num_evicted_blocks)
 
-
-def _frozen_copy(array: np.ndarray) -> np.ndarray:
-    copy = array.copy()
-    copy.flags.writeable = False
-    return copy

@@ -213,7 +213,7 @@ class LLMEngine:
         """The pool and the queues as they are now, between steps: a request added since the last step
         shows as waiting (what a paused window shows when a load is launched)."""
         with self._lock:
-            return build_snapshot(self.scheduler, self.scheduler.cache_state(), self.step_counter,
+            return build_snapshot(self.scheduler, self.scheduler.cache_state(advance=False), self.step_counter,
                                   self.config.allocator)
 
     def generate(self, prompts,

@@ -11,11 +11,14 @@ dataclasses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
 import numpy as np
+
+from kvscope.engine.block_changes import BlockArrays
 
 # Values of CacheSnapshot.block_state.
 BLOCK_FREE = 0      # ref count 0, holds no cached prefix
@@ -55,9 +58,50 @@ class RequestMetrics(NamedTuple):
     finished_time: float | None = None
 
 
+class TokenIds(Sequence):
+    """A sample's output token ids as they stood when an output was made: a window on the sample's own token
+    list, which only ever grows at its end, so building one costs the same after 4,000 tokens as after one.
+    It reads as a tuple (compares equal to one, slices into one); tuple(ids) copies it out."""
+
+    __slots__ = ("_ids", "_start", "_stop")
+
+    def __init__(self, ids: list[int], start: int, stop: int | None = None) -> None:
+        self._ids, self._start, self._stop = ids, start, len(ids) if stop is None else stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self._ids[self._start:self._stop][index])
+        if not -len(self) <= index < len(self):
+            raise IndexError("token index out of range")
+        return self._ids[(self._stop if index < 0 else self._start) + index]
+
+    def __iter__(self):
+        return iter(self._ids[self._start:self._stop])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (tuple, list, TokenIds)):
+            return len(self) == len(other) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __add__(self, other):
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other):
+        return tuple(other) + tuple(self)
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
 class SampleOutput(NamedTuple):
     index: int
-    token_ids: tuple[int, ...]
+    token_ids: TokenIds                 # the whole output so far
     text: str
     finish_reason: FinishReason | None
 
@@ -67,7 +111,7 @@ class RequestOutput(NamedTuple):
     prompt_token_ids: tuple[int, ...]
     new_token_ids: tuple[int, ...]      # sample 0's tokens produced by this step
     text_delta: str                     # sample 0's text produced by this step
-    token_ids: tuple[int, ...]          # sample 0's whole output so far
+    token_ids: TokenIds                 # sample 0's whole output so far
     text: str
     finished: bool
     finish_reason: FinishReason | None
@@ -132,19 +176,45 @@ class RequestView(NamedTuple):
     prompt_preview: str = ""
 
 
-@dataclass(frozen=True)
+def _block_array(index: int) -> property:
+    return property(lambda snapshot: snapshot.blocks.arrays()[index])
+
+
+@dataclass(frozen=True, init=False)
 class CacheSnapshot:
+    """The pool and the queues after a step. The four per-block arrays (block_state, ref_counts, block_fill,
+    block_hashes: read-only) are built on first access from ``blocks``, whose ``changes`` say which blocks this
+    step changed (engine/block_changes.py); give them whole instead to make a snapshot by hand."""
+
     step: int
     block_size: int
     num_blocks: int
     allocator: str                      # "paged" | "contiguous"
-    block_state: np.ndarray             # int8 [num_blocks], BLOCK_* values
-    ref_counts: np.ndarray              # int32 [num_blocks]
-    block_fill: np.ndarray              # int16 [num_blocks], token slots written
-    block_hashes: np.ndarray            # uint64 [num_blocks], 0 = no cached hash
+    blocks: BlockArrays
     requests: tuple[RequestView, ...] = field(default_factory=tuple)
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
+
+    def __init__(self, step: int, block_size: int, num_blocks: int, allocator: str,
+                 block_state: np.ndarray | None = None,     # int8 [num_blocks], BLOCK_* values
+                 ref_counts: np.ndarray | None = None,      # int32 [num_blocks]
+                 block_fill: np.ndarray | None = None,      # int16 [num_blocks], token slots written
+                 block_hashes: np.ndarray | None = None,    # uint64 [num_blocks], 0 = no cached hash
+                 requests: tuple[RequestView, ...] = (), num_host_blocks: int = 0,
+                 num_free_host_blocks: int = 0, blocks: BlockArrays | None = None) -> None:
+        given = (block_state, ref_counts, block_fill, block_hashes)
+        if blocks is None or any(a is not None for a in given):
+            base = blocks.arrays() if blocks is not None else (None,) * 4
+            blocks = BlockArrays.whole(a if a is not None else b for a, b in zip(given, base, strict=True))
+        for name, value in (("step", step), ("block_size", block_size), ("num_blocks", num_blocks),
+                            ("allocator", allocator), ("blocks", blocks), ("requests", tuple(requests)),
+                            ("num_host_blocks", num_host_blocks), ("num_free_host_blocks", num_free_host_blocks)):
+            object.__setattr__(self, name, value)
+
+    block_state = _block_array(0)
+    ref_counts = _block_array(1)
+    block_fill = _block_array(2)
+    block_hashes = _block_array(3)
 
     def owners(self, block_id: int) -> list[tuple[str, int, int]]:
         """(request id, sample index, logical index) for each table entry pointing at block_id."""

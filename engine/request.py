@@ -11,7 +11,15 @@ import itertools
 
 from kvscope.engine.config import SamplingParams
 from kvscope.engine.detokenizer import IncrementalDetokenizer
-from kvscope.engine.outputs import FinishReason, RequestMetrics, RequestOutput, RequestStatus, RequestView, SampleOutput
+from kvscope.engine.outputs import (
+    FinishReason,
+    RequestMetrics,
+    RequestOutput,
+    RequestStatus,
+    RequestView,
+    SampleOutput,
+    TokenIds,
+)
 
 __all__ = ["Request", "RequestStatus", "Sequence"]
 
@@ -144,7 +152,7 @@ class Request:
 
 def _sample_output(seq: Sequence) -> SampleOutput:
     detokenizer = seq.detokenizer
-    return SampleOutput(seq.index, tuple(seq.token_ids[seq.num_prompt_tokens:]),
+    return SampleOutput(seq.index, TokenIds(seq.token_ids, seq.num_prompt_tokens),
                         detokenizer.output_text if detokenizer else "", seq.finish_reason)
 
 

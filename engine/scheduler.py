@@ -121,9 +121,9 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
-    def cache_state(self) -> KVCacheState:
-        """A read-only copy of the KV cache's state, for a snapshot and its stats."""
-        return self.kv.copy_state()
+    def cache_state(self, advance: bool = True) -> KVCacheState:
+        """The KV cache's state published for a snapshot and its stats (KVCacheManager.copy_state)."""
+        return self.kv.copy_state(advance)
 
     # ---- one step: schedule -----------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """What a step reports besides its outputs: the cache snapshot and the step's counters.
 
-Both only read: the scheduler's queues, and one copy of the KV cache's state (Scheduler.cache_state(), whose
-arrays are read-only, as a replayed snapshot's are). The snapshot reuses each request's view until the
-scheduler drops it (Scheduler.update_from_output), so a step that touched few requests builds few views.
+Both only read: the scheduler's queues, and one published version of the KV cache's state
+(Scheduler.cache_state(): the blocks changed since the last version, the whole arrays built only when read).
+The snapshot reuses each request's view until the scheduler drops it (Scheduler.update_from_output), so a
+step that touched few requests builds few views.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ class PhaseTimes(NamedTuple):
 def build_snapshot(scheduler: Scheduler, cache: KVCacheState, step: int, allocator: str) -> CacheSnapshot:
     queues = (scheduler.running, scheduler.swapped, scheduler.waiting)
     views = [request_view(request, scheduler, cache) for queue in queues for request in queue]
-    return CacheSnapshot(step=step, block_size=scheduler.block_size, num_blocks=len(cache.block_state),
-                         allocator=allocator, block_state=cache.block_state, ref_counts=cache.ref_counts,
-                         block_fill=cache.block_fill, block_hashes=cache.block_hashes, requests=tuple(views),
+    return CacheSnapshot(step=step, block_size=scheduler.block_size, num_blocks=cache.num_blocks,
+                         allocator=allocator, blocks=cache.blocks, requests=tuple(views),
                          num_host_blocks=cache.num_host_blocks, num_free_host_blocks=cache.num_free_host_blocks)
 
 
@@ -50,7 +50,8 @@ def request_view(request: Request, scheduler: Scheduler, cache: KVCacheState) ->
         live = request.live_seqs()
         block_tables = tuple(seq.block_table for seq in live)
         host_block_tables = tuple(seq.host_block_table for seq in live if seq.host_block_table)
-        reserved, used = _shared_slots(live, scheduler.block_size, cache.block_fill)
+        # Views are built right after publishing, while the live fill is still the published version's.
+        reserved, used = _shared_slots(live, scheduler.block_size, cache.live_fill)
     view = request.view = RequestView(    # positional: this runs for every touched request every step
         request.request_id, request.status, request.arrival_index, block_tables, host_block_tables,
         first.num_prompt_tokens, len(first.token_ids) - first.num_prompt_tokens, request.params.max_tokens,
@@ -67,7 +68,7 @@ def _shared_slots(live: list[Sequence], block_size: int, fill) -> tuple[int, int
 
 def build_stats(scheduler: Scheduler, cache: KVCacheState, step: int, now: float, batch, times: PhaseTimes,
                 num_generated: int) -> StepStats:
-    num_blocks = len(cache.block_state)
+    num_blocks = cache.num_blocks
     used = num_blocks - cache.num_free_blocks
     slots = used * scheduler.block_size
     duration = times.snapshotted - times.start

@@ -35,6 +35,17 @@ class ObservedStep:
     num_generated_tokens: int
 
 
+def record_bytes(record: RequestAdded | StepResult | ObservedStep) -> int:
+    """About what a queued record keeps alive: its snapshot's block changes (or whole arrays, where it holds
+    them) and a few hundred bytes per request, output and event. An estimate: it bounds the writer's queue."""
+    if isinstance(record, RequestAdded):
+        return 256 + len(record.prompt_text)
+    result = record.result if isinstance(record, ObservedStep) else record
+    snapshot = result.snapshot
+    return (1024 + snapshot.blocks.held_bytes
+            + 256 * (len(snapshot.requests) + len(result.outputs) + len(result.events) + len(result.kv_events)))
+
+
 @dataclass
 class Rows:
     """One batch of rows, written in this field order (a request's arrival before its finish)."""

@@ -124,6 +124,16 @@ class SnapshotEncoder:
 
     def _block_deltas(self, snapshot: CacheSnapshot) -> dict[str, np.ndarray]:
         arrays = {}
+        blocks, before = snapshot.blocks, self._previous.blocks
+        changes = blocks.changes
+        if (changes is not None and blocks.version is not None and before.version is not None
+                and blocks.version == (before.version[0], before.version[1] + 1)):
+            # The engine says what changed since the frame encoded last: no pass over the whole pool.
+            if changes.indices.size:
+                at = changes.indices.astype(np.int32)
+                for name, values in zip(BLOCK_ARRAYS, changes.values, strict=True):
+                    arrays[name + ".at"], arrays[name] = at, values
+            return arrays
         for name in BLOCK_ARRAYS:
             new, old = getattr(snapshot, name), getattr(self._previous, name)
             changed = np.flatnonzero(new != old).astype(np.int32)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import sqlite_utils
 
-from kvscope.app.runlog.records import ObservedStep, RequestAdded, RowBuilder, Rows
+from kvscope.app.runlog.records import ObservedStep, RequestAdded, RowBuilder, Rows, record_bytes
 from kvscope.engine.observer import EngineObserver
 from kvscope.engine.outputs import StepResult
 
@@ -37,6 +37,7 @@ MAX_BATCH_RECORDS = 512
 # A bound on memory if the disk stalls: beyond it, records are counted and dropped
 # rather than making the engine wait. Snapshot deltas survive drops (see snapshots.py).
 MAX_QUEUED_RECORDS = 8192
+MAX_QUEUED_BYTES = 256 * 2 ** 20    # and by what they hold (records.record_bytes): a big pool's steps are bigger
 # The writer may wait longer than the opener for another writer (two apps, one file).
 WRITER_BUSY_TIMEOUT_MS = 5000
 CLOSE_TIMEOUT_S = 30.0
@@ -75,6 +76,8 @@ class RunLogger(EngineObserver):
         self._closed = db is None
         self._close_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED_RECORDS)
+        self._queued_bytes = 0
+        self._bytes_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         if db is not None:
             db.execute(f"PRAGMA busy_timeout = {WRITER_BUSY_TIMEOUT_MS}")
@@ -114,9 +117,17 @@ class RunLogger(EngineObserver):
     def _put(self, record: RequestAdded | StepResult | ObservedStep) -> None:
         if self._closed or self._failed:
             return
+        size = record_bytes(record)
+        with self._bytes_lock:
+            if self._queued_bytes + size > MAX_QUEUED_BYTES:
+                self.num_dropped_records += 1
+                return
+            self._queued_bytes += size
         try:
-            self._queue.put_nowait(record)
+            self._queue.put_nowait((record, size))
         except queue.Full:
+            with self._bytes_lock:
+                self._queued_bytes -= size
             self.num_dropped_records += 1
 
     def close(self, status: str = "finished", detail: str | None = None) -> None:
@@ -134,15 +145,25 @@ class RunLogger(EngineObserver):
 
     # --- writer thread -------------------------------------------------------------
 
+    def _take(self, timeout: float | None = None):
+        """The next record (or _Close), no longer counted against MAX_QUEUED_BYTES."""
+        item = self._queue.get(timeout=timeout)
+        if isinstance(item, _Close):
+            return item
+        record, size = item
+        with self._bytes_lock:
+            self._queued_bytes -= size
+        return record
+
     def _drain(self) -> None:
         rows_for = RowBuilder(self.run_id)
         closing = None
         while closing is None:
-            batch = [self._queue.get()]
+            batch = [self._take()]
             deadline = time.monotonic() + FLUSH_INTERVAL_S
             while len(batch) < MAX_BATCH_RECORDS and not isinstance(batch[-1], _Close):
                 try:
-                    batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                    batch.append(self._take(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
             if isinstance(batch[-1], _Close):

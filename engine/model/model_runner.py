@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import itertools
 
 import numpy as np
 import torch
@@ -18,6 +17,7 @@ from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.model import patches, threads
 from kvscope.engine.model.attention import AttentionContext
+from kvscope.engine.model.block_tables import BlockTables
 from kvscope.engine.model.loader import ModelError, load_model, refusal
 from kvscope.engine.model.memory import size_pool
 from kvscope.engine.model.sampler import Sampler, SampleRow
@@ -81,6 +81,7 @@ class ModelRunner:
         self.eos_token_ids = _eos_ids(self.model, tokenizer)
         self.block_size = config.block_size
         self.max_model_len = self._resolve_max_model_len(text_config)
+        self.block_tables = BlockTables(-(-self.max_model_len // self.block_size))
         _check_attention_features(text_config, self.max_model_len)
         self.num_layers = text_config.num_hidden_layers
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
@@ -177,30 +178,35 @@ class ModelRunner:
     def _prepare(self, items: list[BatchItem], num_prefill: int, kv_cache: torch.Tensor):
         """Flatten the batch (prefill chunks first, then decodes) into the forward's inputs.
 
-        Decodes are the many small items, so they are handled as columns with numpy, not one by one.
+        Decodes are the many small items, so they are handled as columns with numpy, not one by one; the
+        block tables come from the persistent array (engine/model/block_tables.py).
         """
         prefill, decode = items[:num_prefill], items[num_prefill:]
+        num_blocks, block_size = kv_cache.shape[2], self.block_size
+        rows = self.block_tables.rows(items)
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[np.ndarray] = []
         logit_rows: list[int] = []
-        for item in prefill:
+        for row, item in zip(rows, prefill):
             n = len(item.token_ids)
             pos = np.arange(item.start_pos, item.start_pos + n)
-            table = np.asarray(item.block_table, dtype=np.int64)
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            slots.append(self.block_tables.table[row, pos // block_size].astype(np.int64) * block_size
+                         + pos % block_size)
             token_ids.extend(item.token_ids)
             positions.extend(range(item.start_pos, item.start_pos + n))
             if item.sample_indices:
                 logit_rows.append(len(token_ids) - 1)
         num_prefill_tokens = len(token_ids)
-        decode_tables = decode_lens = None
+        prefill_tables = decode_tables = decode_lens = None
+        if prefill:
+            prefill_lens = np.fromiter((item.context_len for item in prefill), dtype=np.int64, count=len(prefill))
+            prefill_tables = self.block_tables.padded(rows[:num_prefill], prefill_lens, block_size, num_blocks)
         if decode:
             starts = np.fromiter((item.start_pos for item in decode), dtype=np.int64, count=len(decode))
-            decode_tables = self._padded_tables(decode, starts + 1, kv_cache.shape[2])
-            rows = np.arange(len(decode))
-            slots.append(decode_tables[rows, starts // self.block_size].astype(np.int64) * self.block_size
-                         + starts % self.block_size)
+            decode_tables = self.block_tables.padded(rows[num_prefill:], starts + 1, block_size, num_blocks)
+            slots.append(decode_tables[np.arange(len(decode)), starts // block_size].astype(np.int64) * block_size
+                         + starts % block_size)
             token_ids.extend(item.token_ids[0] for item in decode)
             positions.extend(starts.tolist())
             logit_rows.extend(num_prefill_tokens + row for row, item in enumerate(decode) if item.sample_indices)
@@ -209,11 +215,10 @@ class ModelRunner:
             kv_cache=kv_cache,
             slot_mapping=self._tensor(np.concatenate(slots)),
             num_prefill_tokens=num_prefill_tokens,
-            prefill_block_tables=self._tensor(self._padded_tables(prefill, [i.context_len for i in prefill],
-                                                                  kv_cache.shape[2])) if prefill else None,
+            prefill_block_tables=self._tensor(prefill_tables) if prefill else None,
             prefill_cu_seqlens=self._int32(np.cumsum([0] + [len(item.token_ids) for item in prefill]))
             if prefill else None,
-            prefill_context_lens=self._int32([item.context_len for item in prefill]) if prefill else None,
+            prefill_context_lens=self._int32(prefill_lens) if prefill else None,
             # Known on the host: passing it spares the CUDA kernel a device-to-host sync per layer.
             prefill_max_query_len=max((len(item.token_ids) for item in prefill), default=0),
             decode_block_tables=self._tensor(decode_tables) if decode else None,
@@ -228,25 +233,6 @@ class ModelRunner:
 
     def _int32(self, values) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values, dtype=np.int32), device=self.device)
-
-    def _padded_tables(self, items: list[BatchItem], context_lens, num_blocks: int) -> np.ndarray:
-        """int32 [items, most blocks any context needs]: each row the blocks its context uses.
-
-        Rows are padded with their own first block: masked-out keys then never come from another request's
-        blocks, so a NaN there cannot leak in through 0 * NaN. Every id is checked against the pool here,
-        once per step: the C++ kernels index the pool without checking (torch's would raise).
-        """
-        needed = [-(-int(length) // self.block_size) for length in context_lens]
-        tables = [item.block_table if len(item.block_table) == count else item.block_table[:count]
-                  for item, count in zip(items, needed)]
-        width = max(needed)
-        padded = np.repeat(np.fromiter((t[0] for t in tables), dtype=np.int32, count=len(tables)), width)
-        padded = padded.reshape(len(tables), width)
-        in_table = np.arange(width) < np.asarray(needed)[:, None]
-        padded[in_table] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=sum(needed))
-        if padded.min() < 0 or padded.max() >= num_blocks:
-            raise IndexError(f"a block table names a block outside the pool of {num_blocks} (an engine bug)")
-        return padded
 
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[list[int] | None]:
         rows, owners = [], []

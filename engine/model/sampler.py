@@ -1,19 +1,38 @@
-"""Turn the last-position logits of each sampled row into a token id.
+"""Turn the last-position logits of each sampled row into a token id, on the logits' own device.
 
-Greedy rows take the argmax. The others go through temperature, top-k and
-top-p, then the exponential-race trick: argmax(p / q) with q ~ Exp(1) draws
-from p. A seeded row draws its noise from a generator keyed by (seed, sample
-index, position), so its tokens do not depend on what else shares the batch,
-nor on whether the request was preempted and recomputed.
+The logits never cross to the host: only the sampled ids do (one small copy per step). Every stage is a
+tensor op over the batch, and the vocabulary is read in chunks so the costly passes are few:
+
+- greedy rows take the first maximum, found as the first chunk holding the row's maximum and then the
+  maximum within it (torch's max propagates NaN, so a NaN row shows itself there without a pass of its own);
+- the other rows become unnormalised probabilities exp((logit - max) / temperature); min-p and top-k zero
+  what they exclude (top-k finds its k-th largest with a partial top-k, never a sort of the vocabulary);
+- a token is drawn by inverse CDF: one uniform per row picks a chunk from the chunk sums, then a token within
+  that chunk, so there is no per-token noise and no cumulative sum over the whole vocabulary;
+- top-p by rejection: the drawn token belongs to the nucleus when the mass strictly above it is under top_p;
+  otherwise every token at or below it is cut (none of them is in the nucleus either) and the row draws
+  again. Accepted draws follow the nucleus distribution exactly. A row still rejected after a few rounds is
+  finished with a sort of its own row only.
+
+Each row's uniforms come from a counter-based hash of (seed, sample index, position, round), so a seeded row
+draws the same tokens whatever shares its batch, and after a preemption recomputes it. Rows without a seed
+take their key from the sampler's generator.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kvscope.engine.config import SamplingParams
+
+CHUNK = 1024            # tokens per chunk of the vocabulary
+REJECTION_ROUNDS = 4    # top-p draws before a row falls back to sorting its own row
+_U_MAX = 1.0 - 2.0 ** -20   # keeps a draw's target strictly under its row's mass in fp32
+_JUST_UNDER_ONE = 1.0 - 2.0 ** -24  # F.threshold keeps x > this: x >= 1.0 in float32
 
 
 class SampleRow(NamedTuple):    # one per sampled row per step: cheap to build
@@ -22,52 +41,189 @@ class SampleRow(NamedTuple):    # one per sampled row per step: cheap to build
     position: int
 
 
-def _row_generator(seed: int, sample_index: int, position: int) -> torch.Generator:
-    mixed = (seed * 1_000_003 + sample_index * 8191 + position) & 0x7FFF_FFFF_FFFF_FFFF
-    return torch.Generator().manual_seed(mixed)
+def _mix64(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijective scramble of uint64 counters."""
+    with np.errstate(over="ignore"):
+        z = values + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def row_uniforms(keys: np.ndarray, positions: np.ndarray, sample_indices: np.ndarray, rounds: int) -> np.ndarray:
+    """[rows, rounds] uniforms in [0, 1), each a pure function of its row's key, position, index and round."""
+    with np.errstate(over="ignore"):
+        row = _mix64(_mix64(_mix64(keys.astype(np.uint64)) ^ positions.astype(np.uint64))
+                     ^ sample_indices.astype(np.uint64))
+        counters = row[:, None] + np.arange(1, rounds + 1, dtype=np.uint64)[None, :]
+    bits = _mix64(counters) >> np.uint64(40)                 # 24 bits: exact in float32
+    return np.minimum(bits.astype(np.float64) / 2.0 ** 24, _U_MAX)
+
+
+def _chunk_view(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, chunks, CHUNK] over a [rows, width] tensor whose width is a multiple of CHUNK."""
+    return x[:, :width].view(x.shape[0], width // CHUNK, CHUNK)
+
+
+def first_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the index of the first maximum (of the first NaN, if any) and the row's maximum."""
+    rows, vocab = logits.shape
+    whole = vocab - vocab % CHUNK
+    maxima = [_chunk_view(logits, whole).amax(dim=-1)] if whole else []
+    if whole < vocab:
+        maxima.append(logits[:, whole:].amax(dim=-1, keepdim=True))
+    chunk_max = torch.cat(maxima, dim=1) if len(maxima) > 1 else maxima[0]
+    chunk = chunk_max.argmax(dim=-1)
+    starts = chunk * CHUNK
+    columns = starts[:, None] + torch.arange(CHUNK, device=logits.device)[None, :]
+    inside = columns < vocab
+    window = logits.gather(1, columns.clamp(max=vocab - 1)).masked_fill(~inside, float("-inf"))
+    within = window.argmax(dim=-1)
+    return starts + within, chunk_max.gather(1, chunk[:, None]).squeeze(1)
 
 
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self._scratch: torch.Tensor | None = None   # reused: a fresh [batch, vocab] buffer costs page faults
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int | None]:
-        """logits: [len(rows), vocab]. Returns a token per row, or None where the logits hold NaN."""
-        logits = logits.float().cpu()
-        bad = torch.isnan(logits).any(dim=-1).tolist()
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy and not bad[i]]
+        """logits: [len(rows), vocab] on any device. Returns a token per row, or None where the logits hold NaN."""
+        logits = logits.float().contiguous()
+        tokens, row_max = first_argmax(logits)
+        bad = torch.isnan(row_max)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
-            tokens[random_rows] = self._sample_random(logits[random_rows], [rows[i] for i in random_rows])
-        return [None if bad[i] else int(token) for i, token in enumerate(tokens.tolist())]
+            index = torch.tensor(random_rows, dtype=torch.int64, device=logits.device)
+            whole = len(random_rows) == len(rows)
+            picked = self._sample_random(logits, row_max, None if whole else index, [rows[i] for i in random_rows])
+            tokens = picked if whole else tokens.index_copy(0, index, picked)
+        tokens = tokens.masked_fill(bad, -1)
+        return [None if token < 0 else token for token in tokens.tolist()]
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        temperatures = torch.tensor([row.params.temperature for row in rows]).unsqueeze(1)
-        sorted_logits, order = (logits / temperatures).sort(dim=-1, descending=True)
-        self._apply_top_k(sorted_logits, rows)
-        self._apply_top_p(sorted_logits, rows)
-        probs = sorted_logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        for i, row in enumerate(rows):
-            generator = (self.generator if row.params.seed is None
-                         else _row_generator(row.params.seed, row.sample_index, row.position))
-            noise[i].exponential_(generator=generator)
-        picked = (probs / noise).argmax(dim=-1, keepdim=True)
-        return order.gather(1, picked).squeeze(1)
+    def _probabilities(self, logits: torch.Tensor, row_max: torch.Tensor, index: torch.Tensor | None,
+                       temperatures: np.ndarray) -> torch.Tensor:
+        """[rows, chunks * CHUNK]: exp((logit - max) / T) in a reused buffer, zero past the vocabulary."""
+        rows, vocab = (logits.shape[0] if index is None else index.numel()), logits.shape[1]
+        width = -(-vocab // CHUNK) * CHUNK
+        if (self._scratch is None or self._scratch.device != logits.device
+                or self._scratch.numel() < rows * width):
+            self._scratch = torch.empty(rows * width, dtype=torch.float32, device=logits.device)
+        probs = self._scratch[:rows * width].view(rows, width)
+        source, shift = (logits, row_max) if index is None else (logits[index], row_max[index])
+        shift = torch.nan_to_num(shift, nan=0.0)[:, None]
+        if (temperatures == temperatures[0]).all():
+            scale = float(1.0 / temperatures[0])
+            torch.add(shift * -scale, source, alpha=scale, out=probs[:, :vocab])
+        else:
+            torch.sub(source, shift, out=probs[:, :vocab])
+            probs[:, :vocab].mul_(torch.from_numpy(1.0 / temperatures).float().to(logits.device)[:, None])
+        probs.exp_()
+        probs[:, vocab:].zero_()
+        return probs
 
-    @staticmethod
-    def _apply_top_k(sorted_logits: torch.Tensor, rows: list[SampleRow]) -> None:
-        vocab = sorted_logits.shape[1]
-        ks = torch.tensor([row.params.top_k if row.params.top_k > 0 else vocab for row in rows])
-        if (ks < vocab).any():
-            ranks = torch.arange(vocab).unsqueeze(0)
-            sorted_logits.masked_fill_(ranks >= ks.unsqueeze(1), float("-inf"))
+    def _sample_random(self, logits: torch.Tensor, row_max: torch.Tensor, index: torch.Tensor | None,
+                       rows: list[SampleRow]) -> torch.Tensor:
+        """Tokens for the non-greedy ``rows`` (``index`` picks their logits; None: all of them)."""
+        device, vocab, count = logits.device, logits.shape[1], len(rows)
+        params = [row.params for row in rows]
+        temperatures = np.fromiter((p.temperature for p in params), dtype=np.float64, count=count)
+        top_ks = np.fromiter((p.top_k for p in params), dtype=np.int64, count=count)
+        top_ps = np.fromiter((p.top_p for p in params), dtype=np.float64, count=count)
+        min_ps = np.fromiter((getattr(p, "min_p", 0.0) or 0.0 for p in params), dtype=np.float64, count=count)
+        uniforms = torch.from_numpy(row_uniforms(
+            self._keys(params), np.fromiter((r.position for r in rows), dtype=np.int64, count=count),
+            np.fromiter((r.sample_index for r in rows), dtype=np.int64, count=count),
+            REJECTION_ROUNDS + 1)).float().to(device)
+        probs = self._probabilities(logits, row_max, index, temperatures)
+        scale = torch.ones(count, dtype=torch.float32, device=device)  # what the row's maximum now reads
+        limited = np.flatnonzero((top_ks > 0) & (top_ks < vocab))
+        if limited.size:
+            chosen = torch.from_numpy(limited).to(device)
+            best = _rows(probs, chosen).topk(int(top_ks[limited].max()), dim=-1).values
+            kth = best.gather(1, torch.from_numpy(top_ks[limited] - 1).to(device)[:, None]).squeeze(1)
+            # A k-th best that underflowed to 0 would keep everything; 1e-30 of the maximum cuts nothing real.
+            _keep_at_least(probs, chosen, kth.clamp(min=1e-30), scale)
+        if (min_ps > 0).any():
+            chosen = torch.from_numpy(np.flatnonzero(min_ps > 0)).to(device)
+            threshold = torch.from_numpy(min_ps[min_ps > 0]).float().to(device) * scale[chosen]
+            _keep_at_least(probs, chosen, threshold, scale)
+        tokens = _draw(probs, uniforms[:, 0])
+        nucleus = np.flatnonzero(top_ps < 1.0)
+        if nucleus.size:
+            tokens = _top_p(probs, tokens, torch.from_numpy(nucleus).to(device),
+                            torch.from_numpy(top_ps[nucleus]).float().to(device), uniforms)
+        return tokens
 
-    @staticmethod
-    def _apply_top_p(sorted_logits: torch.Tensor, rows: list[SampleRow]) -> None:
-        top_ps = torch.tensor([row.params.top_p for row in rows]).unsqueeze(1)
-        if (top_ps < 1.0).any():
-            probs = sorted_logits.softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            # Keep a token while the mass before it is under top_p; the first token always stays.
-            sorted_logits.masked_fill_(mass_before >= top_ps, float("-inf"))
+    def _keys(self, params: list[SamplingParams]) -> np.ndarray:
+        """A 64-bit key per row: its seed, or a draw from the sampler's generator."""
+        unseeded = sum(p.seed is None for p in params)
+        drawn = iter(torch.randint(0, 2 ** 62, (unseeded,), generator=self.generator).tolist())
+        return np.array([p.seed if p.seed is not None else next(drawn) for p in params], dtype=np.uint64)
+
+
+def _rows(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    return probs if chosen.numel() == probs.shape[0] else probs[chosen]
+
+
+def _keep_at_least(probs: torch.Tensor, chosen: torch.Tensor, thresholds: torch.Tensor, scale: torch.Tensor) -> None:
+    """Zero what lies under each chosen row's threshold. Rows are divided by their threshold so that one
+    scalar cut (at 1.0) serves the whole batch; ``scale`` follows each row's maximum through that."""
+    part = _rows(probs, chosen)
+    part.div_(thresholds[:, None])
+    F.threshold_(part, _JUST_UNDER_ONE, 0.0)
+    if part is not probs:
+        probs[chosen] = part
+    scale[chosen] = scale[chosen] / thresholds
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row: a chunk from the chunk sums, then a token inside that chunk."""
+    rows, width = probs.shape
+    chunk_mass = _chunk_view(probs, width).sum(dim=-1)
+    cumulative = chunk_mass.cumsum(dim=-1)
+    target = uniforms * cumulative[:, -1]
+    chunk = (cumulative <= target[:, None]).sum(dim=-1).clamp(max=cumulative.shape[1] - 1)
+    before = torch.where(chunk > 0, cumulative.gather(1, (chunk - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    columns = chunk[:, None] * CHUNK + torch.arange(CHUNK, device=probs.device)[None, :]
+    inside = probs.gather(1, columns).cumsum(dim=-1)
+    # Rounding may put the chunk's own cumulative sum a hair off its chunk sum: keep the target inside it.
+    local = torch.minimum((target - before).clamp(min=0.0), inside[:, -1] * _U_MAX)
+    offset = (inside <= local[:, None]).sum(dim=-1).clamp(max=CHUNK - 1)
+    return chunk * CHUNK + offset
+
+
+def _top_p(probs: torch.Tensor, tokens: torch.Tensor, pending: torch.Tensor, top_ps: torch.Tensor,
+           uniforms: torch.Tensor) -> torch.Tensor:
+    """Redraw the ``pending`` rows whose token lies outside their top-p nucleus (see the module's doc)."""
+    tokens = tokens.clone()
+    part = _rows(probs, pending)
+    base = part.sum(dim=-1)    # the mass top_p is a share of, in the row's current units
+    drawn = tokens[pending]
+    for round_ in range(1, REJECTION_ROUNDS + 1):
+        pivot = part.gather(1, drawn[:, None])
+        part.div_(pivot)
+        F.threshold_(part, 1.0, 0.0)                # what lies strictly above the drawn token
+        base = base / pivot.squeeze(1)
+        rejected = part.sum(dim=-1) >= top_ps * base
+        accepted = ~rejected
+        tokens[pending[accepted]] = drawn[accepted]
+        if not bool(rejected.any()):
+            return tokens
+        pending, part, base, top_ps = pending[rejected], part[rejected], base[rejected], top_ps[rejected]
+        if round_ < REJECTION_ROUNDS:
+            drawn = _draw(part, uniforms[pending, round_])
+    tokens[pending] = _sorted_nucleus_draw(part, base, top_ps, uniforms[pending, REJECTION_ROUNDS])
+    return tokens
+
+
+def _sorted_nucleus_draw(part: torch.Tensor, base: torch.Tensor, top_ps: torch.Tensor,
+                         uniforms: torch.Tensor) -> torch.Tensor:
+    """The exact nucleus of the few rows rejection did not settle, by sorting those rows only."""
+    values, order = part.sort(dim=-1, descending=True)
+    cumulative = values.double().cumsum(dim=-1)
+    kept = values.masked_fill(cumulative - values.double() >= (top_ps * base)[:, None], 0.0)
+    kept_cumulative = kept.double().cumsum(dim=-1)
+    target = uniforms.double() * kept_cumulative[:, -1]
+    offset = (kept_cumulative <= target[:, None]).sum(dim=-1).clamp(max=part.shape[1] - 1)
+    return order.gather(1, offset[:, None]).squeeze(1)

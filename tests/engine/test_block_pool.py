@@ -139,3 +139,12 @@ def test_rebuild_after_a_failed_step_reports_the_prefixes_it_forgets():
     pool.rebuild([(kept, shared)], forget={dropped, shared})    # shared is still held: it keeps its prefix
     assert pool.take_events() == [BlockRemoved(51, dropped)]
     assert pool.cached_blocks == {50: kept, 52: shared}
+
+
+def test_changes_nobody_takes_stop_being_listed_and_read_as_all():
+    pool = BlockPool(8, 4)
+    for _ in range(2000):
+        pool.free(pool.allocate(4))
+    assert pool.changed is None and pool.take_changes() is None
+    blocks = pool.allocate(2)
+    assert pool.take_changes().tolist() == sorted(blocks) and pool.take_changes().tolist() == []

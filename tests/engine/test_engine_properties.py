@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from invariants import KVEventReplica, check_invariants
+from invariants import BlockArraysReplica, KVEventReplica, check_invariants
 
 from kvscope.engine import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -73,7 +73,7 @@ def run(scenario: Scenario) -> tuple[dict, set, object]:
     request_ids: dict[int, str] = {}
     final: dict[str, object] = {}
     aborted: set[str] = set()
-    replica = KVEventReplica()
+    replica, blocks = KVEventReplica(), BlockArraysReplica()
     step = 0
     while len(request_ids) < len(scenario.arrivals) or engine.has_unfinished_requests():
         for index, arrival in enumerate(scenario.arrivals):
@@ -82,7 +82,10 @@ def run(scenario: Scenario) -> tuple[dict, set, object]:
             if arrival.abort_after is not None and arrival.step + arrival.abort_after == step:
                 if engine.abort_request(request_ids[index]):
                     aborted.add(request_ids[index])
+        if step % 3 == 1:
+            engine.snapshot()   # a look between steps must not take changes from the next step's report
         result = engine.step()
+        blocks.step(result, engine.scheduler.kv.block_pool)     # before check_invariants reads the arrays whole
         check_invariants(engine, result)
         replica.step(result)
         final.update((o.request_id, o) for o in result.outputs if o.finished)

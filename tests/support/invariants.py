@@ -173,6 +173,26 @@ def record_batches(engine) -> list:
     return batches
 
 
+class BlockArraysReplica:
+    """The per-block arrays as a consumer of each step's published changes sees them: ``step(result, pool)``
+    applies the snapshot's changes (or takes its arrays whole where it has none) and asserts the replica equals
+    the pool's own arrays. The replica never reads a snapshot's arrays when it has changes to apply."""
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] | None = None
+
+    def step(self, result, pool) -> None:
+        blocks = result.snapshot.blocks
+        if blocks.changes is None or self.arrays is None:
+            self.arrays = [array.copy() for array in blocks.arrays()]
+        else:
+            for array, values in zip(self.arrays, blocks.changes.values, strict=True):
+                array[blocks.changes.indices] = values
+        for name, have, want in zip(("state", "ref counts", "fill", "hashes"), self.arrays,
+                                    (pool.state, pool.ref_counts, pool.fill, pool.hashes), strict=True):
+            assert np.array_equal(have, want), f"replaying the published changes gives other {name}"
+
+
 class KVEventReplica:
     """The prefix cache as a subscriber sees it: block id -> hash, from BlockStored/BlockRemoved/AllBlocksCleared.
 

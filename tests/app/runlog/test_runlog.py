@@ -220,8 +220,14 @@ def test_delete_cascades_to_every_child_row(tmp_path):
 # --- the writer never holds up the engine --------------------------------------------
 
 
-def test_a_stalled_disk_drops_records_instead_of_blocking(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer, "MAX_QUEUED_RECORDS", 5)
+@pytest.mark.parametrize("bound", ["records", "bytes"])
+def test_a_stalled_disk_drops_records_instead_of_blocking(tmp_path, monkeypatch, bound):
+    engine = SyntheticEngine(64, max_running=4, seed=2)
+    if bound == "records":
+        monkeypatch.setattr(writer, "MAX_QUEUED_RECORDS", 5)
+    else:   # room for five records of 1,000 bytes
+        monkeypatch.setattr(writer, "record_bytes", lambda record: 1000)
+        monkeypatch.setattr(writer, "MAX_QUEUED_BYTES", 5500)
     stalled, release = threading.Event(), threading.Event()
     real_write = writer.RunLogger._write
 
@@ -231,7 +237,6 @@ def test_a_stalled_disk_drops_records_instead_of_blocking(tmp_path, monkeypatch)
         real_write(self, rows_for, batch)
 
     monkeypatch.setattr(writer.RunLogger, "_write", slow_write)
-    engine = SyntheticEngine(64, max_running=4, seed=2)
     logger = open_log(tmp_path / "runs.db")
     logger.step(engine.step())
     assert stalled.wait(10)
@@ -246,6 +251,21 @@ def test_a_stalled_disk_drops_records_instead_of_blocking(tmp_path, monkeypatch)
     assert len(reader.steps(logger.run_id)) == 1 + 5
     assert reader.run(logger.run_id)["num_dropped_records"] == 15
     assert len(list(reader.iter_snapshots(logger.run_id))) == 6
+
+
+def test_a_queued_engine_step_is_counted_by_the_blocks_it_changed_not_by_the_pool():
+    from kvscope.app.runlog.records import record_bytes
+    from kvscope.engine import LLMEngine, SamplingParams
+    from kvscope.engine.fake_runner import FakeRunner
+
+    config = EngineConfig(device="cpu", num_blocks=100_000)
+    engine = LLMEngine(config, runner=FakeRunner(config, num_blocks=100_000, verify=False))
+    engine.add_request([1] * 40, SamplingParams(max_tokens=8))
+    engine.step()
+    step = engine.step()
+    assert record_bytes(step) < 4096
+    assert step.snapshot.block_state.size == 100_000   # a reader built the whole arrays: the record holds them
+    assert record_bytes(step) > 100_000 * 15
 
 
 def test_a_write_error_turns_logging_off_with_a_warning(tmp_path, monkeypatch):

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import torch
@@ -56,3 +57,73 @@ def test_temperature_follows_the_distribution():
     tokens = Sampler(3).sample(logits, rows(SamplingParams(temperature=1.0), 4000))
     share = tokens.count(0) / len(tokens)
     assert math.isclose(share, 0.7, abs_tol=0.04)
+
+
+def drawn_shares(logits_row, params, draws=6000):
+    """Token frequencies over ``draws`` seeded rows of one logit vector, all in one batch."""
+    logits = logits_row.unsqueeze(0).repeat(draws, 1)
+    rows = [SampleRow(dataclasses.replace(params, seed=seed), 0, 5) for seed in range(draws)]
+    tokens = torch.tensor(Sampler(0).sample(logits, rows))
+    return torch.bincount(tokens, minlength=logits.shape[1]).double() / draws
+
+
+def test_seeded_rows_draw_the_same_batched_and_alone():
+    vocab = 3000   # more than one chunk, with a partial last chunk
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.95),
+             SamplingParams(temperature=1.3, top_k=40), SamplingParams(temperature=1.0),
+             SamplingParams(temperature=0.5, top_k=200, top_p=0.5), SamplingParams(temperature=2.0, top_p=1e-3)]
+    batch = [SampleRow(dataclasses.replace(kinds[i % len(kinds)], seed=100 + i), i % 2, 40 + i) for i in range(12)]
+    together = Sampler(0).sample(logits, batch)
+    alone = [Sampler(99).sample(logits[i:i + 1], [row])[0] for i, row in enumerate(batch)]
+    assert together == alone
+    assert together[0] == int(logits[0].argmax())
+
+
+def test_greedy_takes_the_first_maximum_across_chunks_and_finds_nan_in_the_last():
+    logits = torch.zeros(2, 2500)
+    logits[0, [1500, 2100]] = 4.0
+    logits[1, 2400] = float("nan")
+    assert Sampler(0).sample(logits, rows(SamplingParams(temperature=0.0), 2)) == [1500, None]
+
+
+def test_temperature_top_k_and_top_p_follow_their_distributions():
+    logits_row = torch.randn(2500, generator=torch.Generator().manual_seed(5)) * 2
+    logits_row[:6] = torch.tensor([6.0, 5.5, 5.0, 4.0, 3.5, 3.0])
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=4),
+                   SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.5, top_p=0.3)):
+        expected = reference_distribution(logits_row, params)
+        shares = drawn_shares(logits_row, params)
+        assert (shares[expected == 0] == 0).all(), params
+        assert (shares - expected).abs().max() < 0.025, params
+
+
+def reference_distribution(logits_row, params):
+    """Temperature, top-k and top-p by the book: one full sort."""
+    probs = (logits_row.double() / params.temperature).softmax(-1)
+    values, order = probs.sort(descending=True)
+    if params.top_k > 0:
+        values[params.top_k:] = 0
+    values = values / values.sum()
+    values[values.cumsum(0) - values >= params.top_p] = 0
+    out = torch.zeros_like(probs)
+    out[order] = values / values.sum()
+    return out
+
+
+def test_a_flat_row_with_a_tiny_top_p_settles_by_sorting_its_own_row():
+    # Every draw in a flat row is rejected until the nucleus is found: the rounds run out and the row sorts.
+    logits = torch.linspace(0.0, 1e-3, 2000).unsqueeze(0).repeat(64, 1)
+    tokens = Sampler(0).sample(logits, rows(SamplingParams(temperature=1.0, top_p=1e-4, seed=1), 64))
+    assert set(tokens) == {1999}
+
+
+@dataclasses.dataclass
+class WithMinP(SamplingParams):
+    min_p: float = 0.0
+
+
+def test_min_p_cuts_what_lies_under_its_share_of_the_best():
+    logits_row = torch.tensor([2.0, 1.0, 0.0, -3.0] + [-9.0] * 1200)
+    shares = drawn_shares(logits_row, WithMinP(temperature=1.0, min_p=0.3))
+    assert shares[0] > 0.6 and shares[1] > 0.2 and shares[2:].sum() == 0

@@ -1,0 +1,82 @@
+"""The block tables of the sequences a runner has seen, kept in one persistent int32 array.
+
+A sequence's block table is a tuple its engine replaces whole when it changes (every block_size tokens at
+most), so a row is rewritten only when the tuple a batch item carries is not the one the row was written
+from. A step then costs a dictionary look-up per item and one gather, instead of flattening every table
+through Python every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvscope.engine.batch import BatchItem
+
+_INITIAL_ROWS = 64
+
+
+class BlockTables:
+    def __init__(self, width: int) -> None:
+        self.table = np.zeros((_INITIAL_ROWS, max(width, 1)), dtype=np.int32)
+        self.lengths = np.zeros(_INITIAL_ROWS, dtype=np.int64)
+        self._written: dict[int, tuple[int, tuple[int, ...]]] = {}    # seq_id -> (row, the tuple written)
+        self._free = list(range(_INITIAL_ROWS - 1, -1, -1))
+
+    def rows(self, items: Sequence[BatchItem]) -> np.ndarray:
+        """The row of each item's table, written first where the table changed since it was last seen."""
+        written = self._written
+        rows = np.empty(len(items), dtype=np.int64)
+        for i, item in enumerate(items):
+            entry = written.get(item.seq_id)
+            if entry is None or entry[1] is not item.block_table:
+                entry = self._write(item, items, entry)
+            rows[i] = entry[0]
+        return rows
+
+    def _write(self, item: BatchItem, items: Sequence[BatchItem], entry) -> tuple[int, tuple[int, ...]]:
+        table = item.block_table
+        if entry is None:
+            if not self._free:
+                self._make_room(items)
+            row = self._free.pop()
+        else:
+            row = entry[0]
+        if len(table) > self.table.shape[1]:
+            grown = np.zeros((self.table.shape[0], len(table)), dtype=np.int32)
+            grown[:, :self.table.shape[1]] = self.table
+            self.table = grown
+        self.table[row, :len(table)] = table
+        self.lengths[row] = len(table)
+        entry = self._written[item.seq_id] = (row, table)
+        return entry
+
+    def _make_room(self, items: Sequence[BatchItem]) -> None:
+        """Forget the sequences this batch does not hold (a returning one is written again), or grow."""
+        current = {item.seq_id for item in items}
+        for seq_id in [s for s in self._written if s not in current]:
+            self._free.append(self._written.pop(seq_id)[0])
+        if not self._free:
+            old = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.lengths = np.concatenate([self.lengths, np.zeros_like(self.lengths)])
+            self._free = list(range(2 * old - 1, old - 1, -1))
+
+    def padded(self, rows: np.ndarray, context_lens: np.ndarray, block_size: int, num_blocks: int) -> np.ndarray:
+        """int32 [rows, most blocks any context needs]: each row the blocks its context uses.
+
+        Rows are padded with their own first block: masked-out keys then never come from another request's
+        blocks (nor from a block of its own not written yet), so a NaN there cannot leak in through 0 * NaN.
+        Every id is checked against the pool here, once per step: the C++ kernels index the pool without
+        checking (torch's would raise).
+        """
+        needed = -(-context_lens // block_size)
+        if (needed > self.lengths[rows]).any():
+            raise IndexError("a block table is shorter than its context (an engine bug)")
+        width = int(needed.max())
+        tables = self.table[rows, :width]
+        padded = np.where(np.arange(width)[None, :] < needed[:, None], tables, tables[:, :1])
+        if padded.min() < 0 or padded.max() >= num_blocks:
+            raise IndexError(f"a block table names a block outside the pool of {num_blocks} (an engine bug)")
+        return padded

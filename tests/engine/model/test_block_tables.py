@@ -1,0 +1,54 @@
+import numpy as np
+import pytest
+
+from kvscope.engine.batch import BatchItem
+from kvscope.engine.config import SamplingParams
+from kvscope.engine.model.block_tables import BlockTables
+
+PARAMS = SamplingParams()
+
+
+def item(seq_id, table, start=0):
+    return BatchItem(seq_id, f"r{seq_id}", (1,), start, table, (0,), PARAMS)
+
+
+def flattened(tables, context_lens, block_size):
+    """The padded tables by the book: each row its needed blocks, then its own first block."""
+    needed = [-(-n // block_size) for n in context_lens]
+    width = max(needed)
+    return np.array([list(t[:k]) + [t[0]] * (width - k) for t, k in zip(tables, needed)], dtype=np.int32)
+
+
+def test_rows_are_written_only_when_a_table_changes_and_pad_with_their_own_first_block():
+    tables = BlockTables(width=4)
+    first = (5, 6, 7)
+    rows = tables.rows([item(1, first), item(2, (9,))])
+    tables.table[rows[0], 2] = 99       # a row is trusted while its tuple is the one it was written from
+    assert tables.rows([item(1, first)])[0] == rows[0] and tables.table[rows[0], 2] == 99
+    grown = (5, 6, 7, 8, 10, 11)        # a longer table than the array was made for widens it
+    rows = tables.rows([item(1, grown), item(2, (9,))])
+    padded = tables.padded(rows, np.array([90, 3]), 16, num_blocks=12)
+    assert padded.tolist() == flattened([grown, (9,)], [90, 3], 16).tolist()
+
+
+def test_many_sequences_evict_the_ones_a_batch_does_not_hold_and_come_back_rewritten():
+    tables = BlockTables(width=2)
+    rng = np.random.default_rng(0)
+    live = {}
+    for _ in range(40):
+        batch_ids = rng.choice(500, size=100, replace=False)
+        for seq_id in batch_ids:
+            if seq_id not in live or rng.random() < 0.2:
+                live[seq_id] = tuple(int(b) for b in rng.integers(0, 50, size=rng.integers(1, 6)))
+        items = [item(int(s), live[s]) for s in batch_ids]
+        lens = np.array([len(live[s]) * 16 - int(rng.integers(0, 16)) for s in batch_ids])
+        got = tables.padded(tables.rows(items), lens, 16, num_blocks=50)
+        assert got.tolist() == flattened([live[s] for s in batch_ids], lens, 16).tolist()
+
+
+def test_a_block_outside_the_pool_or_a_table_shorter_than_its_context_is_refused():
+    tables = BlockTables(width=4)
+    with pytest.raises(IndexError, match="outside the pool of 8"):
+        tables.padded(tables.rows([item(1, (3, 8))]), np.array([20]), 16, num_blocks=8)
+    with pytest.raises(IndexError, match="shorter than its context"):
+        tables.padded(tables.rows([item(2, (3,))]), np.array([20]), 16, num_blocks=8)
