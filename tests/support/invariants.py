@@ -1,4 +1,5 @@
-"""check_invariants(engine): the DESIGN.md invariants, checked against the engine's internals.
+"""check_invariants(engine): the pool's invariants (every block free or referenced, ref counts equal to the
+block-table entries, free + used == total, nothing held once idle), checked against the engine's internals.
 
 Call it after every step (pass the StepResult to also check the stats and the
 snapshot against the engine). Works with the fake runner and the real one.
