@@ -20,6 +20,7 @@ from kvscope.app.safe_text import clean
 from kvscope.app.serve import cli as serve_cli
 from kvscope.engine.config import ConfigError, EngineConfig, RequestError
 from kvscope.engine.model.loader import ModelError
+from kvscope.engine.runner import pool_warning
 
 USER_ERRORS = (ConfigError, RequestError, ModelError)
 
@@ -195,6 +196,8 @@ def _chat(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config(args))
     params = model_sampling(engine.info.sampling_defaults, **chosen)
     print(engine.banner, file=sys.stderr)
+    if warning := pool_warning(engine.info):
+        print(f"kvscope: {warning}", file=sys.stderr)
     with record_run(engine, source="chat", db_path=args.db, enabled=not args.no_log,
                     on_failure=lambda warning: print(f"\nkvscope: {warning}", file=sys.stderr)) as log:
         if log.warning:

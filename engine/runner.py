@@ -62,6 +62,17 @@ def kv_cache_sentence(device: str, num_tokens: int, max_model_len: int, detail: 
             f"{num_tokens / max_model_len:.2f}x")
 
 
+def pool_warning(info: RunnerInfo) -> str | None:
+    """What a pool smaller than one request of max_model_len means, said at start (where vLLM refuses to start):
+    the server's log, the window's toast and `kvscope chat` all say it in these words."""
+    pool_tokens = info.num_device_blocks * info.block_size
+    if pool_tokens >= info.max_model_len:
+        return None
+    return (f"The KV pool holds {pool_tokens:,} tokens, less than one request of max_model_len "
+            f"({info.max_model_len:,} tokens): longer requests will be refused; pass --max-model-len "
+            f"{pool_tokens:,} (or less), or a larger pool with --num-blocks or --kv-cache-memory")
+
+
 def format_banner(num_blocks: int, block_size: int, pool_bytes: int | None, max_model_len: int,
                   device: str = "cpu") -> str:
     """vLLM's start-up line with the blocks it is made of: "CPU KV cache size: 46,592 tokens (2,912 blocks x 16,

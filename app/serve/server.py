@@ -38,7 +38,7 @@ from kvscope.app.serve.limits import (
 from kvscope.app.serve.metrics import ServeMetrics
 from kvscope.app.serve.routes import ServeState, build_app
 from kvscope.app.serve.status_log import STATUS_INTERVAL_S, StatusLine, StatusLogger
-from kvscope.engine.runner import kv_cache_sentence
+from kvscope.engine.runner import kv_cache_sentence, pool_warning
 
 log = logging.getLogger("kvscope.serve")
 GRACEFUL_SHUTDOWN_S = 30.0
@@ -62,16 +62,6 @@ class ServeOptions:
     model_root: str | None = None               # what /v1/models says the model was loaded from
     dev_routes: bool = False                    # POST /reset_prefix_cache
     terminal_logs: bool = True                  # uvicorn's and vLLM's lines; off under a window, which shows it all
-
-
-def pool_warning(info) -> str | None:
-    """What a pool smaller than one request of max_model_len means, said at start (vLLM refuses to start)."""
-    pool_tokens = info.num_device_blocks * info.block_size
-    if pool_tokens >= info.max_model_len:
-        return None
-    return (f"The KV pool holds {pool_tokens:,} tokens, less than one request of max_model_len "
-            f"({info.max_model_len:,} tokens): longer requests will be refused; pass --max-model-len "
-            f"{pool_tokens:,} (or less), or a larger pool with --num-blocks or --kv-cache-memory")
 
 
 class ServeError(Exception):

@@ -290,3 +290,11 @@ def test_a_sliding_window_shorter_than_max_model_len_is_refused_naming_the_famil
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(loader.ModelError, match="kvscope cannot serve 'mistral' models: it uses sliding-window"):
         ModelRunner(EngineConfig(num_blocks=8, max_model_len=256), model=model, tokenizer=tok)
+
+
+def test_chat_on_a_pool_smaller_than_one_request_says_so_at_start_naming_the_flag(capsys):
+    """As vLLM refuses to start on such a pool, kvscope says at once which flag fits the model to it."""
+    status, out, err = run_cli(capsys, "chat", "Hi", "--max-tokens", "2", "--dtype", "float32",
+                               "--num-blocks", "8", "--block-size", "16", "--no-log")
+    assert status == 0, err
+    assert "less than one request of max_model_len" in err and "--max-model-len 128" in err

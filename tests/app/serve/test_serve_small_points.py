@@ -9,8 +9,8 @@ import pytest
 from serve_helpers import count_template_calls, running_server, tiny_engine
 
 from kvscope.app.serve.kv_events import KVEventsConfig, exposure_warning
-from kvscope.app.serve.server import pool_warning
 from kvscope.engine.config import RequestError, SamplingParams
+from kvscope.engine.runner import pool_warning
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi there"}]}
 
