@@ -123,10 +123,13 @@ def input_runner(num_blocks: int, block_size: int):
     """(a ModelRunner holding only what its input preparation reads, a zero-byte pool of ``num_blocks``)."""
     import torch
 
+    from kvscope.engine.model.block_tables import BlockTables
     from kvscope.engine.model.model_runner import ModelRunner
 
-    runner = ModelRunner.__new__(ModelRunner)   # no model to load: _prepare reads the block size and the device
-    runner.block_size, runner.device = block_size, torch.device("cpu")
+    # No model to load: _prepare reads the block size, the device and the persistent block tables (which widen
+    # to the longest table they are given).
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size, runner.device, runner.block_tables = block_size, torch.device("cpu"), BlockTables(1)
     return runner, torch.empty((1, 2, num_blocks, block_size, 0, 0))
 
 

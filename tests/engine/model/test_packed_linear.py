@@ -6,8 +6,8 @@ import pytest
 import torch
 from models import tiny_model
 
-from kvscope.engine.model import packed_linear
-from kvscope.engine.model.packed_linear import is_packed, pack_linears, prepare, unpack_linears
+from kvscope.engine.model import attention, packed_linear, patches
+from kvscope.engine.model.packed_linear import is_packed, pack_linears, unpack_linears
 
 pytestmark = pytest.mark.skipif(not packed_linear.can_pack(torch.float32, torch.device("cpu")),
                                 reason="this torch has no oneDNN")
@@ -45,11 +45,12 @@ def test_packing_frees_dense_weights_but_keeps_the_tied_head_and_embeddings():
     assert pack_linears(model) == 0  # already packed: nothing to do
 
 
-def test_prepare_repacks_a_reused_model_in_a_new_dtype():
+def test_applying_the_patches_again_repacks_a_reused_model_in_a_new_dtype():
     model, _ = tiny_model("llama")
-    prepare(model, torch.device("cpu"), torch.float32)
-    model = prepare(model, torch.device("cpu"), torch.bfloat16)
+    patches.apply(model, torch.device("cpu"), torch.float32)
+    model = patches.apply(model, torch.device("cpu"), torch.bfloat16)
     q_proj = model.model.layers[0].self_attn.q_proj
     assert getattr(q_proj, packed_linear._PACKED).dtype == torch.bfloat16 or not is_packed(q_proj)
+    attention.unroute(model)    # a plain forward, on the packed linears, needs no paged pool
     with torch.inference_mode():
         assert model(torch.tensor([[5, 6, 7]])).logits.dtype == torch.bfloat16
