@@ -55,7 +55,6 @@ from kvscope.app.worker.commands import AddChatTurn, LaunchPreset, RunOnEngine, 
 from kvscope.app.worker.factory import build_engine, first_engine_then_build
 from kvscope.app.worker.thread import EngineWorker
 from kvscope.engine.config import EngineConfig, model_sampling
-from kvscope.engine.runner import pool_warning
 from kvscope.settings import settings
 from kvscope.themes import THEME_CSS_PATHS
 
@@ -177,8 +176,6 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
         warning = runnable_warning(message.info)
         if warning:
             self.notify(warning, title="No request can run", severity="warning", timeout=15)
-        elif short := pool_warning(message.info.runner):
-            self.notify(short, title="A small pool", severity="warning", timeout=15)
         if self.serve is not None and self.serve.url:
             self.main.show_serving(self.serve.url)
             network = self.serve.network_warning()
