@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
+from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until, window
 
 from kvscope.app.load.presets import PRESETS, PresetContext, build, fit_reply
 from kvscope.app.widgets.event_line import narrate
@@ -199,9 +199,7 @@ def test_the_rate_window_averages_over_ten_seconds_of_steps():
 
 
 async def test_launched_requests_show_as_waiting_at_once_even_while_paused():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48)) as (app, pilot):
         app.worker.send(LaunchPreset("burst", 4))
         table = app.main.query_one(QueuesTable)
         await until(pilot, lambda: len(table.rows) == 4)
