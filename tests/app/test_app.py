@@ -27,9 +27,7 @@ def _reply(app) -> str:
 
 async def test_input_has_focus_at_start_and_chat_streams_a_reply():
     engines = FakeEngines()
-    app = make_app(engines, chat_max_tokens=24)
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), engines=engines, chat_max_tokens=24) as (app, pilot):
         assert app.focused is app.main.query_one("#chat-input")
         await type_chat(pilot, "Why is the sky blue?")
         chat = app.main.query_one(ChatPane)
@@ -50,9 +48,7 @@ async def test_input_has_focus_at_start_and_chat_streams_a_reply():
 
 async def test_second_chat_turn_reuses_the_first_turns_blocks():
     engines = FakeEngines()
-    app = make_app(engines, chat_max_tokens=12, paused=False)
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), engines=engines, chat_max_tokens=12, paused=False) as (app, pilot):
         chat = app.main.query_one(ChatPane)
         await type_chat(pilot, "First question, long enough to fill a couple of blocks of sixteen tokens.")
         await until(pilot, lambda: chat.current_request is None)
@@ -67,9 +63,7 @@ async def test_second_chat_turn_reuses_the_first_turns_blocks():
 
 async def test_load_preset_fills_the_queues_and_counters_match_the_engine():
     engines = FakeEngines()
-    app = make_app(engines)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), engines=engines) as (app, pilot):
         app.main.query_one("#preset-count").value = "6"
         await pilot.press("f6")
         await single_steps(pilot, 2)
@@ -92,9 +86,7 @@ async def test_load_preset_fills_the_queues_and_counters_match_the_engine():
 
 async def test_pause_and_single_step_advance_exactly_one_step():
     engines = FakeEngines()
-    app = make_app(engines, paused=False, steps_per_s_cap=50)
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), engines=engines, paused=False, steps_per_s_cap=50) as (app, pilot):
         app.worker.send(LaunchPreset("burst", 4))
         await until(pilot, lambda: step_number(app) >= 3)
         await pilot.press("f2")
@@ -151,9 +143,7 @@ async def test_an_over_long_prompt_shows_an_error_and_the_app_keeps_working():
 
 async def test_an_engine_error_is_shown_and_resume_recovers():
     engines = FakeEngines(fail_steps=1)
-    app = make_app(engines, paused=False, chat_max_tokens=6)
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), engines=engines, paused=False, chat_max_tokens=6) as (app, pilot):
         chat = app.main.query_one(ChatPane)
         await type_chat(pilot, "hello")
         await until(pilot, lambda: app.worker.state.paused)
@@ -167,9 +157,7 @@ async def test_an_engine_error_is_shown_and_resume_recovers():
 
 async def test_switching_preemption_and_prefix_caching_rebuilds_the_engine():
     engines = FakeEngines()
-    app = make_app(engines)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), engines=engines) as (app, pilot):
         await pilot.press("f7")
         await until(pilot, lambda: app.main.engine_info.config.preemption_mode == "swap")
         await pilot.press("f8")
@@ -240,9 +228,7 @@ async def test_a_narrow_queue_table_leaves_out_the_least_needed_columns():
 
 async def test_ctrl_g_aborts_the_chat_reply_and_frees_its_blocks():
     engines = FakeEngines()
-    app = make_app(engines, chat_max_tokens=200)
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), engines=engines, chat_max_tokens=200) as (app, pilot):
         await type_chat(pilot, "Tell me a long story")
         await single_steps(pilot, 3)
         await pilot.press("ctrl+g")
@@ -279,9 +265,7 @@ async def test_a_restart_or_a_lesson_with_requests_in_flight_asks_first_and_says
     from kvscope.app.screens.quit import ConfirmAbort
 
     engines = FakeEngines()
-    app = make_app(engines)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), engines=engines) as (app, pilot):
         app.worker.send(LaunchPreset("overload", 24))
         await until(pilot, lambda: app.main.queued is not None and len(app.main.queued.requests) == 24)
         app.main.view.block_map.focus()
@@ -309,9 +293,7 @@ async def test_a_restart_or_a_lesson_with_requests_in_flight_asks_first_and_says
 
 async def test_a_restart_with_nothing_in_flight_asks_nothing():
     engines = FakeEngines()
-    app = make_app(engines)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), engines=engines) as (app, pilot):
         await pilot.press("f8")
         await until(pilot, lambda: len(engines.built) == 2)
         assert app.screen is app.main
@@ -329,9 +311,7 @@ async def test_the_palette_names_keys_as_the_footer_does_and_the_chat_says_how_i
 async def test_the_map_keeps_one_scale_on_one_pool_whatever_the_lines_around_it_say():
     """Issue 25 defect 13: the map switched between 1 cell = 6 and 7 blocks on the same pool, as the event line
     and the status line above and below it grew and shrank with their text."""
-    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=4096, max_model_len=2048))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40), config=EngineConfig(num_blocks=4096, max_model_len=2048)) as (app, pilot):
         app.worker.send(LaunchPreset("shared", 6))
         app.worker.send(LaunchPreset("overload", 24))
         scales = set()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
+from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until, window
 from rich.cells import cell_len
 
 from kvscope.app.runlog import RunLogReader, record_run
@@ -49,9 +49,7 @@ async def test_the_replay_footer_shows_only_the_replays_keys(tmp_path):
         engine.add_request("hello there", SamplingParams(max_tokens=4))
         while engine.has_unfinished_requests():
             engine.step()
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36)) as (app, pilot):
         await app.push_screen(ReplayScreen(RunLogReader(tmp_path / "runs.db"), log.run_id))
         await pilot.pause()
         text = _bar_text(app.screen.query_one(KeyBar))
@@ -61,9 +59,7 @@ async def test_the_replay_footer_shows_only_the_replays_keys(tmp_path):
 
 
 async def test_question_mark_shows_and_hides_the_keys():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36)) as (app, pilot):
         app.main.view.block_map.focus()
         await pilot.press("question_mark")
         assert app.screen.query(KeysPanel)
@@ -101,9 +97,7 @@ async def test_the_keys_panel_lists_the_apps_keys_first_folds_the_inputs_and_scr
 
 async def test_escape_only_leaves_the_input_and_ctrl_g_stops_the_reply_from_any_panel():
     """Esc meant "abort the reply" while one streamed and "leave the input" otherwise; now it has one meaning."""
-    app = make_app(FakeEngines(), chat_max_tokens=200)
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), chat_max_tokens=200) as (app, pilot):
         chat = app.main.query_one(ChatPane)
         await type_chat(pilot, "Tell me a long story")
         await single_steps(pilot, 2)
@@ -119,9 +113,7 @@ async def test_escape_only_leaves_the_input_and_ctrl_g_stops_the_reply_from_any_
 
 
 async def test_keys_jump_to_the_map_the_queues_and_the_chat_and_the_focus_shows():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36)) as (app, pilot):
         chat_input = app.main.query_one("#chat-input")
         await pilot.press("m")                            # typed: the chat input has the focus
         assert chat_input.value == "m" and app.focused is chat_input
@@ -139,9 +131,7 @@ async def test_keys_jump_to_the_map_the_queues_and_the_chat_and_the_focus_shows(
 
 async def test_whitespace_only_input_is_cleared_and_sends_nothing():
     engines = FakeEngines()
-    app = make_app(engines)
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), engines=engines) as (app, pilot):
         await type_chat(pilot, "   ")
         chat = app.main.query_one(ChatPane)
         assert app.main.query_one("#chat-input").value == ""
@@ -149,9 +139,8 @@ async def test_whitespace_only_input_is_cleared_and_sends_nothing():
 
 
 async def test_the_header_does_not_claim_a_prefix_cache_the_contiguous_allocator_cannot_use():
-    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=128, max_model_len=512, allocator="contiguous"))
-    async with app.run_test(size=(160, 40)) as pilot:
-        await started(pilot)
+    config = EngineConfig(num_blocks=128, max_model_len=512, allocator="contiguous")
+    async with window((160, 40), config=config) as (app, pilot):
         header = str(app.main.query_one(EngineHeader).render())
         assert "prefix cache on" not in header and "no prefix cache (contiguous)" in header
         await pilot.resize_terminal(80, 24)
@@ -188,9 +177,8 @@ async def test_new_conversation_forgets_the_history_sent_to_the_model_and_turns_
 
 
 async def test_long_request_ids_and_numbers_are_never_cut():
-    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=2048, max_num_batched_tokens=512))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    config = EngineConfig(num_blocks=512, max_model_len=2048, max_num_batched_tokens=512)
+    async with window((120, 40), config=config) as (app, pilot):
         app.worker.send(LaunchPreset("long", 1))          # a 1,500-token prompt: "512/1536" in prefill
         app.worker.send(LaunchPreset("overload", 12))     # ids up to overload-12
         await single_steps(pilot, 1)
@@ -206,9 +194,7 @@ async def test_long_request_ids_and_numbers_are_never_cut():
 
 
 async def test_the_block_table_scrolls_when_a_table_is_longer_than_the_panel():
-    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=512, max_model_len=4096))
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), config=EngineConfig(num_blocks=512, max_model_len=4096)) as (app, pilot):
         app.worker.send(LaunchPreset("sample", 1))          # four samples: four table lines, and long ones
         await burst_steps(pilot, 1, 3)
         view = app.main.latest.snapshot.requests[0]
@@ -247,9 +233,7 @@ async def test_each_panel_key_brings_its_panel_into_sight(size):
 
 
 async def test_at_120x40_the_row_below_the_fold_shows_its_title_as_the_cue():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40)) as (app, pilot):
         view, queues = app.main.view, app.main.view.queues
         assert view.has_class("-scrolls") and view.max_scroll_y > 0          # there is more, and it scrolls
         assert view.region.contains(queues.region.x + 2, queues.region.y)   # the Queues' title is on screen
@@ -308,9 +292,7 @@ async def test_a_paste_with_the_focus_off_the_chat_goes_to_the_chat_and_a_first_
     """Issue 25 defect 8: after Esc the focus left the input and a paste went nowhere; `?` typed into the input."""
     from textual import events
 
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 50)) as pilot:
-        await started(pilot)
+    async with window((160, 50)) as (app, pilot):
         chat_input = app.main.query_one("#chat-input")
         await pilot.press("escape")                                  # no reply: Esc leaves the input for the map
         assert app.focused is app.main.view.block_map

@@ -79,9 +79,7 @@ async def test_hello_is_answered_with_max_model_len_256():
 
 
 async def test_switching_to_an_allocator_that_fits_no_request_warns_once_not_once_per_request():
-    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=64, max_model_len=2048))
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), config=EngineConfig(num_blocks=64, max_model_len=2048)) as (app, pilot):
         app.action_toggle_allocator()
         await until(pilot, lambda: app.main.engine_info.config.allocator == "contiguous")
         app.worker.send(LaunchPreset("burst", 16))
@@ -94,9 +92,7 @@ async def test_switching_to_an_allocator_that_fits_no_request_warns_once_not_onc
 
 
 async def test_refusals_arriving_together_are_told_in_one_toast():
-    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=64, max_model_len=256))
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), config=EngineConfig(num_blocks=64, max_model_len=256)) as (app, pilot):
         from kvscope.app.messages import RequestRejected
 
         for i in range(16):
@@ -129,9 +125,8 @@ def test_narration_names_the_step_its_work_and_its_events():
 
 
 async def test_the_event_line_narrates_each_step_live_and_in_replay(tmp_path):
-    app = make_app(FakeEngines(fixed_clock=True), log_enabled=True, db_path=tmp_path / "runs.db")
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    engines = FakeEngines(fixed_clock=True)
+    async with window((160, 48), engines, log_enabled=True, db_path=tmp_path / "runs.db") as (app, pilot):
         await burst_steps(pilot, 3, 2)
         line = str(app.main.view.event_line.render())
         assert line == "step 2: 3 decodes"
@@ -150,9 +145,7 @@ async def test_the_event_line_narrates_each_step_live_and_in_replay(tmp_path):
 
 
 async def test_finished_requests_stay_a_while_in_the_queues():
-    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=128, max_model_len=512))
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), config=EngineConfig(num_blocks=128, max_model_len=512)) as (app, pilot):
         await burst_steps(pilot, 3, 1)
         table = app.main.query_one(QueuesTable)
         gone = table.order[0]
@@ -209,9 +202,7 @@ async def test_launched_requests_show_as_waiting_at_once_even_while_paused():
 
 
 async def test_a_finished_row_shows_the_requests_final_numbers_not_the_last_drawn_ones():
-    app = make_app(FakeEngines(), config=EngineConfig(num_blocks=128, max_model_len=512))
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), config=EngineConfig(num_blocks=128, max_model_len=512)) as (app, pilot):
         app.worker.send(AddRequest("short", "hello there", SamplingParams(max_tokens=3)))
         await single_steps(pilot, 2)
         table = app.main.query_one(QueuesTable)

@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 import pytest
-from app_harness import FakeEngines, make_app, single_steps, started, type_chat, until
+from app_harness import FakeEngines, make_app, single_steps, started, type_chat, until, window
 from runlog_faults import corrupt_snapshot, fill_the_disk, write_garbage_pages
 
 from kvscope.app.runlog import RunLogReader, record_run
@@ -36,9 +36,7 @@ def notices(app) -> list[str]:
 
 async def test_a_rebuild_ends_the_reply_in_the_chat_and_shows_the_new_empty_pool_at_once():
     engines = FakeEngines()
-    app = make_app(engines, chat_max_tokens=40)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), engines=engines, chat_max_tokens=40) as (app, pilot):
         chat = app.main.query_one(ChatPane)
         await type_chat(pilot, "A question about paging")
         app.worker.send(LaunchPreset("burst", 3))
@@ -81,7 +79,7 @@ class SlowStart(FakeEngines):
 
 async def test_a_question_typed_while_the_model_loads_is_answered_once_it_is_ready():
     engines = SlowStart()
-    app = make_app(engines, chat_max_tokens=8, paused=False)
+    app = make_app(engines, chat_max_tokens=8, paused=False)     # not window(): it waits for the engine
     async with app.run_test(size=(120, 36)) as pilot:
         await until(pilot, lambda: "loading" in str(app.main.query_one(EngineHeader).render()))
         chat = app.main.query_one(ChatPane)
@@ -112,9 +110,7 @@ class DyingEngines(FakeEngines):
 
 
 async def test_when_the_engine_thread_dies_the_window_says_so():
-    app = make_app(DyingEngines(), paused=False)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), engines=DyingEngines(), paused=False) as (app, pilot):
         await type_chat(pilot, "hello")
         await until(pilot, lambda: app.engine_died is not None)
         await pilot.pause()
@@ -125,9 +121,7 @@ async def test_when_the_engine_thread_dies_the_window_says_so():
 
 async def test_a_failed_rebuild_puts_the_header_back_on_the_engine_that_still_runs():
     engines = FakeEngines()
-    app = make_app(engines)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), engines=engines) as (app, pilot):
         engines.fail_builds = 1
         await pilot.press("f7")
         await until(pilot, lambda: any("could not start the engine" in text for text in notices(app)))
@@ -140,9 +134,7 @@ async def test_the_run_log_stopping_is_a_toast_and_the_engine_runs_on(tmp_path, 
     path = tmp_path / "runs.db"
     fill_the_disk(monkeypatch, path)
     engines = FakeEngines()
-    app = make_app(engines, db_path=path, log_enabled=True, paused=False)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), engines=engines, db_path=path, log_enabled=True, paused=False) as (app, pilot):
         app.worker.send(LaunchPreset("burst", 6))
         await until(pilot, lambda: any(text.startswith("Run log: run log stopped writing") for text in notices(app)))
         steps = len(engines.engine.stats)
@@ -183,8 +175,7 @@ async def test_history_over_garbage_pages_shows_the_error_and_the_app_lives_on(t
     path = tmp_path / "runs.db"
     log_a_run(path)
     write_garbage_pages(path, first_page=3)
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
+    async with window((160, 48)) as (app, pilot):
         history = await open_history(pilot, path)
         assert "Cannot read the run log" in summary(history) and "DatabaseError" in summary(history)
         await pilot.press("r")      # reloading fails the same way, quietly
@@ -206,8 +197,7 @@ async def test_replay_of_a_corrupt_snapshot_says_which_step_and_the_others_still
     path = tmp_path / "runs.db"
     run_id = log_a_run(path)
     corrupt_snapshot(path, run_id, step=6)
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
+    async with window((160, 48)) as (app, pilot):
         await replay_from_history(pilot, path, run_id)
         replay = app.screen
         for _ in range(5):
@@ -227,8 +217,7 @@ async def test_replay_of_a_run_whose_first_frame_is_corrupt_opens_and_says_so(tm
     path = tmp_path / "runs.db"
     run_id = log_a_run(path)
     corrupt_snapshot(path, run_id, step=1)
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
+    async with window((160, 48)) as (app, pilot):
         await replay_from_history(pilot, path, run_id)
         await pilot.pause()
         assert "cannot show step 1" in str(app.screen.query_one("#replay-status").render())
@@ -242,8 +231,7 @@ async def test_history_counts_every_generated_token_and_an_unfinished_run_is_int
     run_id = log_a_run(path, steps=12, finish=False)    # four requests, none finished
     expected = RunLogReader(path).run(run_id)
     assert expected["num_generated_tokens"] == 4 * 12 and expected["num_output_tokens"] is None
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
+    async with window((160, 48)) as (app, pilot):
         history = await open_history(pilot, path)
         runs = history.query_one("#runs")
         await until(pilot, lambda: str(run_id) in runs.rows)

@@ -49,9 +49,7 @@ async def test_history_lists_the_run_and_replay_shows_the_recorded_steps(run_log
     finally:
         reader.close()
     # The app logs its own run into the same file; the history lists it first (newest).
-    app = make_app(FakeEngines(), db_path=path, log_enabled=True)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), db_path=path, log_enabled=True) as (app, pilot):
         history = await history_on(pilot, run_id, num_runs=2)     # the app's own run and the logged one
         assert "Run" in str(history.query_one("#run-summary").render())
         await pilot.press("enter")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, until, window
+from app_harness import FakeEngines, burst_steps, single_steps, started, until, window
 
 from kvscope.app import cli
 from kvscope.app.engine_controls import RATE_CAPS
@@ -18,9 +18,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_throughput_falls_to_zero_once_nothing_is_left_to_run():
-    app = make_app(FakeEngines(fixed_clock=True))
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48), FakeEngines(fixed_clock=True)) as (app, pilot):
         await burst_steps(pilot, 3, 4)
         throughput = app.main.throughput
         assert throughput.current("generation_tokens_per_s") > 0
@@ -98,8 +96,7 @@ class BlockedBuild(FakeEngines):
 
 async def test_every_f4_press_counts_even_before_the_engine_thread_applied_the_last():
     engines = BlockedBuild()
-    app = make_app(engines)
-    async with app.run_test(size=(120, 36)) as pilot:
+    async with window((120, 36), engines=engines) as (app, pilot):
         await pilot.pause()
         await pilot.press("f4", "f4", "f4")
         engines.release.set()
@@ -133,9 +130,7 @@ class BlockedStep(FakeEngines):
 async def test_quitting_when_idle_says_shutting_down_and_exits_once_the_engine_thread_ended(tmp_path):
     from kvscope.app.screens.quit import ShuttingDown
 
-    app = make_app(FakeEngines(), log_enabled=True, db_path=tmp_path / "runs.db")
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), log_enabled=True, db_path=tmp_path / "runs.db") as (app, pilot):
         # A run with a request in it (an empty run is not kept), added while paused so that the window shows it:
         # running, the newest snapshot wins and one that finishes between two renders is never seen in flight.
         app.worker.send(LaunchPreset("burst", 1))
@@ -156,9 +151,7 @@ async def test_quitting_with_work_in_flight_asks_and_waits_for_the_step_in_progr
     from kvscope.app.screens.quit import ConfirmQuit, ShuttingDown
 
     engines = BlockedStep()
-    app = make_app(engines)
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36), engines=engines) as (app, pilot):
         engines.release.set()
         app.worker.send(LaunchPreset("burst", 2))
         await single_steps(pilot, 1)

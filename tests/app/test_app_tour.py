@@ -4,7 +4,7 @@ mid-figure, the served address only in a toast that times out."""
 from __future__ import annotations
 
 import pytest
-from app_harness import FakeEngines, burst_steps, make_app, started, until
+from app_harness import FakeEngines, burst_steps, make_app, started, until, window
 from textual.widgets import DataTable
 from textual.widgets._toast import Toast
 
@@ -77,9 +77,7 @@ def many_runs(tmp_path):
 
 
 async def test_history_end_and_home_move_the_selection_and_every_column_fits(many_runs):
-    app = make_app(FakeEngines(), db_path=many_runs, log_enabled=True)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40), db_path=many_runs, log_enabled=True) as (app, pilot):
         await pilot.press("f9")
         history = app.screen
         assert isinstance(history, HistoryScreen)
@@ -97,9 +95,8 @@ async def test_history_end_and_home_move_the_selection_and_every_column_fits(man
 
 
 async def test_the_counters_never_wrap_a_line_at_120_columns():
-    app = make_app(FakeEngines(), config=EngineConfig(block_size=16, num_blocks=5825, max_model_len=512))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    config = EngineConfig(block_size=16, num_blocks=5825, max_model_len=512)
+    async with window((120, 40), config=config) as (app, pilot):
         await burst_steps(pilot, 4, 12)
         counters = app.main.query_one(Counters)
         await until(pilot, lambda: counters.stats is not None)
@@ -117,9 +114,7 @@ async def test_closing_the_terminal_logs_the_run_interrupted_not_crashed(tmp_pat
     from kvscope.app.runlog import RunLogReader
 
     path = tmp_path / "runs.db"
-    app = make_app(FakeEngines(), db_path=path, log_enabled=True)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40), db_path=path, log_enabled=True) as (app, pilot):
         await burst_steps(pilot, 2, 3)
         # Its default would end this test's process: only send it once the app has its own handler.
         assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL
@@ -138,9 +133,7 @@ async def test_the_palette_has_an_entry_per_load_preset_that_sends_it():
     from kvscope.app.load.presets import PRESETS
     from kvscope.app.widgets.load_generator import LoadGenerator
 
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40)) as (app, pilot):
         commands = {command.title: command for command in app.get_system_commands(app.screen)}
         assert all(f"Load: {preset.title}" in commands for preset in PRESETS.values())
         last = list(PRESETS.values())[-1]
@@ -165,9 +158,7 @@ async def test_the_replays_jump_box_leaves_the_queues_whole_and_its_status_keeps
             engine.add_request(planned.prompt, planned.params, request_id=f"r{i}")
         for _ in range(30):
             engine.step()
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40)) as (app, pilot):
         await app.push_screen(ReplayScreen(RunLogReader(path), logger.run_id))
         await pilot.pause()
         replay = app.screen

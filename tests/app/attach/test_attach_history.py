@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from app_harness import FakeEngines, history_on, make_app, started, until
+from app_harness import history_on, until, window
 from attach_frames import RecordedSource, recorded_server
 from test_attach_recorded import timeline
 
@@ -98,9 +98,7 @@ async def test_the_apps_own_history_replays_a_watched_run_with_the_attached_pane
     reader = RunLogReader(db)
     (vllm_run,) = [run["id"] for run in reader.list_runs() if run["source"] == "vllm"]
     reader.close()
-    app = make_app(FakeEngines(), db_path=db, log_enabled=True)
-    async with app.run_test(size=(140, 40)) as pilot:
-        await started(pilot)
+    async with window((140, 40), db_path=db, log_enabled=True) as (app, pilot):
         await history_on(pilot, vllm_run, num_runs=2)     # the app's own run and the watched one
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(app.screen, VllmReplayScreen))

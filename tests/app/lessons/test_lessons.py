@@ -4,7 +4,7 @@ Backspace replays an earlier beat from the run log, and `kvscope lesson` / `--te
 from __future__ import annotations
 
 import pytest
-from app_harness import FakeEngines, make_app, started, until
+from app_harness import FakeEngines, make_app, started, until, window
 
 from kvscope.app import cli
 from kvscope.app.lessons import LESSONS
@@ -76,9 +76,7 @@ async def test_a_beat_points_at_its_blocks_in_the_map():
 
 async def test_leaving_a_lesson_returns_to_the_app_with_its_own_engine_again():
     engines = FakeEngines(fixed_clock=True)
-    app = make_app(engines)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40), engines=engines) as (app, pilot):
         await play(pilot, "continuous-batching", beat_timeout=60)
         await pilot.press("escape")
         await until(pilot, lambda: app.screen is app.main and app.lesson_screen is None)
@@ -185,9 +183,7 @@ def test_a_beat_that_builds_a_new_engine_lets_the_old_one_finish_its_requests_fi
 async def test_leaving_a_lesson_gives_the_app_back_running_as_it_was():
     """Issue 25 defect 13: leaving a lesson landed in a paused app, the lesson's step cap still on."""
     engines = FakeEngines(fixed_clock=True)
-    app = make_app(engines, paused=False)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40), engines=engines, paused=False) as (app, pilot):
         assert not app.worker.state.paused
         await play(pilot, "copy-on-write", beat_timeout=60)
         assert app.worker.state.paused                    # a lesson stops at its beats
@@ -234,9 +230,7 @@ async def test_lesson_runs_are_named_for_their_lesson_and_leave_no_empty_runs(tm
     from kvscope.app.runlog import RunLogReader
 
     path = tmp_path / "runs.db"
-    app = make_app(FakeEngines(fixed_clock=True), db_path=path, log_enabled=True)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40), FakeEngines(fixed_clock=True), db_path=path, log_enabled=True) as (app, pilot):
         for name in ("copy-on-write", "continuous-batching"):
             await play(pilot, name, beat_timeout=60)
             await pilot.press("escape")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from app_harness import FakeEngines, make_app, started
+from app_harness import FakeEngines, window
 
 from kvscope.app.lessons import LESSONS, fragmentation, latency, sizing, throughput
 from kvscope.app.lessons.latency import inter_token_latencies, time_to_first_token
@@ -23,9 +23,7 @@ pytestmark = pytest.mark.anyio
 
 async def played(name: str):
     """Play a lesson on fake engines; (the beat records, the Moment of its last beat, its runner)."""
-    app = make_app(FakeEngines(fixed_clock=True))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40), FakeEngines(fixed_clock=True)) as (app, pilot):
         result = await play(pilot, name, beat_timeout=60)
         runner = app.lesson_screen.runner
         moment = Moment(runner.latest, tuple(runner.steps), dict(runner.earlier), runner.run, True,
@@ -161,9 +159,7 @@ def test_throughputs_ratio_is_told_as_a_gain_only_above_the_noise():
 
 @pytest.mark.parametrize("name", list(LESSONS))
 async def test_each_lessons_last_beat_fits_the_panel_at_120x40_and_cues_what_is_below(name):
-    app = make_app(FakeEngines(fixed_clock=True))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await started(pilot)
+    async with window((120, 40), FakeEngines(fixed_clock=True)) as (app, pilot):
         await play(pilot, name, beat_timeout=60)
         await pilot.pause()
         panel = app.lesson_screen.panel
