@@ -129,6 +129,7 @@ GPU_SITE := .gpu-site
 gpu-wheels: $(STAMP)
 	$(BIN)/python tests/gpu/gpu_wheels.py --python-version $(PYVER) --dest $(GPU_WHEELS)
 
+# GPU_CHECK_ARGS="--quick" runs tiny stand-ins (the check's plumbing in a minute; with --device cpu, anywhere).
 # Without .gpu-wheels/, GPU_PYTHON's own packages are used (a CUDA venv with kvscope's dependencies). kvscope itself
 # is the checkout, linked into .gpu-site/ (no build, no install); the script runs from its own folder, so the
 # checkout root, whose kernels/ would shadow Hugging Face's, is not on its path.
@@ -139,7 +140,7 @@ gpu-check:
 			--find-links $(GPU_WHEELS) --target $(GPU_SITE) -r $(GPU_WHEELS)/requirements.txt; \
 	else echo "gpu-check: no $(GPU_WHEELS)/ (make gpu-wheels); using $(GPU_PYTHON)'s own packages"; fi
 	ln -s $(CURDIR) $(GPU_SITE)/kvscope
-	PYTHONPATH=$(CURDIR)/$(GPU_SITE) timeout 480 $(GPU_PYTHON) tests/gpu/gpu_check.py
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE) timeout 480 $(GPU_PYTHON) tests/gpu/gpu_check.py --site $(GPU_SITE) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) $(GPU_SITE) .pytest_cache

@@ -23,8 +23,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import tomllib
-
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "lock" / "kvscope.txt"
 PYPROJECT = ROOT / "pyproject.toml"
@@ -76,6 +74,8 @@ def _requirer(text: str) -> str:
 
 def runtime_requirements(pyproject_text: str) -> set[str]:
     """The names in pyproject.toml's [project].dependencies (what a user's install pulls, no test extra)."""
+    import tomllib  # Python 3.11: `make gpu-wheels` runs in the lock's venv; the GPU check never calls this
+
     dependencies = tomllib.loads(pyproject_text)["project"]["dependencies"]
     return {normalise(_NAME.match(spec).group(1)) for spec in dependencies}
 
@@ -104,6 +104,29 @@ def wheel_list(lock_text: str, pyproject_text: str) -> dict[str, str]:
     brought -= set(SHIPPED_ANYWAY)
     wanted = closure(runtime_requirements(pyproject_text), packages, avoiding=brought) - {SELF}
     return {name: packages[name][0] for name in sorted(wanted)}
+
+
+def unmet_requirements(site: Path) -> list[str]:
+    """What the wheels installed in ``site`` require that the running Python lacks, or has at a version outside
+    the range asked for: one line each, none when all is met (the GPU machine's own packages are read as found)."""
+    from importlib.metadata import PackageNotFoundError, distributions, version
+
+    from packaging.requirements import Requirement
+
+    lines = set()
+    for distribution in distributions(path=[str(site)]):
+        for text in distribution.requires or ():
+            requirement = Requirement(text)
+            if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+                continue
+            try:
+                found = version(requirement.name)
+            except PackageNotFoundError:
+                found = None
+            if found is None or not requirement.specifier.contains(found, prereleases=True):
+                lines.add(f"{distribution.metadata['Name']} needs {requirement}, "
+                          f"{'missing' if found is None else f'found {found}'}")
+    return sorted(lines)
 
 
 def download_command(pins: dict[str, str], python_version: str, dest: Path) -> list[str]:

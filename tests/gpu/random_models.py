@@ -65,9 +65,11 @@ MARKER = "kvscope-random-model.json"
 
 
 def tiny(shape: Shape) -> dict:
-    """The overrides of a shape's stand-in for tests: its vocabulary and heads, 16 wide a head, two layers."""
-    heads = shape.config["num_attention_heads"]
-    return {"hidden_size": 16 * heads, "intermediate_size": 32 * heads, "num_hidden_layers": 2, "head_dim": 16}
+    """The overrides of a shape's stand-in for tests: its vocabulary and its query heads to a KV head (one KV
+    head), 16 wide a head, two layers."""
+    heads = shape.config["num_attention_heads"] // shape.config["num_key_value_heads"]
+    return {"hidden_size": 16 * heads, "intermediate_size": 32 * heads, "num_hidden_layers": 2, "head_dim": 16,
+            "num_attention_heads": heads, "num_key_value_heads": 1}
 
 
 def parameter_count(config: LlamaConfig) -> int:
