@@ -110,22 +110,23 @@ def environment(table: Table, site: Path | None, device: str) -> bool:
 
 
 def models(models_dir: Path, quick: bool, device: str) -> list[tuple[str, str]]:
-    """(label, folder) for each model the check runs: the default model or its shape, and the 1B shape; tiny
-    stand-ins of both shapes with ``quick``."""
-    try:
-        chosen = [("SmolLM2-135M", None if quick else resolve_model_path("default"))]
-    except ModelError:
-        chosen = [("SmolLM2-135M shape, random", None)]
-    chosen.append(("Llama-3.2-1B shape, random", None))
-    if quick:
-        chosen = [(f"{label.split(',')[0].removesuffix(' shape')} shape, tiny random", None) for label, _ in chosen]
-    built = []
-    for (label, folder), shape in zip(chosen, (random_models.SMOLLM2_135M, random_models.LLAMA_3_2_1B)):
+    """(label, folder) for each model the check runs: the default model where it is installed, else a random one
+    of its shape, and a random one of the 1B's shape; tiny stand-ins of both shapes with ``quick``."""
+    default = None
+    if not quick:
+        try:
+            default = resolve_model_path("default")
+        except ModelError:
+            pass
+    chosen = []
+    for name, folder, shape in (("SmolLM2-135M", default, random_models.SMOLLM2_135M),
+                                ("Llama-3.2-1B", None, random_models.LLAMA_3_2_1B)):
         if folder is None:
             overrides = random_models.tiny(shape) if quick else {}
             folder = str(random_models.build(shape, models_dir / shape.name, device=device, **overrides))
-        built.append((label, folder))
-    return built
+            name = f"{name} shape, {'tiny ' if quick else ''}random"
+        chosen.append((name, folder))
+    return chosen
 
 
 def per_model_checks(table: Table, label: str, folder: str, first: bool, device: str, batches) -> None:
