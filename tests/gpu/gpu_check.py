@@ -161,20 +161,22 @@ def bench(table: Table, label: str, folder: str, device: str, requests: int | No
     """`kvscope bench throughput` in its own process (outside the checkout, as every child process starts); if it
     fails with hf-cb, once more without it, so one peer's failure does not hide the others."""
     systems = list(BENCH_SYSTEMS)
-    while systems and table.left() > 30:
-        rows, error = _bench_rows(folder, systems, device, requests, timeout=table.left() - 10)
+    while table.left() > 30:
+        rows, error, timed_out = _bench_rows(folder, systems, device, requests, timeout=table.left() - 10)
         if rows is not None:
             for row in rows:
                 table.add(f"bench mixed bf16 {row['system']}", label, row.get("not_run") is None, _bench_detail(row))
             return
-        failed = systems.pop()
-        table.add(f"bench mixed bf16 {failed}", label, False, error)
-    if systems:
-        table.add("bench mixed bf16", label, False, f"not run: {table.left():.0f}s of the budget left")
+        if timed_out or len(systems) == 1:
+            table.add(f"bench mixed bf16 {','.join(systems)}", label, False, error)
+            return
+        table.add(f"bench mixed bf16 {systems.pop()}", label, False, error)
+    table.add("bench mixed bf16", label, False, f"not run: {table.left():.0f}s of the budget left")
 
 
 def _bench_rows(folder: str, systems: list[str], device: str, requests: int | None,
-                timeout: float) -> tuple[list[dict] | None, str]:
+                timeout: float) -> tuple[list[dict] | None, str, bool]:
+    """(the rows, or None with why, and whether it ran out of time)."""
     command = [sys.executable, "-m", "kvscope", "bench", "throughput", "--model", folder, "--device", device,
                "--workload", "mixed", "--dtype", "bfloat16", "--systems", ",".join(systems), "--no-log",
                "--no-floor", "--json", *BENCH_PEERS, *(("--requests", str(requests)) if requests else ())]
@@ -182,12 +184,12 @@ def _bench_rows(folder: str, systems: list[str], device: str, requests: int | No
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                                 cwd=tempfile.gettempdir(), env=os.environ.copy())
     except subprocess.TimeoutExpired:
-        return None, f"timed out after {timeout:.0f}s"
+        return None, f"timed out after {timeout:.0f}s (the check's {BUDGET_S}s budget)", True
     sys.stderr.write(result.stderr[-4000:])
     if result.returncode:
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-        return None, f"exit {result.returncode}: {lines[-1][:150] if lines else ''}"
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")], ""
+        return None, f"exit {result.returncode}: {lines[-1][:150] if lines else ''}", False
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")], "", False
 
 
 def _bench_detail(row: dict) -> str:

@@ -99,3 +99,26 @@ def test_an_outcome_is_a_row_and_a_part_that_raises_is_a_failed_row():
     table.run("bad", "m", lambda: 1 / 0)
     assert [row[2] for row in table.rows] == ["ok", "FAILED"]
     assert table.rows[1][3].startswith("ZeroDivisionError") and table.failed
+
+
+def test_a_failing_bench_runs_again_without_its_last_peer_but_a_timeout_does_not(monkeypatch):
+    calls = []
+
+    def bench_rows(folder, systems, device, requests, timeout):
+        calls.append(list(systems))
+        if "hf-cb" in systems:
+            return None, "exit 1: TypeError", False
+        return [{"system": name, "output_tokens_per_s": 10.0, "wall_s": 1.0} for name in systems], "", False
+
+    monkeypatch.setattr(gpu_check, "_bench_rows", bench_rows)
+    table = gpu_check.Table()
+    gpu_check.bench(table, "m", "folder", "cuda", None)
+    assert calls == [["kvscope-paged", "hf-static", "hf-cb"], ["kvscope-paged", "hf-static"]]
+    assert [(row[0], row[2]) for row in table.rows] == [("bench mixed bf16 hf-cb", "FAILED"),
+                                                        ("bench mixed bf16 kvscope-paged", "ok"),
+                                                        ("bench mixed bf16 hf-static", "ok")]
+    monkeypatch.setattr(gpu_check, "_bench_rows", lambda *args, **kwargs: (None, "timed out", True))
+    table = gpu_check.Table()
+    gpu_check.bench(table, "m", "folder", "cuda", None)
+    assert [(row[0], row[2], row[3]) for row in table.rows] == [
+        ("bench mixed bf16 kvscope-paged,hf-static,hf-cb", "FAILED", "timed out")]
