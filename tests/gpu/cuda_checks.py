@@ -1,7 +1,8 @@
 """The GPU check's correctness parts, as plain functions: `make gpu-check` calls them and tabulates what they say;
 tests/gpu/test_cuda.py runs them under pytest where a GPU is. Each returns an Outcome (passed, one line).
 
-- the compiled Triton kernels (decode and prefill) against the torch oracle, fp32 and bf16, two block sizes;
+- the compiled Triton kernels (decode and prefill, plain and with window, softcap and sinks) against the torch
+  oracle, fp32 and bf16, two block sizes;
 - greedy tokens of the engine on cuda against transformers' own generate on the same weights (fp32, chunked
   prefill), with how many different tokens came out (a model that repeats one token would prove nothing);
 - the KV pool sized from --gpu-memory-utilization: it grows by the memory the utilisation adds.
@@ -32,7 +33,9 @@ class Outcome:
 
 def kernels_against_oracle() -> Outcome:
     """Decode and prefill through kvscope's entry points on cuda, which compile the Triton kernels, against the
-    torch reference on the same tensors; the largest absolute error per dtype, within kernels.testing's bounds."""
+    torch reference on the same tensors: plain, and with a sliding window, a logit softcap and attention sinks
+    together; the largest absolute error per dtype, within kernels.testing's bounds (doubled: the oracle here is
+    the torch reference in the kernel's dtype, not float64)."""
     if os.environ.get("TRITON_INTERPRET"):
         return Outcome(False, "TRITON_INTERPRET is set: the kernels would be interpreted, not compiled")
     from kvscope.kernels import dispatch, reference
@@ -46,22 +49,26 @@ def kernels_against_oracle() -> Outcome:
             layout = random_layout(lens, block_size, 2, 64, dtype, gen, poison_unused=False)
             kv, tables = layout.kv_layer.cuda(), layout.block_tables.cuda()
             context = layout.context_lens.cuda()
-            query = make_query(len(lens), 8, 64, dtype, gen).cuda()
-            pairs = [(dispatch.paged_decode_attention(query, kv, tables, context, 0.125),
-                      reference.paged_decode_attention(query, kv, tables, context, 0.125))]
             cu_seqlens = torch.tensor([0, 1, 9, 49, 149], dtype=torch.int32, device="cuda")
+            query = make_query(len(lens), 8, 64, dtype, gen).cuda()
             prefill_query = make_query(149, 8, 64, dtype, gen).cuda()
-            pairs.append((dispatch.paged_prefill_attention(prefill_query, kv, tables, cu_seqlens, context, 0.125, 100),
-                          reference.paged_prefill_attention(prefill_query, kv, tables, cu_seqlens, context, 0.125,
-                                                            100)))
-            for out, expected in pairs:
-                error = (out.double() - expected.double()).abs().max().item()
-                errors[dtype] = max(errors[dtype], error if error == error else float("inf"))   # NaN: fail
-                cases += 1
+            sinks = (torch.randn(8, generator=gen) * 4).cuda()
+            for variant in ({}, {"sliding_window": 24, "softcap": 20.0, "sinks": sinks}):
+                decode = (query, kv, tables, context, 0.125)
+                prefill = (prefill_query, kv, tables, cu_seqlens, context, 0.125, 100)
+                for out, expected in (
+                        (dispatch.paged_decode_attention(*decode, **variant),
+                         reference.paged_decode_attention(*decode, **variant)),
+                        (dispatch.paged_prefill_attention(*prefill, **variant),
+                         reference.paged_prefill_attention(*prefill, **variant))):
+                    error = (out.double() - expected.double()).abs().max().item()
+                    errors[dtype] = max(errors[dtype], error if error == error else float("inf"))   # NaN fails
+                    cases += 1
     compiled = "kvscope.kernels.triton_ops" in sys.modules
     passed = compiled and all(errors[d] < 2 * TOLERANCE[d] for d in errors)
-    return Outcome(passed, f"{cases} cases{'' if compiled else ' (Triton not used!)'}: max |error| fp32 "
-                           f"{errors[torch.float32]:.1e}, bf16 {errors[torch.bfloat16]:.1e} (oracle: torch reference)")
+    return Outcome(passed, f"{cases} cases (decode, prefill; plain and window+softcap+sinks)"
+                           f"{'' if compiled else ' (Triton not used!)'}: max |error| fp32 "
+                           f"{errors[torch.float32]:.1e}, bf16 {errors[torch.bfloat16]:.1e}")
 
 
 def exact_tokens(model, tokenizer, requests: int = 8, tokens: int = 16, seed: int = 0) -> Outcome:
