@@ -1,8 +1,8 @@
 """The GPU check's correctness parts, as plain functions: `make gpu-check` calls them and tabulates what they say;
 tests/gpu/test_cuda.py runs them under pytest where a GPU is. Each returns an Outcome (passed, one line).
 
-- the compiled Triton kernels (decode and prefill, plain and with window, softcap and sinks) against the torch
-  oracle, fp32 and bf16, two block sizes;
+- the compiled Triton kernels (decode split and unsplit and with a padded row, and prefill; plain and with
+  window, softcap and sinks) against the torch oracle, fp32 and bf16, two block sizes;
 - greedy tokens of the engine on cuda against transformers' own generate on the same weights (fp32, chunked
   prefill), with how many different tokens came out (a model that repeats one token would prove nothing);
 - the KV pool sized from --gpu-memory-utilization: it grows by the memory the utilisation adds.
@@ -34,14 +34,18 @@ class Outcome:
 def kernels_against_oracle() -> Outcome:
     """Decode and prefill through kvscope's entry points on cuda, which compile the Triton kernels, against the
     torch reference on the same tensors: plain, and with a sliding window, a logit softcap and attention sinks
-    together; the largest absolute error per dtype, within kernels.testing's bounds (doubled: the oracle here is
-    the torch reference in the kernel's dtype, not float64)."""
+    together; decode both split (what the rule picks for this small batch) and unsplit, and with a padded row
+    (context 0) whose output row must stay as it was. The largest absolute error per dtype, within
+    kernels.testing's bounds (doubled: the oracle here is the torch reference in the kernel's dtype, not
+    float64)."""
     if os.environ.get("TRITON_INTERPRET"):
         return Outcome(False, "TRITON_INTERPRET is set: the kernels would be interpreted, not compiled")
-    from kvscope.kernels import dispatch, reference
+    from kvscope.kernels import dispatch, reference, triton_decode
 
     errors = {torch.float32: 0.0, torch.bfloat16: 0.0}
     cases = 0
+    splits = set()
+    padded_untouched = True
     for dtype in errors:
         for block_size in (16, 32):
             gen = torch.Generator().manual_seed(block_size)
@@ -53,22 +57,45 @@ def kernels_against_oracle() -> Outcome:
             query = make_query(len(lens), 8, 64, dtype, gen).cuda()
             prefill_query = make_query(149, 8, 64, dtype, gen).cuda()
             sinks = (torch.randn(8, generator=gen) * 4).cuda()
+            splits.add(triton_decode.split_partition_size(len(lens), 2, tables.shape[1] * block_size, block_size,
+                                                          query.device))
             for variant in ({}, {"sliding_window": 24, "softcap": 20.0, "sinks": sinks}):
                 decode = (query, kv, tables, context, 0.125)
+                expected_decode = reference.paged_decode_attention(*decode, **variant)
                 prefill = (prefill_query, kv, tables, cu_seqlens, context, 0.125, 100)
-                for out, expected in (
-                        (dispatch.paged_decode_attention(*decode, **variant),
-                         reference.paged_decode_attention(*decode, **variant)),
-                        (dispatch.paged_prefill_attention(*prefill, **variant),
-                         reference.paged_prefill_attention(*prefill, **variant))):
+                pairs = [(dispatch.paged_decode_attention(*decode, **variant), expected_decode),
+                         (triton_decode.paged_decode_attention(*decode, **variant, partition_size=0), expected_decode),
+                         (dispatch.paged_prefill_attention(*prefill, **variant),
+                          reference.paged_prefill_attention(*prefill, **variant))]
+                for partition in (0, 2 * block_size):
+                    padded = _decode_with_a_padded_row(decode, variant, partition)
+                    padded_untouched &= bool((padded[-1] == 7.0).all())
+                    pairs.append((padded[:-1], expected_decode))
+                for out, expected in pairs:
                     error = (out.double() - expected.double()).abs().max().item()
                     errors[dtype] = max(errors[dtype], error if error == error else float("inf"))   # NaN fails
                     cases += 1
     compiled = "kvscope.kernels.triton_ops" in sys.modules
-    passed = compiled and all(errors[d] < 2 * TOLERANCE[d] for d in errors)
-    return Outcome(passed, f"{cases} cases (decode, prefill; plain and window+softcap+sinks)"
-                           f"{'' if compiled else ' (Triton not used!)'}: max |error| fp32 "
+    split_by_rule = 0 not in splits
+    passed = compiled and split_by_rule and padded_untouched and all(errors[d] < 2 * TOLERANCE[d] for d in errors)
+    return Outcome(passed, f"{cases} cases (decode split by the rule{'' if split_by_rule else ' (NOT split!)'}, "
+                           f"unsplit, padded{'' if padded_untouched else ' (padded row WRITTEN!)'}; prefill; plain "
+                           f"and window+softcap+sinks){'' if compiled else ' (Triton not used!)'}: max |error| fp32 "
                            f"{errors[torch.float32]:.1e}, bf16 {errors[torch.bfloat16]:.1e}")
+
+
+def _decode_with_a_padded_row(decode: tuple, variant: dict, partition: int) -> torch.Tensor:
+    """The decode batch plus one padded row (context 0, block-table row of zeros, as a captured graph's padding
+    holds), into an output buffer of 7s: the padded row of what comes back must still be 7s."""
+    from kvscope.kernels import triton_decode
+
+    query, kv, tables, context, scale = decode
+    query = torch.cat((query, torch.zeros_like(query[:1])))
+    tables = torch.cat((tables, torch.zeros_like(tables[:1])))
+    context = torch.cat((context, torch.zeros_like(context[:1])))
+    out = torch.full_like(query, 7.0)
+    return triton_decode.paged_decode_attention(query, kv, tables, context, scale, **variant, out=out,
+                                                partition_size=partition)
 
 
 def exact_tokens(model, tokenizer, requests: int = 8, tokens: int = 16, seed: int = 0) -> Outcome:
