@@ -34,6 +34,7 @@ SPLIT_CASES = [
     (4, 1, 8, FP32, [70, 40], 24, 20.0, True, 16),
     (3, 1, 4, BF16, [50, 9], 5, None, True, 8),
     (1, 1, 32, FP32, [100], None, 5.0, True, 32),
+    (1, 1, 4, FP32, [70, 3], 66, None, True, 4),     # 17 partitions: the reduction reads 16 at a time
 ]
 
 
