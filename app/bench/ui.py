@@ -5,9 +5,11 @@ an H200 holds of SmolLM2 at 0.9 utilisation) of which ``--usage`` (default 80%) 
 requests, each with a prompt of its own. One run, in this order:
 
 1. Headless: the engine stepped ``--steps`` times from a thread of its own, as the app's engine thread steps it.
-2. Window: the real app (KVScopeApp, headless Textual through ``run_test``, at ``--size``) on the same engine,
-   unpaused for ``--steps`` steps: the engine thread steps, the UI thread takes every step (``ingest``) and
-   paints at its own frame rate under its CPU budget (app/screens/main.py).
+2. Window: the real app (KVScopeApp, headless Textual through ``run_test``, at ``--size``) on a twin of that
+   engine (built the same way, so both sides run the same steps: an engine whose step grows with what it has
+   generated would otherwise charge that growth to the window), unpaused for ``--steps`` steps: the engine
+   thread steps, the UI thread takes every step (``ingest``) and paints at its own frame rate under its CPU
+   budget (app/screens/main.py).
 3. Frames: the window's own BlockMap (its size in that window) shown each of the last ``--frames`` steps'
    snapshots and every line rendered (``show_snapshot`` then ``render_line`` for each row: the cells from the
    snapshot, then the strips; Textual's compositor pass is not included), before the app closes (closing it
@@ -242,8 +244,9 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
     first = len(engine.stats)
     before = headless_rate(engine, settings.steps)
     headless_engine_ms = engine.engine_ms(first, first + settings.steps)
-    say(f"the window open at {settings.size[0]}x{settings.size[1]}, {settings.steps} steps")
-    window = asyncio.run(window_run(engine, settings))
+    del engine    # its twin takes the pool's memory next
+    say(f"the window open at {settings.size[0]}x{settings.size[1]} on a twin engine, {settings.steps} steps")
+    window = asyncio.run(window_run(full_engine(settings), settings))
     return UiResult(
         settings=settings, usage=window["usage"],
         cells=window["num_cells"], blocks_per_cell=window["blocks_per_cell"],
