@@ -177,9 +177,13 @@ class MainScreen(Screen):
 
     def ingest(self, result: StepResult) -> None:
         chat = self.chat
-        for output in result.outputs:
-            chat.show_output(output)
+        reply = chat.current_request
+        if reply is not None:     # the chat shows its own reply only: no call per request of a big batch
+            for output in result.outputs:
+                if output.request_id == reply:
+                    chat.show_output(output)
         block_map = self.view.block_map
+        block_map.note_step(result.snapshot)    # the next frame applies every step's block changes
         if chat.current_request is None and block_map.chat_request is not None:
             block_map.set_chat_request(None)
         self.throughput.push(result.stats)

@@ -42,9 +42,9 @@ def first_in_use(kinds: np.ndarray, width: int) -> np.ndarray:
     return first
 
 
-def held_blocks(view: RequestView) -> np.ndarray:
-    """The device blocks a request holds, each once (samples of one request share blocks)."""
-    tables = [t for t in view.block_tables if t]
+def held_blocks(block_tables: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """The device blocks in a request's tables, each once (samples of one request share blocks)."""
+    tables = [t for t in block_tables if t]
     if not tables:
         return np.zeros(0, dtype=np.int64)
     if len(tables) == 1:
@@ -58,7 +58,7 @@ def owners_recounted(snapshot: CacheSnapshot) -> np.ndarray:
     none = np.iinfo(np.int32).max
     owner = np.full(snapshot.num_blocks, none, dtype=np.int32)
     for view in snapshot.requests:
-        blocks = held_blocks(view)
+        blocks = held_blocks(view.block_tables)
         if blocks.size:
             np.minimum.at(owner, blocks, view.arrival_index)
     owner[owner == none] = -1
@@ -86,7 +86,8 @@ class MapAggregates:
         # Holders of a block besides its owner (only shared blocks have any), and which blocks have some.
         self._other_holders: dict[int, set[int]] = {}
         self._has_others = np.zeros(padded, dtype=bool)
-        self._tables: dict[str, tuple[int, tuple, np.ndarray]] = {}   # id -> (arrival, tables, blocks held)
+        # id -> (arrival, tables, the blocks held: built when first needed, as most requests only grow a table)
+        self._tables: dict[str, tuple[int, tuple, np.ndarray | None]] = {}
 
     # --- bringing it up to date -------------------------------------------------------------------
 
@@ -158,25 +159,24 @@ class MapAggregates:
     def _update_owners(self, requests: tuple[RequestView, ...]) -> None:
         """Each request's tables against the last frame's: what it gained and lost changes who holds what."""
         tables = self._tables
-        now: dict[str, tuple[int, tuple, np.ndarray]] = {}
+        now: dict[str, tuple[int, tuple, np.ndarray | None]] = {}
         for view in requests:
             request_id = view.request_id
             before = tables.pop(request_id, None)
             if before is not None and before[0] == view.arrival_index and _same_tables(before[1], view.block_tables):
                 now[request_id] = before
                 continue
-            held = held_blocks(view)
-            now[request_id] = (view.arrival_index, view.block_tables, held)
+            now[request_id] = (view.arrival_index, view.block_tables, None)
             if before is None or before[0] != view.arrival_index:
                 if before is not None:
-                    self._drop(before[2], before[0])
-                self._hold(held, view.arrival_index)
+                    self._drop(_held(*before[1:]), before[0])
+                self._hold(held_blocks(view.block_tables), view.arrival_index)
                 continue
-            gained, lost = _difference(before, view.block_tables, held)
+            gained, lost = _difference(before, view.block_tables)
             self._drop(lost, view.arrival_index)
             self._hold(gained, view.arrival_index)
-        for arrival, _, held in tables.values():     # requests that left the snapshot
-            self._drop(held, arrival)
+        for arrival, old_tables, held in tables.values():     # requests that left the snapshot
+            self._drop(_held(old_tables, held), arrival)
         self._tables = now
 
     def _hold(self, blocks: np.ndarray, arrival: int) -> None:
@@ -238,12 +238,16 @@ def _same_tables(before: tuple, after: tuple) -> bool:
                                                                                            strict=True)))
 
 
-def _difference(before: tuple[int, tuple, np.ndarray], after: tuple, held: np.ndarray) -> tuple[np.ndarray,
-                                                                                               np.ndarray]:
+def _held(block_tables: tuple, held: np.ndarray | None) -> np.ndarray:
+    return held_blocks(block_tables) if held is None else held
+
+
+def _difference(before: tuple[int, tuple, np.ndarray | None], after: tuple) -> tuple[np.ndarray, np.ndarray]:
     """(blocks gained, blocks lost) between a request's tables at the last frame and now."""
     old_tables = before[1]
     if len(old_tables) == 1 and len(after) == 1:
         old, new = old_tables[0], after[0]
         if len(new) >= len(old) and new[:len(old)] == old:    # decoding: blocks added at the end
             return np.array(new[len(old):], dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return np.setdiff1d(held, before[2], assume_unique=True), np.setdiff1d(before[2], held, assume_unique=True)
+    held, old_held = held_blocks(after), _held(old_tables, before[2])
+    return np.setdiff1d(held, old_held, assume_unique=True), np.setdiff1d(old_held, held, assume_unique=True)
