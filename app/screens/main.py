@@ -21,6 +21,7 @@ have stopped coming.
 
 from __future__ import annotations
 
+import gc
 import time
 
 from textual import events
@@ -117,6 +118,13 @@ class MainScreen(Screen):
                              info.runner.num_host_blocks)
         self.chat.set_engine_waiting(False)
         self.chat.show_sampling(info.runner.sampling_defaults)
+        # The window's own objects (every widget, style and cached line) and the new engine's live for the whole
+        # run: out of the collector's reach, a full collection, which the steps' garbage sets off every few
+        # seconds, walks only what came since instead of holding the GIL over the whole window. The engine this
+        # one replaced is collected first, so that none of its cycles stays frozen.
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
     def engine_not_ready(self, still_running: EngineInfo | None, error: str) -> None:
         """A build failed: back to the engine that goes on serving, or say there is none."""
