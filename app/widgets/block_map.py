@@ -267,10 +267,13 @@ class BlockMap(CellStyles, ThemeStyled, Widget, can_focus=True):
             return
         self.cursor_cell = cell
         self._recompute()
-        if cell is not None:
-            blocks = self.cell_blocks(cell)
-            if blocks:
-                self.post_message(BlockHighlighted(blocks[0], blocks[-1]))
+        self._announce_cursor()
+
+    def _announce_cursor(self) -> None:
+        """Tell the inspector which blocks the cursor is on."""
+        blocks = self.cell_blocks(self.cursor_cell) if self.cursor_cell is not None else []
+        if blocks:
+            self.post_message(BlockHighlighted(blocks[0], blocks[-1]))
 
     def move_cursor_to_block(self, block_id: int) -> None:
         if self.map_layout is None:
@@ -294,9 +297,7 @@ class BlockMap(CellStyles, ThemeStyled, Widget, can_focus=True):
             if 0 <= start <= self.snapshot.num_blocks - layout.num_blocks:
                 self.zoom_start = start
                 self._recompute()
-                blocks = self.cell_blocks(self.cursor_cell)
-                if blocks:
-                    self.post_message(BlockHighlighted(blocks[0], blocks[-1]))
+                self._announce_cursor()
                 return
         self._move_cursor(min(max(cell, 0), max(0, layout.num_cells - 1)))
 
@@ -345,12 +346,16 @@ class BlockMap(CellStyles, ThemeStyled, Widget, can_focus=True):
         self._recompute()
         self.move_cursor_to_block(block)
 
-    def on_mouse_move(self, event: MouseMove) -> None:
+    def _cell_under(self, event: MouseMove | Click) -> int | None:
         offset = event.get_content_offset(self)
-        if offset is not None and self.map_layout is not None:
-            cell = self.map_layout.cell_at(offset.x, offset.y)
-            if cell is not None:
-                self._move_cursor(cell)
+        if offset is None or self.map_layout is None:
+            return None
+        return self.map_layout.cell_at(offset.x, offset.y)
+
+    def on_mouse_move(self, event: MouseMove) -> None:
+        cell = self._cell_under(event)
+        if cell is not None:
+            self._move_cursor(cell)
 
     # Textual sets has_focus and mouse_hover in the base class's handlers, which run after these:
     # the cursor is redrawn once the event has been handled.
@@ -367,11 +372,9 @@ class BlockMap(CellStyles, ThemeStyled, Widget, can_focus=True):
         self.call_next(self._recompute)
 
     def on_click(self, event: Click) -> None:
-        offset = event.get_content_offset(self)
-        if offset is not None and self.map_layout is not None:
-            cell = self.map_layout.cell_at(offset.x, offset.y)
-            if cell is not None:
-                self._move_cursor(cell)
+        cell = self._cell_under(event)
+        if cell is not None:
+            self._move_cursor(cell)
         self.action_select_owner()
 
     def owner_of_cell(self, cell: int) -> str | None:
