@@ -48,6 +48,7 @@ class UiResult:
     headless_steps_per_cpu_s: float
     window_steps_per_cpu_s: float
     window_frames: int              # frames the window painted while measured
+    longest_paint_ms: float         # the UI thread's longest single paint (the most it held the GIL at once)
     # Where the CPU went, ms per engine step: the engine thread's own, headless and with the window open, and the
     # UI thread's while the window was open.
     headless_engine_ms: float
@@ -205,6 +206,24 @@ def time_frames(block_map, snapshots: list[CacheSnapshot]) -> tuple[list[int], l
 
 async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
     """The real app open on ``engine`` for ``settings.steps`` steps, then the frame timing on its block map."""
+    from kvscope.app.screens.main import MainScreen
+
+    paints: list[int] = []
+    paint = MainScreen.paint
+
+    def timed_paint(screen, force: bool = False) -> None:
+        start = time.thread_time_ns()
+        paint(screen, force)
+        paints.append(time.thread_time_ns() - start)
+
+    MainScreen.paint = timed_paint   # before the screen mounts, whose timer binds the method
+    try:
+        return await _window_run(engine, settings, paints)
+    finally:
+        MainScreen.paint = paint
+
+
+async def _window_run(engine: WindowedEngine, settings: UiSettings, paints: list[int]) -> dict:
     from kvscope.app.app import KVScopeApp
     from kvscope.app.headless import wait_until
     from kvscope.app.worker.commands import SetPaused
@@ -216,6 +235,7 @@ async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
             raise RuntimeError("the app did not take the engine within 120 s")
         block_map = app.main.view.block_map
         painted = []
+        del paints[:]     # the paints before the engine runs (the first frames of the window) are not timed
         show_snapshot = block_map.show_snapshot
         block_map.show_snapshot = lambda snapshot: (painted.append(1), show_snapshot(snapshot))   # counts frames
         first, cpu, ui_cpu = len(engine.stats), time.process_time(), engine.ui_cpu_ns()
@@ -224,12 +244,14 @@ async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
         if not await wait_until(pilot, lambda: engine.stopped is not None, 3600):
             raise RuntimeError("the engine stopped stepping in the window")
         frames, (stopped_cpu, stopped_ui, usage) = len(painted), engine.stopped
+        longest_paint = max(paints, default=0) / 1e6
         app.worker.send(SetPaused(True))
         await wait_until(pilot, lambda: app.worker.state.paused, 30)
         block_map.show_snapshot = show_snapshot
         cells, frame = time_frames(block_map, list(engine.recent))
         layout = block_map.map_layout
         return {"usage": usage, "steps": settings.steps, "cpu": stopped_cpu - cpu, "painted": frames,
+                "longest_paint_ms": longest_paint,
                 "engine_ms": engine.engine_ms(first, first + settings.steps),
                 "ui_ms": (stopped_ui - ui_cpu) / settings.steps / 1e6,
                 "cells": cells, "frame": frame, "num_cells": layout.num_cells,
@@ -253,10 +275,13 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
         frame=Spread.of(window["frame"]), cells_ms=Spread.of(window["cells"]),
         headless_steps_per_cpu_s=before[0] / before[1],
         window_steps_per_cpu_s=window["steps"] / window["cpu"], window_frames=window["painted"],
+        longest_paint_ms=window["longest_paint_ms"],
         headless_engine_ms=headless_engine_ms, window_engine_ms=window["engine_ms"], window_ui_ms=window["ui_ms"])
 
 
 def format_table(result: UiResult) -> str:
+    from kvscope.app.screens.main import FRAME_RATE
+
     s = result.settings
 
     def ms(spread: Spread) -> str:
@@ -270,6 +295,8 @@ def format_table(result: UiResult) -> str:
         ("engine headless", f"{result.headless_steps_per_cpu_s:,.1f} steps per CPU second"),
         ("engine, window open", f"{result.window_steps_per_cpu_s:,.1f} steps per CPU second "
                                 f"({result.window_frames} frames painted in {s.steps} steps)"),
+        ("longest paint", f"{result.longest_paint_ms:.1f} ms of UI-thread CPU at once (a frame at "
+                          f"{FRAME_RATE} a second is {1000 / FRAME_RATE:.0f} ms)"),
         ("the window's cost", f"{100 * result.window_cost:.1f}% of engine throughput"),
         ("  engine thread per step", f"{result.headless_engine_ms:.2f} ms headless, {result.window_engine_ms:.2f} ms "
                                      "with the window open"),
@@ -286,5 +313,6 @@ def as_json(result: UiResult) -> dict:
             "cells": result.cells, "blocks_per_cell": result.blocks_per_cell, "frame_ms": vars(result.frame),
             "cells_ms": vars(result.cells_ms), "headless_steps_per_cpu_s": result.headless_steps_per_cpu_s,
             "window_steps_per_cpu_s": result.window_steps_per_cpu_s, "window_frames": result.window_frames,
+            "longest_paint_ms": result.longest_paint_ms,
             "window_cost": result.window_cost, "headless_engine_ms": result.headless_engine_ms,
             "window_engine_ms": result.window_engine_ms, "window_ui_ms": result.window_ui_ms}
