@@ -3,8 +3,11 @@
 Everything the UI asks for (add, abort, pause, single step, rate cap, preset,
 rebuild) is a command (app/worker/commands.py) put on a queue and applied
 between steps, so the engine is only ever touched by this thread. Results go
-back with ``post_message``, which never waits for the UI; a semaphore bounds
-how far the engine may run ahead of a UI that has stopped draining messages.
+back with ``post_message``, which never waits for the UI: each step joins the
+batch of a StepsReady message the UI has not taken yet, or posts a new one, so
+a busy engine posts about once per UI frame rather than once per step; any
+other message closes the batch, so no step overtakes it. A semaphore bounds
+how far the engine may run ahead of a UI that has stopped taking steps.
 The run log is not the worker's business: ``log_factory`` attaches a logger to
 each engine it builds as an engine observer, as every other caller does.
 
@@ -39,6 +42,8 @@ from kvscope.app.messages import (
     RunState,
     RunStateChanged,
     RunUntilDone,
+    StepBatch,
+    StepsReady,
 )
 from kvscope.app.worker.commands import (
     AbortRequest,
@@ -106,6 +111,7 @@ class EngineWorker(RequestCommands):
         self._queued = False    # requests added since the UI last saw the queues
         self._stopping = threading.Event()
         self._died: BaseException | None = None
+        self._batch: StepBatch | None = None    # the steps of the last StepsReady, while the UI has not taken them
 
     # --- the UI's side: every call only queues a command --------------------------------
 
@@ -118,7 +124,7 @@ class EngineWorker(RequestCommands):
         self._commands.put(command)
 
     def ack(self) -> None:
-        """The UI handled one EngineStepped message."""
+        """The UI handled one step (an EngineStepped of a StepsReady)."""
         try:
             self._in_flight.release()
         except ValueError:
@@ -142,7 +148,7 @@ class EngineWorker(RequestCommands):
                 self.run_once(self._wait_time())
         except BaseException as exc:    # the window must say the engine is gone, not look idle
             self._died = exc
-            self.target.post_message(EngineDied(describe_error(exc)))
+            self._post(EngineDied(describe_error(exc)))
             raise
         finally:
             self.shutdown()
@@ -198,7 +204,7 @@ class EngineWorker(RequestCommands):
         if self._queued and self.engine is not None and not self._step_due():
             # Requests were added and no step is about to show them (paused, or rate-capped): show them now.
             self._queued = False
-            self.target.post_message(QueueChanged(self.engine.snapshot()))
+            self._post(QueueChanged(self.engine.snapshot()))
 
     def _apply(self, command: WorkerCommand) -> None:
         """Apply one command; one that raises is refused with a message and changes nothing else."""
@@ -208,7 +214,7 @@ class EngineWorker(RequestCommands):
             if isinstance(command, AddRequest):
                 self._reject(command.request_id, exc)
             else:
-                self.target.post_message(CommandRejected(type(command).__name__, describe_error(exc)))
+                self._post(CommandRejected(type(command).__name__, describe_error(exc)))
 
     def _dispatch(self, command: WorkerCommand) -> None:
         match command:
@@ -249,7 +255,7 @@ class EngineWorker(RequestCommands):
             self._post_state()
 
     def _post_state(self) -> None:
-        self.target.post_message(RunStateChanged(self.state))
+        self._post(RunStateChanged(self.state))
 
     def _step(self) -> None:
         for request in self._delayed.pop_due(self._steps_done):
@@ -264,7 +270,7 @@ class EngineWorker(RequestCommands):
         except Exception as exc:  # the UI must survive any engine bug: show it, pause, wait for the user
             self._paused = True
             self._pending_steps = 0
-            self.target.post_message(EngineFailed(f"engine step failed: {describe_error(exc)}"))
+            self._post(EngineFailed(f"engine step failed: {describe_error(exc)}"))
             self._post_state()
             return
         self._steps_done += 1
@@ -283,14 +289,25 @@ class EngineWorker(RequestCommands):
         while not self._in_flight.acquire(timeout=0.1):
             if self._stopping.is_set():
                 return
-        self.target.post_message(EngineStepped(result))
+        stepped = EngineStepped(result)
+        if self._batch is None or not self._batch.add(stepped):
+            self._batch = StepBatch()
+            self._batch.add(stepped)
+            self.target.post_message(StepsReady(self._batch))
+
+    def _post(self, message) -> None:
+        """Post any message but a step: the steps before it reach the UI before it."""
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+        self.target.post_message(message)
 
     def _check_until(self, result) -> None:
         condition, last = self._until
         try:
             met = bool(condition(result))
         except Exception as exc:  # a bad condition ends the run where it is; the engine is fine
-            self.target.post_message(EngineFailed(f"run-until condition failed: {type(exc).__name__}: {exc}"))
+            self._post(EngineFailed(f"run-until condition failed: {type(exc).__name__}: {exc}"))
             met = False
             last = self._steps_done
         if met or self._steps_done >= last:
@@ -301,7 +318,7 @@ class EngineWorker(RequestCommands):
         self._until = None
         self._pending_steps = 0
         self._set_paused(True)
-        self.target.post_message(RunUntilDone(self._last_step, met))
+        self._post(RunUntilDone(self._last_step, met))
 
     # --- building and retiring engines ---------------------------------------------------------
 
@@ -313,12 +330,12 @@ class EngineWorker(RequestCommands):
             self._install(*built)
 
     def _build(self, config: EngineConfig) -> tuple[Any, EngineInfo, EngineConfig] | None:
-        self.target.post_message(EngineStarting(config))
+        self._post(EngineStarting(config))
         try:
             engine = self._engine_factory(config, self.engine)
             return engine, engine_info(engine), config
         except Exception as exc:  # a bad model path or an impossible pool must not kill the app
-            self.target.post_message(EngineBuildFailed(f"could not start the engine: {exc}", self.info))
+            self._post(EngineBuildFailed(f"could not start the engine: {exc}", self.info))
             return None
 
     def _install(self, engine, info: EngineInfo, config: EngineConfig) -> None:
@@ -334,7 +351,7 @@ class EngineWorker(RequestCommands):
             self._logger, warning = None, f"run log off: {describe_error(exc)}"
         if self._logger is not None:
             warning = self._logger.warning
-        self.target.post_message(EngineReady(info, engine.banner, warning))
+        self._post(EngineReady(info, engine.banner, warning))
         self._post_state()
 
     def _retire(self, reason: str) -> None:
@@ -352,7 +369,7 @@ class EngineWorker(RequestCommands):
                 self._final_step(engine, logger, set(aborted), reason)
         except Exception as exc:    # a broken engine: say so for each request, close the log anyway
             for request_id in sorted(self._accepted):
-                self.target.post_message(RequestRejected(
+                self._post(RequestRejected(
                     request_id, f"{reason}; its final output was lost ({describe_error(exc)})"))
         finally:
             self._accepted.clear()
