@@ -1,13 +1,11 @@
-"""The engine thread: owns the LLMEngine, takes commands from a queue, posts one message per step.
+"""The engine thread: owns the LLMEngine, takes commands from a queue, hands its steps to the UI in batches.
 
 Everything the UI asks for (add, abort, pause, single step, rate cap, preset,
 rebuild) is a command (app/worker/commands.py) put on a queue and applied
 between steps, so the engine is only ever touched by this thread. Results go
-back with ``post_message``, which never waits for the UI: each step joins the
-batch of a StepsReady message the UI has not taken yet, or posts a new one, so
-a busy engine posts about once per UI frame rather than once per step; any
-other message closes the batch, so no step overtakes it. A semaphore bounds
-how far the engine may run ahead of a UI that has stopped taking steps.
+back with ``post_message``, which never waits for the UI; steps go in batches,
+a few dozen posts a second however fast the engine steps, and never after a
+message posted after them (app/worker/step_posting.py).
 The run log is not the worker's business: ``log_factory`` attaches a logger to
 each engine it builds as an engine observer, as every other caller does.
 
@@ -36,14 +34,11 @@ from kvscope.app.messages import (
     EngineInfo,
     EngineReady,
     EngineStarting,
-    EngineStepped,
     QueueChanged,
     RequestRejected,
     RunState,
     RunStateChanged,
     RunUntilDone,
-    StepBatch,
-    StepsReady,
 )
 from kvscope.app.worker.commands import (
     AbortRequest,
@@ -63,14 +58,14 @@ from kvscope.app.worker.commands import (
 from kvscope.app.worker.delayed import DelayedRequests
 from kvscope.app.worker.factory import build_engine, engine_info
 from kvscope.app.worker.requests import RequestCommands, describe_error
+from kvscope.app.worker.step_posting import StepPosting
 from kvscope.engine.config import EngineConfig
 
-MAX_STEPS_AHEAD_OF_UI = 256
 ENGINE_REBUILT = "the engine was restarted"
 ENGINE_STOPPED = "kvscope quit while the request was in flight"
 
 
-class EngineWorker(RequestCommands):
+class EngineWorker(RequestCommands, StepPosting):
     """``run`` is the thread body (the app starts it as a thread worker); ``send`` and the methods
     that call it are for the UI. ``start``, ``run_once`` and ``shutdown`` are the thread body's
     parts, for a caller that drives the worker on its own thread (the tests).
@@ -96,7 +91,7 @@ class EngineWorker(RequestCommands):
         self._clock = clock
         self._logger = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._in_flight = threading.BoundedSemaphore(MAX_STEPS_AHEAD_OF_UI)
+        StepPosting.__init__(self)
         self._paused = paused
         self._steps_per_s_cap = steps_per_s_cap
         self._pending_steps = 0
@@ -111,7 +106,6 @@ class EngineWorker(RequestCommands):
         self._queued = False    # requests added since the UI last saw the queues
         self._stopping = threading.Event()
         self._died: BaseException | None = None
-        self._batch: StepBatch | None = None    # the steps of the last StepsReady, while the UI has not taken them
 
     # --- the UI's side: every call only queues a command --------------------------------
 
@@ -122,13 +116,6 @@ class EngineWorker(RequestCommands):
         if isinstance(command, Stop):
             self._stopping.set()    # a step in progress stops waiting for the UI at once
         self._commands.put(command)
-
-    def ack(self) -> None:
-        """The UI handled one step (an EngineStepped of a StepsReady)."""
-        try:
-            self._in_flight.release()
-        except ValueError:
-            pass
 
     @property
     def state(self) -> RunState:
@@ -164,6 +151,7 @@ class EngineWorker(RequestCommands):
         take one step if one is due."""
         if self._until is not None and not self._has_work():
             self._end_until(met=False)
+        self._tell_steps(now=timeout != 0)     # before waiting, the UI hears of every step taken
         self._take_commands(timeout)
         if not self._stopping.is_set() and self._step_due():
             self._step()
@@ -171,6 +159,7 @@ class EngineWorker(RequestCommands):
     def shutdown(self) -> None:
         """The thread is ending: end the requests in flight and close the run log."""
         self._retire(ENGINE_STOPPED)
+        self._tell_steps()
 
     def _wait_time(self) -> float | None:
         """How long to block for a command: forever when idle, until the next step when rate-capped."""
@@ -284,23 +273,6 @@ class EngineWorker(RequestCommands):
         for output in result.outputs:
             if output.finished:
                 self._accepted.discard(output.request_id)
-
-    def _post_step(self, result) -> None:
-        while not self._in_flight.acquire(timeout=0.1):
-            if self._stopping.is_set():
-                return
-        stepped = EngineStepped(result)
-        if self._batch is None or not self._batch.add(stepped):
-            self._batch = StepBatch()
-            self._batch.add(stepped)
-            self.target.post_message(StepsReady(self._batch))
-
-    def _post(self, message) -> None:
-        """Post any message but a step: the steps before it reach the UI before it."""
-        if self._batch is not None:
-            self._batch.close()
-            self._batch = None
-        self.target.post_message(message)
 
     def _check_until(self, result) -> None:
         condition, last = self._until
