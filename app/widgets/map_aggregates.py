@@ -15,6 +15,8 @@ in use.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, BlockArrays, CacheSnapshot, RequestView
@@ -157,9 +159,11 @@ class MapAggregates:
             self.first_used[lost] = first_in_use(rows, width)
 
     def _update_owners(self, requests: tuple[RequestView, ...]) -> None:
-        """Each request's tables against the last frame's: what it gained and lost changes who holds what."""
+        """Each request's tables against the last frame's: what it gained and lost changes who holds what. All
+        that was lost is let go first, then all that was gained is taken, each in one pass over the pool."""
         tables = self._tables
         now: dict[str, tuple[int, tuple, np.ndarray | None]] = {}
+        gained, lost = _Changes(), _Changes()
         for view in requests:
             request_id = view.request_id
             before = tables.pop(request_id, None)
@@ -169,23 +173,30 @@ class MapAggregates:
             now[request_id] = (view.arrival_index, view.block_tables, None)
             if before is None or before[0] != view.arrival_index:
                 if before is not None:
-                    self._drop(_held(*before[1:]), before[0])
-                self._hold(held_blocks(view.block_tables), view.arrival_index)
+                    lost.add(_held(*before[1:]), before[0])
+                gained.add(held_blocks(view.block_tables), view.arrival_index)
                 continue
-            gained, lost = _difference(before, view.block_tables)
-            self._drop(lost, view.arrival_index)
-            self._hold(gained, view.arrival_index)
+            more, fewer = _difference(before, view.block_tables)
+            lost.add(fewer, view.arrival_index)
+            gained.add(more, view.arrival_index)
         for arrival, old_tables, held in tables.values():     # requests that left the snapshot
-            self._drop(_held(old_tables, held), arrival)
+            lost.add(_held(old_tables, held), arrival)
         self._tables = now
+        self._drop(*lost.arrays())
+        self._hold(*gained.arrays())
 
-    def _hold(self, blocks: np.ndarray, arrival: int) -> None:
+    def _hold(self, blocks: np.ndarray, arrivals: np.ndarray) -> None:
         if not blocks.size:
             return
         owner = self.owner[blocks]
-        unowned = owner < 0
-        self.owner[blocks[unowned]] = arrival
-        for block, current in zip(blocks[~unowned].tolist(), owner[~unowned].tolist(), strict=True):
+        # In one pass: blocks nobody held, gained by one request only; the rest one by one.
+        simple = (owner < 0) & _once(blocks)
+        self.owner[blocks[simple]] = arrivals[simple]
+        for block, arrival in zip(blocks[~simple].tolist(), arrivals[~simple].tolist(), strict=True):
+            current = int(self.owner[block])
+            if current < 0:
+                self.owner[block] = arrival
+                continue
             others = self._other_holders.setdefault(block, set())
             self._has_others[block] = True
             if arrival < current:
@@ -194,14 +205,18 @@ class MapAggregates:
             else:
                 others.add(arrival)
 
-    def _drop(self, blocks: np.ndarray, arrival: int) -> None:
+    def _drop(self, blocks: np.ndarray, arrivals: np.ndarray) -> None:
         if not blocks.size:
             return
-        shared = self._has_others[blocks]
-        alone = blocks[~shared]
-        self.owner[alone[self.owner[alone] == arrival]] = -1
-        for block in blocks[shared].tolist():
-            others = self._other_holders[block]
+        shared = self._has_others[blocks]    # a block two requests let go of had two holders: shared
+        alone, alone_arrivals = blocks[~shared], arrivals[~shared]
+        self.owner[alone[self.owner[alone] == alone_arrivals]] = -1
+        for block, arrival in zip(blocks[shared].tolist(), arrivals[shared].tolist(), strict=True):
+            others = self._other_holders.get(block)
+            if others is None:      # its other holders left earlier in this pass: it was held by this one alone
+                if self.owner[block] == arrival:
+                    self.owner[block] = -1
+                continue
             if self.owner[block] == arrival:
                 self.owner[block] = earliest = min(others)
                 others.discard(earliest)
@@ -232,6 +247,40 @@ class MapAggregates:
         return self.counts[:, KIND_USED] + self.counts[:, KIND_SHARED]
 
 
+class _Changes:
+    """Blocks gained (or lost) by the requests of one frame, gathered for one pass over the pool."""
+
+    def __init__(self) -> None:
+        self._parts: list = []
+        self._arrivals: list[int] = []
+        self._counts: list[int] = []
+
+    def add(self, blocks, arrival: int) -> None:
+        if len(blocks):
+            self._parts.append(blocks)
+            self._arrivals.append(arrival)
+            self._counts.append(len(blocks))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks, the arrival index of the request for each)."""
+        total = sum(self._counts)
+        blocks = np.fromiter(itertools.chain.from_iterable(self._parts), dtype=np.int64, count=total)
+        return blocks, np.repeat(np.array(self._arrivals, dtype=np.int32), self._counts)
+
+
+def _once(blocks: np.ndarray) -> np.ndarray:
+    """Which entries of ``blocks`` name a block no other entry names."""
+    order = np.argsort(blocks, kind="stable")
+    ordered = blocks[order]
+    repeated = np.zeros(blocks.size, dtype=bool)
+    same = ordered[1:] == ordered[:-1]
+    repeated[1:] |= same
+    repeated[:-1] |= same
+    once = np.empty(blocks.size, dtype=bool)
+    once[order] = ~repeated
+    return once
+
+
 def _same_tables(before: tuple, after: tuple) -> bool:
     """Whether two views' tables are the very same tuples (the engine builds a new tuple for every change)."""
     return before is after or (len(before) == len(after) and all(a is b for a, b in zip(before, after,
@@ -242,12 +291,12 @@ def _held(block_tables: tuple, held: np.ndarray | None) -> np.ndarray:
     return held_blocks(block_tables) if held is None else held
 
 
-def _difference(before: tuple[int, tuple, np.ndarray | None], after: tuple) -> tuple[np.ndarray, np.ndarray]:
+def _difference(before: tuple[int, tuple, np.ndarray | None], after: tuple) -> tuple:
     """(blocks gained, blocks lost) between a request's tables at the last frame and now."""
     old_tables = before[1]
     if len(old_tables) == 1 and len(after) == 1:
         old, new = old_tables[0], after[0]
         if len(new) >= len(old) and new[:len(old)] == old:    # decoding: blocks added at the end
-            return np.array(new[len(old):], dtype=np.int64), np.zeros(0, dtype=np.int64)
+            return new[len(old):], ()
     held, old_held = held_blocks(after), _held(old_tables, before[2])
     return np.setdiff1d(held, old_held, assume_unique=True), np.setdiff1d(old_held, held, assume_unique=True)
