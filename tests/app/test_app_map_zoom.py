@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from app_harness import FakeEngines, burst_steps, make_app, started
+from app_harness import FakeEngines, burst_steps, make_app, started, window
 
 from kvscope.app.worker.commands import LaunchPreset
 from kvscope.engine.config import EngineConfig
@@ -23,7 +23,7 @@ async def _busy_big_pool(pilot):
     """Three requests sharing a system prompt on a pool of 40,000 blocks, the map focused, its cursor on the
     last request's last block."""
     app = pilot.app
-    await started(pilot)
+    await started(pilot)    # the snapshot tests hand over a window that has not started yet
     app.worker.send(LaunchPreset("shared", 3))
     await burst_steps(pilot, 4, 10)
     app.main.paint(force=True)
@@ -37,8 +37,7 @@ async def _busy_big_pool(pilot):
 
 
 async def test_zoom_shows_one_cell_per_block_around_the_cursor_and_esc_goes_back():
-    app = _app()
-    async with app.run_test(size=(120, 40)) as pilot:
+    async with window((120, 40), FakeEngines(fixed_clock=True), config=BIG_POOL) as (_, pilot):
         block_map, view = await _busy_big_pool(pilot)
         assert block_map.map_layout.blocks_per_cell > 1
         cursor_block = view.block_tables[0][-1]
@@ -60,8 +59,7 @@ async def test_zoom_shows_one_cell_per_block_around_the_cursor_and_esc_goes_back
 
 
 async def test_focus_shows_the_selected_requests_blocks_in_table_order():
-    app = _app()
-    async with app.run_test(size=(120, 40)) as pilot:
+    async with window((120, 40), FakeEngines(fixed_clock=True), config=BIG_POOL) as (app, pilot):
         block_map, view = await _busy_big_pool(pilot)
         app.main.view.select_request(view.request_id)
         await pilot.press("f")

@@ -98,9 +98,7 @@ async def test_the_replayed_map_shows_the_cells_the_live_run_had(tmp_path):
         for _ in range(NUM_STEPS):
             result = engine.step()
             live[result.stats.step] = result.snapshot
-    app = make_app(FakeEngines(), db_path=path, log_enabled=True)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window(db_path=path, log_enabled=True) as (app, pilot):
         await history_on(pilot, logger.run_id, num_runs=2)     # the app's own run and the logged one
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(app.screen, ReplayScreen))
