@@ -132,7 +132,7 @@ class EngineWorker(RequestCommands, StepPosting):
         try:
             self.start()
             while not self._stopping.is_set():
-                self.run_once(self._wait_time())
+                self.run_once(self._wait_time(), batch_steps=True)
         except BaseException as exc:    # the window must say the engine is gone, not look idle
             self._died = exc
             self._post(EngineDied(describe_error(exc)))
@@ -146,15 +146,18 @@ class EngineWorker(RequestCommands, StepPosting):
         if built is not None:
             self._install(*built)
 
-    def run_once(self, timeout: float | None = 0.0) -> None:
+    def run_once(self, timeout: float | None = 0.0, batch_steps: bool = False) -> None:
         """Apply the queued commands (waiting up to ``timeout`` for the first, None: for ever), then
-        take one step if one is due."""
+        take one step if one is due. The step is posted before this returns, unless ``batch_steps`` (the
+        thread's own loop) lets it wait to join the next ones (app/worker/step_posting.py)."""
         if self._until is not None and not self._has_work():
             self._end_until(met=False)
         self._tell_steps(now=timeout != 0)     # before waiting, the UI hears of every step taken
         self._take_commands(timeout)
         if not self._stopping.is_set() and self._step_due():
             self._step()
+        if not batch_steps:
+            self._tell_steps()
 
     def shutdown(self) -> None:
         """The thread is ending: end the requests in flight and close the run log."""
