@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvscope.engine.batch import ScheduledBatch
+from kvscope.engine.kv_cache_groups import KVCacheGroup
 from kvscope.engine.outputs import KVLayout
 
 # One entry per BatchItem: the token drawn for each of its sample_indices, or None when the item failed
@@ -40,6 +41,8 @@ class RunnerInfo:
     # `kvscope chat` and the server start from these, as vLLM takes its defaults from the generation_config.
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     kv_layout: KVLayout | None = None   # None for a runner that holds no real K/V and pretends no shape
+    # The layers grouped by attention kind (engine/kv_cache_groups.py); empty: one group, every layer full.
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()
 
 
 @runtime_checkable

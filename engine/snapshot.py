@@ -41,12 +41,13 @@ def request_view(request: Request, scheduler: Scheduler, cache: KVCacheState) ->
         return view
     block_size = scheduler.block_size
     first = request.seqs[0]
-    if len(request.seqs) == 1:
+    if len(request.seqs) == 1 and not first.group_tables:
         block_tables = (first.block_table,)
         host_block_tables = (first.host_block_table,) if first.host_block_table else ()
         reserved = len(first.block_table) * block_size
         used = first.num_computed_tokens if first.block_table else 0
     else:
+        # Several samples, or KV-cache groups (a sliding window's freed slots are neither held nor used).
         live = request.live_seqs()
         block_tables = tuple(seq.block_table for seq in live)
         host_block_tables = tuple(seq.host_block_table for seq in live if seq.host_block_table)
