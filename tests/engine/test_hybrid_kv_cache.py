@@ -12,12 +12,7 @@ from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.block_pool import NULL_BLOCK
 from kvscope.engine.fake_runner import FakeRunner, fake_engine
 from kvscope.engine.hybrid_kv_cache_manager import HybridKVCacheManager
-from kvscope.engine.kv_cache_groups import (
-    KVCacheGroup,
-    blocks_per_sequence,
-    group_layers,
-    max_concurrency,
-)
+from kvscope.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence, group_layers, max_concurrency
 from kvscope.engine.kv_cache_manager import KVCacheManager
 
 BS = 4
