@@ -17,7 +17,7 @@ from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.kv_cache_groups import KVCacheGroup, group_layers, layers_per_block
 from kvscope.engine.model import patches, threads
 from kvscope.engine.model.layer_kinds import layer_attention_kinds
-from kvscope.engine.model.loader import ModelError, load_model, refusal
+from kvscope.engine.model.loader import load_model
 from kvscope.engine.model.memory import size_pool
 from kvscope.engine.model.sampler import Sampler, SampleRow
 from kvscope.engine.model.step_inputs import StepInputs
@@ -81,11 +81,11 @@ class ModelRunner:
         self.eos_token_ids = _eos_ids(self.model, tokenizer)
         self.block_size = config.block_size
         self.max_model_len = self._resolve_max_model_len(text_config)
-        _check_attention_features(text_config, self.max_model_len)
+        self.layer_windows = tuple(layer_attention_kinds(text_config))
         self.num_layers = text_config.num_hidden_layers
-        self.kv_cache_groups = model_kv_cache_groups(self.model.config, self.max_model_len, config.allocator)
-        self.inputs = StepInputs(self.block_size, self.max_model_len, self.device, self.kv_cache_groups,
-                                 self.num_layers)
+        self.kv_cache_groups = model_kv_cache_groups(self.layer_windows, self.max_model_len, config.allocator)
+        self.inputs = StepInputs(self.block_size, self.max_model_len, self.device, self.layer_windows,
+                                 self.kv_cache_groups)
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.head_dim = (getattr(text_config, "head_dim", None)
                          or text_config.hidden_size // text_config.num_attention_heads)
@@ -223,25 +223,15 @@ def _freeze_heap() -> None:
     atexit.register(gc.unfreeze)
 
 
-def model_kv_cache_groups(model_config, max_model_len: int, allocator: str) -> tuple[KVCacheGroup, ...]:
-    """The model's layers grouped by attention kind (engine/kv_cache_groups.py). A window of max_model_len or
-    more sees the whole of any context, so it is full attention; the contiguous allocator, the pre-paging
-    baseline, keeps one group whatever the layers are."""
+def model_kv_cache_groups(layer_windows, max_model_len: int, allocator: str) -> tuple[KVCacheGroup, ...]:
+    """The model's layers grouped by attention kind (engine/kv_cache_groups.py), from each layer's window
+    (engine/model/layer_kinds.py). A window of max_model_len or more sees the whole of any context, so its
+    layer keeps every block, as a full one; the contiguous allocator, the pre-paging baseline, keeps one
+    group whatever the layers are."""
     if allocator != "paged":
         return ()
     return group_layers([window if window is not None and window < max_model_len else None
-                         for window in layer_attention_kinds(model_config)])
-
-
-def _check_attention_features(text_config, max_model_len: int) -> None:
-    """Refuse attention variants our kernels do not implement, rather than compute wrong tokens."""
-    window = getattr(text_config, "sliding_window", None)
-    if getattr(text_config, "use_sliding_window", True) and window and window < max_model_len:
-        raise ModelError(refusal(text_config.model_type, f"it uses sliding-window attention ({window} tokens), which "
-                                 f"kvscope's kernels do not compute; run it with --max-model-len {window} or less"))
-    if getattr(text_config, "attn_logit_softcapping", None):
-        raise ModelError(refusal(text_config.model_type, "it soft-caps attention logits, which kvscope's "
-                                 "attention kernels do not compute"))
+                         for window in layer_windows])
 
 
 def sampling_defaults(generation_config) -> tuple[tuple[str, float | int], ...]:

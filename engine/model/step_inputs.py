@@ -20,16 +20,17 @@ from kvscope.engine.model.block_tables import BlockTables
 
 class StepInputs:
     def __init__(self, block_size: int, max_model_len: int, device: torch.device,
-                 groups: tuple[KVCacheGroup, ...] = (), num_layers: int = 0) -> None:
+                 layer_windows: tuple[int | None, ...] = (), groups: tuple[KVCacheGroup, ...] = ()) -> None:
         self.block_size = block_size
         self.device = device
+        self.layer_windows = layer_windows     # per layer: its sliding window (engine/model/layer_kinds.py)
         self.groups = groups
         width = -(-max_model_len // block_size)
         # Persistent block tables (engine/model/block_tables.py): one per group.
         self.block_tables = [BlockTables(width, index, group.sliding_window is not None)
                              for index, group in enumerate(groups)] or [BlockTables(width)]
         # (group, slot in the pool) of each model layer.
-        self.layer_places = [(0, layer) for layer in range(num_layers)]
+        self.layer_places = [(0, layer) for layer in range(len(layer_windows))]
         for index, group in enumerate(groups):
             for slot, layer in enumerate(group.layers):
                 self.layer_places[layer] = (index, slot)
@@ -66,6 +67,7 @@ class StepInputs:
             # Known on the host: passing it spares the CUDA kernel a device-to-host sync per layer.
             "prefill_max_query_len": max((len(item.token_ids) for item in prefill), default=0),
             "decode_context_lens": self._tensor((starts + 1).astype(np.int32)) if decode else None,
+            "layer_windows": self.layer_windows,
         }
         contexts = [self._group_context(tables, items, num_prefill, prefill_lens, starts, kv_cache, shared)
                     for tables in self.block_tables]
