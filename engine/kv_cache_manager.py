@@ -76,6 +76,8 @@ class CopyOnWrite(NamedTuple):
 
 
 class KVCacheManager:
+    groups: tuple = ()      # KV-cache groups kept apart (engine/kv_cache_groups.py); none: one, every layer full
+
     def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, *,
                  enable_prefix_caching: bool = True, allocator: str = "paged", max_model_len: int) -> None:
         self.block_size = block_size
