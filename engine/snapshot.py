@@ -47,6 +47,7 @@ def request_view(request: Request, scheduler: Scheduler, cache: KVCacheState) ->
         host_block_tables = (first.host_block_table,) if first.host_block_table else ()
         reserved = len(first.block_table) * block_size
         used = first.num_computed_tokens if first.block_table else 0
+        group_tables = ()
     else:
         # Several samples, or KV-cache groups (a sliding window's freed slots are neither held nor used).
         live = request.live_seqs()
@@ -54,8 +55,8 @@ def request_view(request: Request, scheduler: Scheduler, cache: KVCacheState) ->
         host_block_tables = tuple(seq.host_block_table for seq in live if seq.host_block_table)
         # Views are built right after publishing, while the live fill is still the published version's.
         reserved, used = _shared_slots(live, scheduler.block_size, cache.live_fill)
-    # Device tables only, as block_tables: a swapped request's are in the host pool.
-    group_tables = tuple(seq.group_tables for seq in request.live_seqs()) if first.group_tables else ()
+        # Device tables only, as block_tables: a swapped request's are in the host pool.
+        group_tables = tuple(seq.group_tables for seq in live) if any(seq.group_tables for seq in live) else ()
     view = request.view = RequestView(    # positional: this runs for every touched request every step
         request.request_id, request.status, request.arrival_index, block_tables, host_block_tables,
         first.num_prompt_tokens, len(first.token_ids) - first.num_prompt_tokens, request.params.max_tokens,

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 
 
 def engine(groups=FULL_AND_SLIDING, num_blocks=256, **config):
-    config = EngineConfig(block_size=BS, **config)
+    config = EngineConfig(**{"block_size": BS, **config})
     return fake_engine(config, num_blocks=num_blocks, max_model_len=128, kv_cache_groups=groups)
 
 
@@ -171,3 +171,13 @@ def test_a_groups_prefix_key_never_equals_another_prefixs_chain_hash():
     e.add_request([0, 1], params)
     outputs = run_checked(e)
     assert outputs[-1].num_cached_tokens == 1 and outputs[0].token_ids == outputs[-1].token_ids
+
+
+def test_the_snapshot_keeps_group_tables_when_sample_0_finishes_first():
+    """A request whose sample 0 finished while another sample runs once lost its group tables in the snapshot."""
+    e = engine(groups=(KVCacheGroup((0,), 1),), num_blocks=6, block_size=1, max_num_seqs=2,
+               max_num_batched_tokens=3, enable_prefix_caching=False)
+    for max_tokens in (1, 1, 1, 1, 2):
+        e.add_request([0], SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    e.add_request([0], SamplingParams(n=3, max_tokens=2, temperature=0.0))
+    run_checked(e)

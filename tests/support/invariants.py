@@ -171,7 +171,7 @@ def _check_result(engine, result) -> None:
         live = [seq for seq in request.seqs if seq.finish_reason is None]
         assert view.queue == request.status
         assert view.block_tables == tuple(tuple(seq.block_table) for seq in live)
-        if live and live[0].group_tables:
+        if any(seq.group_tables for seq in live):
             assert view.group_block_tables == tuple(seq.group_tables for seq in live)
         assert view.num_output_tokens == request.seqs[0].num_output_tokens
         assert view.num_computed_tokens == request.seqs[0].num_computed_tokens
