@@ -26,7 +26,8 @@ _STOCK = "_kvscope_stock_attention"     # the implementation the model had befor
 
 @dataclass
 class AttentionContext:
-    """Everything paged attention needs for one step; the same object for every layer."""
+    """Everything paged attention needs for one step; the same object for every layer, or with KV-cache groups,
+    each layer's group's (``layer_contexts``, indexed by layer: engine/model/step_inputs.py)."""
 
     kv_cache: torch.Tensor           # [layers, 2, blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor       # [tokens] int64, prefill tokens first
@@ -38,6 +39,7 @@ class AttentionContext:
     decode_block_tables: torch.Tensor | None
     decode_context_lens: torch.Tensor | None
     layer_windows: tuple[int | None, ...]   # per layer: its sliding window, None for full attention
+    layer_contexts: list[AttentionContext] | None = None
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -46,7 +48,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     """transformers calls this per layer with query [1, Hq, T, D] and key/value [1, Hkv, T, D]."""
     if kvscope_ctx is None:
         raise RuntimeError("kvscope attention was called without a step context")
-    ctx = kvscope_ctx
+    ctx = kvscope_ctx.layer_contexts[module.layer_idx] if kvscope_ctx.layer_contexts else kvscope_ctx
     window = ctx.layer_windows[module.layer_idx]
     if sliding_window is not None and sliding_window != window:
         raise RuntimeError(f"layer {module.layer_idx} attends with a sliding window of {sliding_window} tokens "
