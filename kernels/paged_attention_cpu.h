@@ -133,6 +133,7 @@ struct Variant {
   const float* sinks;  // [num_q_heads] or nullptr
 
   int64_t first_visible(int64_t position) const { return window ? std::max<int64_t>(0, position - window + 1) : 0; }
+  bool is_plain() const { return window == 0 && softcap == 0.0f && sinks == nullptr; }
 };
 
 inline float soft_cap(float score, float cap) { return cap * std::tanh(score / cap); }
