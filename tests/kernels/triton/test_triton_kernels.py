@@ -198,6 +198,7 @@ def test_kernels_compile_for_hopper():
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     builds = [json.loads(line) for line in result.stdout.splitlines()]
-    assert {build["kernel"] for build in builds} == {"decode", "prefill", "store_kv", "copy_blocks"}
+    assert {build["kernel"] for build in builds} == {"decode", "decode_split", "decode_reduce", "prefill", "store_kv",
+                                                     "copy_blocks"}
     for build in builds:
         assert build.get("stack", 0) <= 64, build
