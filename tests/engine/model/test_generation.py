@@ -147,6 +147,21 @@ def test_the_default_cpu_path_is_the_cpp_kernels_on_packed_linears(case, cpp_att
     assert_matches(case, run_all(engine, case, range(NUM_PROMPTS)))
 
 
+def test_the_torch_attention_path_computes_the_same_variants(case, monkeypatch):
+    """Where the C++ kernels cannot serve (no compiler, float16) the torch reference does: windows, soft-caps and
+    sinks included."""
+    if case.arch not in TINY_WINDOW_ARCHS:
+        pytest.skip("the plain families' torch path is tested in test_truth.py")
+    monkeypatch.setenv("KVSCOPE_CPU_KERNELS", "torch")
+    cpu.status.cache_clear()
+    try:
+        engine = build_engine(case, max_num_batched_tokens=40)
+        assert_matches(case, run_all(engine, case, range(NUM_PROMPTS)))
+        assert not cpu.available()
+    finally:
+        cpu.status.cache_clear()   # the next test finds the machine's own choice again
+
+
 def test_two_greedy_samples_share_the_prompt(case):
     finals = run_all(build_engine(case), case, [3, 4], n=2)
     for i, output in finals.items():
