@@ -31,7 +31,6 @@ from kvscope.app.messages import (
     EngineInfo,
     EngineReady,
     EngineStarting,
-    EngineStepped,
     PresetLaunched,
     QueueChanged,
     RequestRejected,
@@ -39,6 +38,7 @@ from kvscope.app.messages import (
     RunState,
     RunStateChanged,
     RunUntilDone,
+    StepsReady,
 )
 from kvscope.app.runlog import record_run
 from kvscope.app.screens.explain import ExplainScreen
@@ -183,12 +183,13 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
                         + (f". {network}" if network else ""), title="Serving",
                         severity="warning" if network else "information", timeout=12)
 
-    def on_engine_stepped(self, message: EngineStepped) -> None:
-        self.worker.ack()
-        if self.main.is_attached:  # steps still arrive while the app shuts down
-            self.main.ingest(message.result)
-        if self.lesson_screen is not None:
-            self.lesson_screen.ingest(message.result)
+    def on_steps_ready(self, message: StepsReady) -> None:
+        for stepped in message.batch.take():
+            self.worker.ack()
+            if self.main.is_attached:  # steps still arrive while the app shuts down
+                self.main.ingest(stepped.result)
+            if self.lesson_screen is not None:
+                self.lesson_screen.ingest(stepped.result)
 
     def on_queue_changed(self, message: QueueChanged) -> None:
         self.main.show_queue(message.snapshot)

@@ -7,6 +7,7 @@ Textual's Message runs its own set-up from ``__post_init__``.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from textual.message import Message
@@ -64,9 +65,46 @@ class EngineReady(Message):
 
 @dataclass
 class EngineStepped(Message):
-    """One engine step. Posted once per step; the UI draws the newest and keeps every output."""
+    """One engine step, handed over in a StepsReady; the UI draws the newest and keeps every output."""
 
     result: StepResult
+
+
+class StepBatch:
+    """The steps one StepsReady hands over, in order. Closed once the UI takes them, or once the engine thread
+    posts another message (the steps after it then come in a batch of their own, so nothing overtakes it)."""
+
+    def __init__(self) -> None:
+        self._steps: list[EngineStepped] = []
+        self._lock = threading.Lock()     # the engine thread adds while the UI takes
+        self._open = True
+
+    def add(self, step: EngineStepped) -> bool:
+        """Add a step; False when the batch is closed (the caller starts another)."""
+        with self._lock:
+            if self._open:
+                self._steps.append(step)
+            return self._open
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
+
+    def take(self) -> list[EngineStepped]:
+        with self._lock:
+            self._open = False
+            steps, self._steps = self._steps, []
+        return steps
+
+
+class StepsReady(Message):
+    """Engine steps wait for the UI in ``batch``. One message stands for every step taken until the UI takes
+    them: at hundreds of steps a second, posting and dispatching one message per step cost the engine and the
+    UI more than handling the steps themselves."""
+
+    def __init__(self, batch: StepBatch) -> None:
+        super().__init__()
+        self.batch = batch
 
 
 @dataclass

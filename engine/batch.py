@@ -24,6 +24,8 @@ class BatchItem(NamedTuple):
     block_table: tuple[int, ...]
     sample_indices: tuple[int, ...]    # () mid-prefill; (k,) decode of sample k; (0..n-1) when an n>1 prompt completes
     params: SamplingParams
+    # With KV-cache groups: each group's table (Sequence.group_tables), and block_table is every block held.
+    group_tables: tuple[tuple[int, ...], ...] = ()
 
     @property
     def context_len(self) -> int:

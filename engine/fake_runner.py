@@ -7,6 +7,11 @@ its block table. When ``verify`` is on, a context that differs from what the
 sequence should hold raises AssertionError: that is how the tests prove that
 copy-on-write, swap, prefix caching and preemption keep the cache right.
 
+Given KV-cache groups (engine/kv_cache_groups.py), it writes each group's blocks
+and reads each group as its layers would: a full group the whole context, a
+sliding group only the positions the step's first query can see. A read that
+meets a NULL_BLOCK entry, or a block the pool holds as free, raises too.
+
 The next token is a deterministic function of the context read back, so a
 request's output does not depend on how it was scheduled, only on its tokens.
 
@@ -24,7 +29,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
+from kvscope.engine.block_pool import NULL_BLOCK
 from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.kv_cache_groups import KVCacheGroup
 from kvscope.engine.outputs import KVLayout
 from kvscope.engine.runner import RunnerInfo, RunnerOutput, format_banner
 
@@ -105,7 +112,7 @@ class FakeRunner:
 
     def __init__(self, config: EngineConfig, *, num_blocks: int | None = None, num_host_blocks: int = 0,
                  max_model_len: int | None = None, verify: bool = True, eos_period: int | None = None,
-                 fail_on: Sequence[str] = ()) -> None:
+                 fail_on: Sequence[str] = (), kv_cache_groups: tuple[KVCacheGroup, ...] = ()) -> None:
         self.tokenizer = FakeTokenizer()
         self.block_size = config.block_size
         self.kv_layout = KVLayout(_LAYERS, _KV_HEADS, _HEAD_DIM, 2 if config.dtype in ("bfloat16", "float16") else 4)
@@ -119,12 +126,17 @@ class FakeRunner:
         self.fault_at: str | None = None        # "moves" | "forward" | "sample": the next execute() raises there
         # Set by fake_engine(): the tokens a sequence should hold, to check the context read back.
         self.expected_tokens: Callable[[BatchItem], Sequence[int]] | None = None
+        # Set by fake_engine(): whether the engine's pool holds a block as free (nobody may read one).
+        self.block_is_free: Callable[[int], bool] | None = None
+        # The contiguous allocator is the pre-paging baseline: one group, whatever the model's layers are.
+        kv_cache_groups = tuple(kv_cache_groups) if config.allocator == "paged" else ()
+        self.windows = tuple(group.sliding_window for group in kv_cache_groups)
         # The header and the run log show the configured names: there is no model, device or dtype to report.
         self.info = RunnerInfo(
             model_name=config.model, device=config.device, dtype=config.dtype, block_size=self.block_size,
             num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks, max_model_len=max_model_len,
             vocab_size=self.tokenizer.vocab_size, eos_token_ids=frozenset({self.tokenizer.eos_token_id}),
-            kv_cache_bytes=None, kv_layout=self.kv_layout,
+            kv_cache_bytes=None, kv_layout=self.kv_layout, kv_cache_groups=kv_cache_groups,
             banner=format_banner(num_device_blocks, self.block_size, None, max_model_len) + " (fake runner)")
         self.pool = np.full((num_device_blocks, self.block_size), -1, dtype=np.int64)
         self.host_pool = np.full((max(num_host_blocks, 1), self.block_size), -1, dtype=np.int64)
@@ -136,9 +148,11 @@ class FakeRunner:
         if self.verify:
             # Write everything first, then read: a real forward stores a layer's K/V before attending.
             for item in batch.items:
-                self.pool[self._slots(item, item.start_pos)] = item.token_ids
+                for table in item.group_tables or (item.block_table,):
+                    self.pool[self._slots(item, item.start_pos, table)] = item.token_ids
             self._fault("forward")
-            hashes = [self._read_context(item) for item in batch.items]
+            read = self._read_groups if self.windows else self._read_context
+            hashes = [read(item) for item in batch.items]
         else:
             self._fault("forward")
             hashes = [_mix(item.token_ids[-1] * 1_000_003 + item.context_len) for item in batch.items]
@@ -164,21 +178,43 @@ class FakeRunner:
         for src, dst in batch.blocks_to_copy:
             self.pool[dst] = self.pool[src]
 
-    def _slots(self, item: BatchItem, start: int) -> tuple[np.ndarray, np.ndarray]:
+    def _slots(self, item: BatchItem, start: int, table=None) -> tuple[np.ndarray, np.ndarray]:
         positions = np.arange(start, item.context_len)
-        table = np.asarray(item.block_table, dtype=np.int64)
+        table = np.asarray(item.block_table if table is None else table, dtype=np.int64)
         return table[positions // self.block_size], positions % self.block_size
 
-    def _read_context(self, item: BatchItem) -> int:
-        context = self.pool[self._slots(item, 0)]
+    def _read_context(self, item: BatchItem, table=None, start: int = 0) -> int:
+        """Read positions ``start ..`` of the context through ``table`` (the item's own by default), check them,
+        and hash them with their positions."""
+        blocks, offsets = self._slots(item, start, table)
+        if (blocks == NULL_BLOCK).any():
+            raise AssertionError(f"request {item.request_id} read a NULL block-table entry: table {table}, "
+                                 f"positions {start}..{item.context_len - 1}")
+        if self.block_is_free is not None:
+            free = [int(block) for block in np.unique(blocks) if self.block_is_free(int(block))]
+            if free:
+                raise AssertionError(f"request {item.request_id} read freed blocks {free}")
+        context = self.pool[blocks, offsets]
         if self.expected_tokens is not None:
-            expected = np.asarray(self.expected_tokens(item)[:item.context_len], dtype=np.int64)
+            expected = np.asarray(self.expected_tokens(item)[start:item.context_len], dtype=np.int64)
             if not np.array_equal(context, expected):
-                bad = int(np.flatnonzero(context != expected)[0]) if len(context) == len(expected) else -1
+                bad = int(np.flatnonzero(context != expected)[0]) + start if len(context) == len(expected) else -1
                 raise AssertionError(f"KV cache of request {item.request_id} (seq {item.seq_id}) is wrong at "
-                                     f"position {bad}: block table {item.block_table}, "
+                                     f"position {bad}: block table {table or item.block_table}, "
                                      f"read {context.tolist()}, expected {expected.tolist()}")
-        return int((context.astype(np.uint64) * self._weights[:item.context_len]).sum())
+        return int((context.astype(np.uint64) * self._weights[start:item.context_len]).sum())
+
+    def _read_groups(self, item: BatchItem) -> int:
+        """Read every group as its layers would; the next token comes from the first full group's context, or,
+        with none, from the last window."""
+        hashes = []
+        for window, table in zip(self.windows, item.group_tables, strict=True):
+            start = 0 if window is None else max(0, item.start_pos - window + 1)
+            hashes.append(self._read_context(item, table, start))
+        if None in self.windows:
+            return hashes[self.windows.index(None)]
+        window = self.windows[0]
+        return self._read_context(item, item.group_tables[0], max(0, item.context_len - window))
 
     def _next_token(self, context_hash: int, sample_index: int, params: SamplingParams) -> int:
         if params.greedy:
@@ -201,4 +237,6 @@ def fake_engine(config: EngineConfig | None = None, **runner_kwargs):
             return engine.scheduler.get_sequence(item.request_id, item.seq_id).token_ids
 
         runner.expected_tokens = expected_tokens
+        ref_counts = engine.scheduler.kv.block_pool.ref_counts
+        runner.block_is_free = lambda block: ref_counts[block] == 0
     return engine

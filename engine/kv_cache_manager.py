@@ -34,6 +34,19 @@ def hash_block(parent_hash: int, token_ids) -> int:
     return (hash((parent_hash, *token_ids)) & _HASH_MASK) or 1
 
 
+def fill_blocks(pool: BlockPool, table: tuple[int, ...], old: int, new: int) -> None:
+    """Record that ``table``'s slots for positions ``old .. new - 1`` now hold computed K/V."""
+    bs, fill = pool.block_size, pool.fill
+    if new - old == 1:  # a decode: one slot in one block
+        block = table[old // bs]
+        fill[block] = old % bs + 1
+        pool.mark((block,))
+    else:
+        for i in range(old // bs, cdiv(new, bs)):
+            fill[table[i]] = min(bs, new - i * bs)
+        pool.mark(table[old // bs:cdiv(new, bs)])
+
+
 class KVCacheState(NamedTuple):
     """Both pools' state at one moment, for a snapshot and its stats: the device pool's per-block arrays as
     a published version (engine/block_changes.py: built whole only when asked), and plain counts."""
@@ -63,6 +76,8 @@ class CopyOnWrite(NamedTuple):
 
 
 class KVCacheManager:
+    groups: tuple = ()      # KV-cache groups kept apart (engine/kv_cache_groups.py); none: one, every layer full
+
     def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, *,
                  enable_prefix_caching: bool = True, allocator: str = "paged", max_model_len: int) -> None:
         self.block_size = block_size
@@ -160,14 +175,18 @@ class KVCacheManager:
         need, copy_on_write = self._count_growth(request, plan, pool, on_host=False)
         if need > pool.num_free_blocks:
             return False
-        for seq in copy_on_write:
-            self._copy_last_block(seq)
+        for seq, group in copy_on_write:
+            self._copy_last_block(seq, group)
         bs = self.block_size
         for seq, num_new in plan:
-            missing = cdiv(seq.num_computed_tokens + num_new, bs) - len(seq.block_table)
+            missing = cdiv(seq.num_computed_tokens + num_new, bs) - len(self._tables(seq, False)[0])
             if missing > 0:
-                seq.block_table += tuple(pool.allocate(missing))
+                self._grow(seq, missing)
         return True
+
+    def _grow(self, seq: Sequence, missing: int) -> None:
+        """Append ``missing`` new blocks to each of the sample's tables."""
+        seq.block_table += tuple(self.block_pool.allocate(missing))
 
     def append_slot(self, seq: Sequence) -> bool:
         """Room for one more token of an unshared sample; False, changing nothing, if no block is free."""
@@ -179,34 +198,41 @@ class KVCacheManager:
         return True
 
     def _count_growth(self, request: Request, plan, pool: BlockPool,
-                      on_host: bool) -> tuple[int, list[Sequence]]:
-        """Blocks the plan needs, and the samples whose next write lands in a block another sample shares."""
+                      on_host: bool) -> tuple[int, list[tuple[Sequence, int]]]:
+        """Blocks the plan needs, and the (sample, group) whose next write lands in a block another sample shares."""
         bs = self.block_size
         shares = request.params.n > 1 and not self.contiguous
         pending_refs: dict[int, int] = {}
         need = 0
         copy_on_write = []
         for seq, num_new in plan:
-            table = seq.host_block_table if on_host else seq.block_table
             start = seq.num_computed_tokens
-            if shares and start % bs and num_new:
-                block = table[start // bs]
-                refs = pending_refs.get(block, int(pool.ref_counts[block]))
-                if refs > 1:    # the last sharer to write keeps the original block
-                    pending_refs[block] = refs - 1
-                    copy_on_write.append(seq)
-                    need += 1
-            need += max(0, cdiv(start + num_new, bs) - len(table))
+            for group, table in enumerate(self._tables(seq, on_host)):
+                if shares and start % bs and num_new:
+                    block = table[start // bs]
+                    refs = pending_refs.get(block, int(pool.ref_counts[block]))
+                    if refs > 1:    # the last sharer to write keeps the original block
+                        pending_refs[block] = refs - 1
+                        copy_on_write.append((seq, group))
+                        need += 1
+                need += max(0, cdiv(start + num_new, bs) - len(table))
         return need, copy_on_write
 
-    def _copy_last_block(self, seq: Sequence) -> None:
+    def _tables(self, seq: Sequence, on_host: bool) -> tuple[tuple[int, ...], ...]:
+        """The sample's block tables, one per KV-cache group: here, the one."""
+        return (seq.host_block_table if on_host else seq.block_table,)
+
+    def _set_table(self, seq: Sequence, group: int, table: tuple[int, ...]) -> None:
+        seq.block_table = table
+
+    def _copy_last_block(self, seq: Sequence, group: int) -> None:
         pool = self.block_pool
         index = seq.num_computed_tokens // self.block_size
-        table = seq.block_table
+        table = self._tables(seq, False)[group]
         src = table[index]
         dst = pool.allocate(1)[0]
         pool.fill[dst] = pool.fill[src]     # allocate() marked dst
-        seq.block_table = (*table[:index], dst, *table[index + 1:])
+        self._set_table(seq, group, (*table[:index], dst, *table[index + 1:]))
         pool.free([src])
         self.blocks_to_copy.append((src, dst))
         pool.kv_event_queue.append(CopyOnWrite(seq.index, src, dst))
@@ -232,16 +258,7 @@ class KVCacheManager:
         the blocks now full. The caller advances num_computed_tokens."""
         bs = self.block_size
         new = old + num_new
-        pool = self.block_pool
-        table, fill = seq.block_table, pool.fill
-        if num_new == 1:    # a decode: one slot in one block
-            block = table[old // bs]
-            fill[block] = old % bs + 1
-            pool.mark((block,))
-        else:
-            for i in range(old // bs, cdiv(new, bs)):
-                fill[table[i]] = min(bs, new - i * bs)
-            pool.mark(table[old // bs:cdiv(new, bs)])
+        fill_blocks(self.block_pool, seq.block_table, old, new)
         if self.enable_prefix_caching and new // bs > old // bs:
             self._extend_hashes(seq, new // bs)
             self._register(seq, old // bs, new // bs)

@@ -43,7 +43,8 @@ class LLMEngine:
         info = self.info
         self.prompts = PromptTokenizer(self.tokenizer, info.vocab_size, info.max_model_len)
         self.scheduler = Scheduler(config, num_blocks=info.num_device_blocks, num_host_blocks=info.num_host_blocks,
-                                   block_size=info.block_size, max_model_len=info.max_model_len)
+                                   block_size=info.block_size, max_model_len=info.max_model_len,
+                                   kv_cache_groups=info.kv_cache_groups)
         self.step_counter = 0
         self._arrivals = itertools.count()
         self._request_ids = itertools.count()

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvscope.engine.block_changes import BlockArrays
+from kvscope.engine.kv_cache_groups import KVCacheGroup
 
 # Values of CacheSnapshot.block_state.
 BLOCK_FREE = 0      # ref count 0, holds no cached prefix
@@ -174,6 +175,9 @@ class RequestView(NamedTuple):
     reserved_slots: int                 # slots the allocator holds for this request
     used_slots: int                     # slots holding real tokens
     prompt_preview: str = ""
+    # With KV-cache groups: per live sample, its table in each group (-1 where a sliding window freed a block);
+    # block_tables then hold every block a sample holds, group after group. Empty with one group.
+    group_block_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
 
 def _block_array(index: int) -> property:
@@ -194,6 +198,7 @@ class CacheSnapshot:
     requests: tuple[RequestView, ...] = field(default_factory=tuple)
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()     # empty: one group, every layer full
 
     def __init__(self, step: int, block_size: int, num_blocks: int, allocator: str,
                  block_state: np.ndarray | None = None,     # int8 [num_blocks], BLOCK_* values
@@ -201,14 +206,16 @@ class CacheSnapshot:
                  block_fill: np.ndarray | None = None,      # int16 [num_blocks], token slots written
                  block_hashes: np.ndarray | None = None,    # uint64 [num_blocks], 0 = no cached hash
                  requests: tuple[RequestView, ...] = (), num_host_blocks: int = 0,
-                 num_free_host_blocks: int = 0, blocks: BlockArrays | None = None) -> None:
+                 num_free_host_blocks: int = 0, blocks: BlockArrays | None = None,
+                 kv_cache_groups: tuple[KVCacheGroup, ...] = ()) -> None:
         given = (block_state, ref_counts, block_fill, block_hashes)
         if blocks is None or any(a is not None for a in given):
             base = blocks.arrays() if blocks is not None else (None,) * 4
             blocks = BlockArrays.whole(a if a is not None else b for a, b in zip(given, base, strict=True))
         for name, value in (("step", step), ("block_size", block_size), ("num_blocks", num_blocks),
                             ("allocator", allocator), ("blocks", blocks), ("requests", tuple(requests)),
-                            ("num_host_blocks", num_host_blocks), ("num_free_host_blocks", num_free_host_blocks)):
+                            ("num_host_blocks", num_host_blocks), ("num_free_host_blocks", num_free_host_blocks),
+                            ("kv_cache_groups", tuple(kv_cache_groups))):
             object.__setattr__(self, name, value)
 
     block_state = _block_array(0)
@@ -217,14 +224,32 @@ class CacheSnapshot:
     block_hashes = _block_array(3)
 
     def owners(self, block_id: int) -> list[tuple[str, int, int]]:
-        """(request id, sample index, logical index) for each table entry pointing at block_id."""
+        """(request id, sample index, logical index) for each table entry pointing at block_id; with KV-cache
+        groups the logical index is in the block's group's table (block_group names the group)."""
         found = []
         for req in self.requests:
-            for sample, table in enumerate(req.block_tables):
-                for logical, physical in enumerate(table):
-                    if physical == block_id:
-                        found.append((req.request_id, sample, logical))
+            for sample, tables in enumerate(req.group_block_tables or [(table,) for table in req.block_tables]):
+                for table in tables:
+                    for logical, physical in enumerate(table):
+                        if physical == block_id:
+                            found.append((req.request_id, sample, logical))
         return found
+
+    def block_group(self, block_id: int) -> int | None:
+        """The KV-cache group whose table holds block_id (None with one group, or for a block nobody holds)."""
+        for req in self.requests:
+            for tables in req.group_block_tables:
+                for group, table in enumerate(tables):
+                    if block_id in table:
+                        return group
+        return None
+
+    def group_label(self, group: int) -> str:
+        """How the window and the block table name a group: "full" or "sliding 512", with its layers."""
+        spec = self.kv_cache_groups[group]
+        kind = "full" if spec.sliding_window is None else f"sliding {spec.sliding_window}"
+        layers = ",".join(map(str, spec.layers))
+        return f"group {group} ({kind}, layer{'s' if len(spec.layers) > 1 else ''} {layers})"
 
     def owner_index(self) -> np.ndarray:
         """int32 [num_blocks]: arrival_index of a block's (first) owner, -1 where unowned."""

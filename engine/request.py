@@ -32,7 +32,8 @@ class Sequence:
     """One sample: its tokens, how many of them are in the KV cache, and where they live."""
 
     __slots__ = ("seq_id", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_table",
-                 "host_block_table", "block_hashes", "finish_reason", "detokenizer")
+                 "host_block_table", "group_tables", "host_group_tables", "block_hashes", "finish_reason",
+                 "detokenizer")
 
     def __init__(self, index: int, prompt_token_ids: list[int], detokenizer: IncrementalDetokenizer | None):
         self.seq_id = next(_seq_ids)
@@ -44,6 +45,11 @@ class Sequence:
         # change: a batch item or a snapshot view can hold one without copying, and it never goes stale.
         self.block_table: tuple[int, ...] = ()
         self.host_block_table: tuple[int, ...] = ()
+        # With KV-cache groups (engine/kv_cache_groups.py): one table per group, NULL_BLOCK where a sliding
+        # window freed a block; block_table and host_block_table are then every block held, group after group.
+        # Empty for a model with one group.
+        self.group_tables: tuple[tuple[int, ...], ...] = ()
+        self.host_group_tables: tuple[tuple[int, ...], ...] = ()
         self.block_hashes: list[int] = []   # prefix-cache hash of each full block, as far as computed
         self.finish_reason: FinishReason | None = None
         self.detokenizer = detokenizer

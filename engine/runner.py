@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvscope.engine.batch import ScheduledBatch
+from kvscope.engine.kv_cache_groups import KVCacheGroup, max_concurrency, pool_tokens
 from kvscope.engine.outputs import KVLayout
 
 # One entry per BatchItem: the token drawn for each of its sample_indices, or None when the item failed
@@ -40,6 +41,8 @@ class RunnerInfo:
     # `kvscope chat` and the server start from these, as vLLM takes its defaults from the generation_config.
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     kv_layout: KVLayout | None = None   # None for a runner that holds no real K/V and pretends no shape
+    # The layers grouped by attention kind (engine/kv_cache_groups.py); empty: one group, every layer full.
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()
 
 
 @runtime_checkable
@@ -53,13 +56,17 @@ class Runner(Protocol):
         ...
 
 
-def kv_cache_sentence(device: str, num_tokens: int, max_model_len: int, detail: str = "") -> str:
+def kv_cache_sentence(device: str, num_tokens: int, max_model_len: int, detail: str = "",
+                      concurrency: float | None = None) -> str:
     """vLLM's KV-cache line, in its words and number format, written once for the window, the engine's banner
     and the server's log: "CPU KV cache size: 46,592 tokens, Maximum concurrency for 1,024 tokens per request:
-    45.50x"; ``detail`` goes in brackets after the size."""
+    45.50x"; ``detail`` goes in brackets after the size. ``concurrency`` defaults to the tokens over
+    max_model_len (one group: every layer holds every token)."""
+    if concurrency is None:
+        concurrency = num_tokens / max_model_len
     return (f"{'GPU' if device.startswith('cuda') else 'CPU'} KV cache size: {num_tokens:,} tokens"
             f"{f' ({detail})' if detail else ''}, Maximum concurrency for {max_model_len:,} tokens per request: "
-            f"{num_tokens / max_model_len:.2f}x")
+            f"{concurrency:.2f}x")
 
 
 def pool_warning(info: RunnerInfo) -> str | None:
@@ -74,9 +81,15 @@ def pool_warning(info: RunnerInfo) -> str | None:
 
 
 def format_banner(num_blocks: int, block_size: int, pool_bytes: int | None, max_model_len: int,
-                  device: str = "cpu") -> str:
+                  device: str = "cpu", groups: tuple[KVCacheGroup, ...] = (), chunk: int = 1) -> str:
     """vLLM's start-up line with the blocks it is made of: "CPU KV cache size: 46,592 tokens (2,912 blocks x 16,
-    2,048 MiB), Maximum concurrency for 1,024 tokens per request: 45.50x"."""
+    2,048 MiB), Maximum concurrency for 1,024 tokens per request: 45.50x". With KV-cache groups the tokens are
+    those every group can hold at once, and the concurrency counts what each group holds of a request
+    (computing ``chunk`` tokens a step), as vLLM counts them."""
     size = f", {pool_bytes / 2**20:,.0f} MiB" if pool_bytes is not None else ""
     detail = f"{num_blocks:,} blocks x {block_size}{size}"
-    return kv_cache_sentence(device, num_blocks * block_size, max_model_len, detail)
+    if not groups:
+        return kv_cache_sentence(device, num_blocks * block_size, max_model_len, detail)
+    detail += f", {len(groups)} KV-cache groups"
+    return kv_cache_sentence(device, pool_tokens(groups, num_blocks, block_size), max_model_len, detail,
+                             max_concurrency(groups, num_blocks, block_size, max_model_len, chunk))

@@ -22,7 +22,9 @@ from typing import NamedTuple
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.kv_cache_manager import CopyOnWrite, KVCacheManager, KVCacheState
+from kvscope.engine.hybrid_kv_cache_manager import make_kv_cache_manager
+from kvscope.engine.kv_cache_groups import KVCacheGroup
+from kvscope.engine.kv_cache_manager import CopyOnWrite, KVCacheState
 from kvscope.engine.outputs import (
     BlockRemoved,
     EngineEvent,
@@ -67,14 +69,13 @@ class StepUpdate(NamedTuple):
 
 class Scheduler:
     def __init__(self, config: EngineConfig, *, num_blocks: int, num_host_blocks: int, block_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, kv_cache_groups: tuple[KVCacheGroup, ...] = ()) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.preemption_mode = config.preemption_mode
         self.block_size = block_size
-        self.kv = KVCacheManager(num_blocks, num_host_blocks, block_size,
-                                 enable_prefix_caching=config.enable_prefix_caching,
-                                 allocator=config.allocator, max_model_len=max_model_len)
+        self.kv = make_kv_cache_manager(config, num_blocks, num_host_blocks, block_size, max_model_len,
+                                        kv_cache_groups)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []    # sorted by arrival: the last one is the next victim
         self.swapped: list[Request] = []    # sorted by arrival: the first one comes back first
@@ -181,7 +182,7 @@ class Scheduler:
         self._scheduled.append((request, seq, 1))
         # Positional, and built here rather than in a second pass: this runs for every request every step.
         self._items.append(BatchItem(seq.seq_id, request.request_id, (token_ids[start],), start, seq.block_table,
-                                     _FIRST_SAMPLE, request.params))
+                                     _FIRST_SAMPLE, request.params, seq.group_tables))
         if start >= seq.num_prompt_tokens:
             self._num_decode_tokens += 1
         else:
@@ -261,7 +262,7 @@ class Scheduler:
         else:
             self._num_prefill_tokens += num_new
         return BatchItem(seq.seq_id, request.request_id, tuple(seq.token_ids[start:end]), start, seq.block_table,
-                         samples, request.params)
+                         samples, request.params, seq.group_tables)
 
     def _record_cache_events(self, request: Request | None, cache_events) -> None:
         """Report what the KV cache manager did: its KV-cache events as they are, and as events the blocks

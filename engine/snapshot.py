@@ -31,7 +31,8 @@ def build_snapshot(scheduler: Scheduler, cache: KVCacheState, step: int, allocat
     views = [request_view(request, scheduler, cache) for queue in queues for request in queue]
     return CacheSnapshot(step=step, block_size=scheduler.block_size, num_blocks=cache.num_blocks,
                          allocator=allocator, blocks=cache.blocks, requests=tuple(views),
-                         num_host_blocks=cache.num_host_blocks, num_free_host_blocks=cache.num_free_host_blocks)
+                         num_host_blocks=cache.num_host_blocks, num_free_host_blocks=cache.num_free_host_blocks,
+                         kv_cache_groups=scheduler.kv.groups)
 
 
 def request_view(request: Request, scheduler: Scheduler, cache: KVCacheState) -> RequestView:
@@ -41,22 +42,26 @@ def request_view(request: Request, scheduler: Scheduler, cache: KVCacheState) ->
         return view
     block_size = scheduler.block_size
     first = request.seqs[0]
-    if len(request.seqs) == 1:
+    if len(request.seqs) == 1 and not first.group_tables:
         block_tables = (first.block_table,)
         host_block_tables = (first.host_block_table,) if first.host_block_table else ()
         reserved = len(first.block_table) * block_size
         used = first.num_computed_tokens if first.block_table else 0
+        group_tables = ()
     else:
+        # Several samples, or KV-cache groups (a sliding window's freed slots are neither held nor used).
         live = request.live_seqs()
         block_tables = tuple(seq.block_table for seq in live)
         host_block_tables = tuple(seq.host_block_table for seq in live if seq.host_block_table)
         # Views are built right after publishing, while the live fill is still the published version's.
         reserved, used = _shared_slots(live, scheduler.block_size, cache.live_fill)
+        # Device tables only, as block_tables: a swapped request's are in the host pool.
+        group_tables = tuple(seq.group_tables for seq in live) if any(seq.group_tables for seq in live) else ()
     view = request.view = RequestView(    # positional: this runs for every touched request every step
         request.request_id, request.status, request.arrival_index, block_tables, host_block_tables,
         first.num_prompt_tokens, len(first.token_ids) - first.num_prompt_tokens, request.params.max_tokens,
         first.num_computed_tokens, request.num_cached_tokens, request.num_preemptions, request.params.n,
-        reserved, used, request.prompt_preview)
+        reserved, used, request.prompt_preview, group_tables)
     return view
 
 

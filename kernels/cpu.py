@@ -34,9 +34,11 @@ __all__ = ["available", "bind_threads", "copy_blocks", "huge_page_zeros", "is_pa
            "linear_available", "pack_linear_weight", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
            "status", "store_kv", "supports", "swap_blocks", "unpack_linear_weight"]
 
-# One library: attention, the packed linear, RMSNorm and thread pinning, each its own source file.
+# One library: attention (its ops, decode and prefill), the packed linear, RMSNorm and thread pinning.
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("paged_attention_cpu.cpp", "linear_cpu.cpp", "norm_cpu.cpp", "threads_cpu.cpp"))
+                for name in ("paged_attention_cpu.cpp", "paged_decode_cpu.cpp", "paged_prefill_cpu.cpp",
+                             "linear_cpu.cpp", "norm_cpu.cpp", "threads_cpu.cpp"))
+HEADERS = (Path(__file__).with_name("paged_attention_cpu.h"),)
 DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the C++ code's instances: head_dim is a compile-time constant there
 _FORCE_TORCH = "KVSCOPE_CPU_KERNELS"
@@ -77,8 +79,8 @@ def _cpu_flags() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), torch.__version__.encode(), compiler.encode(),
-                 _cpu_flags().encode()):
+    for part in (*(source.read_bytes() for source in (*SOURCES, *HEADERS)), torch.__version__.encode(),
+                 compiler.encode(), _cpu_flags().encode()):
         key.update(part)
     return build_dir() / f"kvscope_cpu-{key.hexdigest()[:16]}.so"
 
@@ -228,20 +230,28 @@ def _int32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.int32).contiguous()
 
 
-def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale) -> torch.Tensor:
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+
+
+def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale, sliding_window=None, softcap=None,
+                           sinks=None) -> torch.Tensor:
     if not supports(query, kv_layer):
-        return reference.paged_decode_attention(query, kv_layer, block_tables, context_lens, scale)
+        return reference.paged_decode_attention(query, kv_layer, block_tables, context_lens, scale, sliding_window,
+                                                softcap, sinks)
     return torch.ops.kvscope_cpu.paged_decode_attention(_rows(query), kv_layer, _int32(block_tables),
-                                                        _int32(context_lens), float(scale))
+                                                        _int32(context_lens), float(scale), sliding_window or 0,
+                                                        float(softcap or 0.0), _sinks(sinks))
 
 
-def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale,
-                            max_query_len=None) -> torch.Tensor:
+def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale, max_query_len=None,
+                            sliding_window=None, softcap=None, sinks=None) -> torch.Tensor:
     if not supports(query, kv_layer):
         return reference.paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale,
-                                                 max_query_len)
+                                                 max_query_len, sliding_window, softcap, sinks)
     return torch.ops.kvscope_cpu.paged_prefill_attention(_rows(query), kv_layer, _int32(block_tables),
-                                                         _int32(cu_seqlens_q), _int32(context_lens), float(scale))
+                                                         _int32(cu_seqlens_q), _int32(context_lens), float(scale),
+                                                         sliding_window or 0, float(softcap or 0.0), _sinks(sinks))
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

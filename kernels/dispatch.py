@@ -8,8 +8,9 @@ over a folder without ``__init__.py``; ``kvscope.kernels`` is still reached thro
 Each public function dispatches on where its tensors live: Triton when they are on CUDA and triton is
 installed; on CPU, ``kernels.cpu``, whose C++ kernels are built on first use and which falls back to the torch
 reference (``kernels.reference``) without a compiler or for dtypes they do not cover. ``kernels.triton_ops`` is
-imported only on the CUDA path, so CPU users never pay for (or depend on) importing triton. This package imports
-neither ``engine`` nor ``app``.
+imported only on the CUDA path, so CPU users never pay for (or depend on) importing triton. There, decode
+chooses by itself whether to split each context over several programs (``triton_decode.split_partition_size``).
+This package imports neither ``engine`` nor ``app``.
 
 The torch reference (``kernels/reference.py``) is the contract: its functions carry the typed signatures and
 say what each argument holds; every backend, and the entry points here, take the same arguments in the same order.
@@ -58,14 +59,17 @@ def store_kv(key, value, kv_layer, slot_mapping) -> None:
     _backend(kv_layer).store_kv(key, value, kv_layer, slot_mapping)
 
 
-def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale) -> torch.Tensor:
-    return _backend(query).paged_decode_attention(query, kv_layer, block_tables, context_lens, scale)
+def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale, sliding_window: int | None = None,
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return _backend(query).paged_decode_attention(query, kv_layer, block_tables, context_lens, scale,
+                                                  sliding_window, softcap, sinks)
 
 
 def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale,
-                            max_query_len: int | None = None) -> torch.Tensor:
+                            max_query_len: int | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     return _backend(query).paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens,
-                                                   scale, max_query_len)
+                                                   scale, max_query_len, sliding_window, softcap, sinks)
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: BlockIds, dst: BlockIds) -> None:

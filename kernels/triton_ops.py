@@ -1,12 +1,9 @@
 """Paged-attention Triton kernels: the CUDA path. Same functions and semantics as ``kernels.reference``.
 
-Keys are walked in tiles of ``TILE`` token positions, independent of the cache's block size: each position
-looks up its own block id, so block sizes below the 16-wide minimum of ``tl.dot`` (and any power of two up to
-256) need no special case. Scores and softmax statistics are fp32 throughout (online softmax, exp2 domain).
-
-Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors for testing. The interpreter keeps bf16 as raw
-uint16 in numpy, so its arithmetic and ``tl.dot`` on bf16 are meaningless; there the kernels upcast loaded
-values to fp32 before computing. On a GPU, 16-bit caches use native 16-bit dots with fp32 accumulation.
+Here: storing keys and values, prefill attention and copy-on-write; decode attention is in
+``kernels.triton_decode`` and what the attention kernels share (the inner loop, the variants, the interpreter's
+dtype rule) in ``kernels.triton_attend``. Under ``TRITON_INTERPRET=1`` every kernel runs on CPU tensors for
+testing.
 """
 
 from __future__ import annotations
@@ -14,33 +11,22 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from kvscope.kernels.reference import BlockIds, swap_blocks
+from kvscope.kernels.triton_attend import (
+    MIN_DOT,
+    attend_tile,
+    compute_dtype,
+    dot_precision,
+    last_dim_contiguous,
+    pow2_at_least,
+    softmax_start,
+    variant_args,
+    variant_meta,
+)
+from kvscope.kernels.triton_decode import paged_decode_attention
 
 __all__ = ["copy_blocks", "paged_decode_attention", "paged_prefill_attention", "store_kv", "swap_blocks"]
-
-_LOG2E = 1.4426950408889634
-_MIN_DOT = 16  # tl.dot needs every dimension >= 16
-_TORCH_TO_TRITON = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-def _compute_dtype(dtype: torch.dtype) -> tl.dtype:
-    # Whether the kernels were built for the interpreter was fixed when this module was imported.
-    return tl.float32 if isinstance(_store_kv_kernel, InterpretedFunction) else _TORCH_TO_TRITON[dtype]
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # Default fp32 dots on NVIDIA round to tf32 (~1e-3 error); ask for full precision. Ignored for 16-bit.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _pow2_at_least(n: int, floor: int = 1) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -57,6 +43,8 @@ def _store_kv_kernel(
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:    # a padded row's (a decode batch padded to a captured graph's size): store nowhere
+        return
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     mask = (heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
@@ -74,7 +62,7 @@ def store_kv(
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    key, value = last_dim_contiguous(key), last_dim_contiguous(value)
     assert kv_layer.stride(-1) == 1, "kv cache must be contiguous in head_dim"
     _store_kv_kernel[(num_tokens,)](
         key, value, kv_layer, slot_mapping,
@@ -86,109 +74,7 @@ def store_kv(
 
 def store_kv_meta(num_heads: int, head_dim: int, block_size: int) -> dict:
     return dict(NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-                BLOCK_H=_pow2_at_least(num_heads), BLOCK_D=_pow2_at_least(head_dim))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Shared inner loop: one tile of keys/values folded into a running (max, sum, accumulator).
-
-
-@triton.jit
-def _attend_tile(
-    q, m_i, l_i, acc, cache_ptr, block_table_row_ptr, key_pos, key_in_range, key_visible, kv_head, dims,
-    dim_mask, scale_log2e,
-    stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
-    BLOCK_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """``key_in_range`` [TILE] guards the loads; ``key_visible`` ([M or 1, TILE]) masks the scores."""
-    block = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE, mask=key_in_range, other=0).to(tl.int64)
-    rows = block * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_slot
-    rows = rows + kv_head * stride_cache_head
-    load_mask = key_in_range[:, None] & dim_mask[None, :]
-    keys = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=load_mask, other=0.0).to(COMPUTE_DTYPE)
-    scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2e
-    scores = tl.where(key_visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    # A row that has seen nothing yet keeps m = -inf; keep its arithmetic finite.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    probs = tl.exp2(scores - m_safe[:, None])
-    values = tl.load(cache_ptr + stride_cache_kv + rows[:, None] + dims[None, :], mask=load_mask, other=0.0)
-    values = values.to(COMPUTE_DTYPE)
-    acc = acc * alpha[:, None] + tl.dot(probs.to(COMPUTE_DTYPE), values, input_precision=DOT_PRECISION)
-    l_i = l_i * alpha + tl.sum(probs, 1)
-    return m_new, l_i, acc
-
-
-# ----------------------------------------------------------------------------------------------------
-# Decode: one program per (sequence, kv head); the group of query heads sharing that kv head are the rows.
-
-
-@triton.jit
-def _paged_decode_kernel(
-    out_ptr, q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, scale_log2e,
-    stride_q_seq, stride_q_head, stride_out_seq, stride_out_head, stride_bt_seq,
-    stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    rows = tl.arange(0, BLOCK_G)
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    row_mask = (rows < GROUP)[:, None] & dim_mask[None, :]
-    q_heads = kv_head * GROUP + rows
-    q = tl.load(q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + dims[None, :],
-                mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for tile_start in range(0, context_len, TILE):
-        key_pos = tile_start + tl.arange(0, TILE)
-        key_in_range = key_pos < context_len
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, cache_ptr, block_table_row_ptr, key_pos, key_in_range, key_in_range[None, :],
-            kv_head, dims, dim_mask, scale_log2e,
-            stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
-            BLOCK_SIZE, COMPUTE_DTYPE, DOT_PRECISION,
-        )
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask)
-
-
-def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale) -> torch.Tensor:
-    """The reference's contract (kernels/reference.py): one query row per sequence."""
-    num_seqs, num_q_heads, head_dim = query.shape
-    num_kv_heads = kv_layer.shape[3]
-    query, block_tables = _last_dim_contiguous(query), _last_dim_contiguous(block_tables)
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if num_seqs == 0:
-        return out
-    assert kv_layer.stride(-1) == 1, "kv cache must be contiguous in head_dim"
-    _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        out, query, kv_layer, block_tables, context_lens, scale * _LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        **decode_meta(kv_layer.dtype, num_q_heads // num_kv_heads, head_dim, kv_layer.shape[2]),
-    )
-    return out
-
-
-def decode_meta(dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> dict:
-    """Compile-time parameters and launch options of the decode kernel."""
-    # Tile and warp counts chosen so sm_80/sm_90 builds keep everything in registers (no spills).
-    block_d = _pow2_at_least(head_dim, _MIN_DOT)
-    return dict(
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=_pow2_at_least(group, _MIN_DOT), BLOCK_D=block_d, TILE=32,
-        COMPUTE_DTYPE=_compute_dtype(dtype), DOT_PRECISION=_dot_precision(dtype),
-        num_warps=4 if block_d <= 64 else 8,
-    )
+                BLOCK_H=pow2_at_least(num_heads), BLOCK_D=pow2_at_least(head_dim))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -197,12 +83,13 @@ def decode_meta(dtype: torch.dtype, group: int, head_dim: int, block_size: int) 
 
 @triton.jit
 def _paged_prefill_kernel(
-    out_ptr, q_ptr, cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, scale_log2e,
+    out_ptr, q_ptr, cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, sinks_ptr, scale_log2e,
+    softcap_log2e, sliding_window,
     stride_q_tok, stride_q_head, stride_out_tok, stride_out_head, stride_bt_seq,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -220,21 +107,26 @@ def _paged_prefill_kernel(
     tokens = (q_start + local).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_q_tok + q_head * stride_q_head + dims[None, :],
                 mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = softmax_start(sinks_ptr, tl.full([BLOCK_M], q_head, tl.int32), local >= 0, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    # Keys past the tile's last query position are invisible to every row of the tile.
+    # Keys past the tile's last query position are invisible to every row of the tile, and with a window so
+    # are keys before its first query's window.
     key_end = tl.minimum(context_len, context_len - query_len + (q_tile + 1) * BLOCK_M)
-    for tile_start in range(0, key_end, TILE):
+    first_key = 0
+    if sliding_window > 0:
+        first_key = tl.maximum(context_len - query_len + q_tile * BLOCK_M - sliding_window + 1, 0)
+    for tile_start in range(first_key, key_end, TILE):
         key_pos = tile_start + tl.arange(0, TILE)
         key_in_range = key_pos < context_len
         key_visible = (key_pos[None, :] <= query_pos[:, None]) & key_in_range[None, :]
-        m_i, l_i, acc = _attend_tile(
+        if sliding_window > 0:
+            key_visible = key_visible & (key_pos[None, :] > query_pos[:, None] - sliding_window)
+        m_i, l_i, acc = attend_tile(
             q, m_i, l_i, acc, cache_ptr, block_table_row_ptr, key_pos, key_in_range, key_visible,
-            q_head // GROUP, dims, dim_mask, scale_log2e,
+            q_head // GROUP, dims, dim_mask, scale_log2e, softcap_log2e,
             stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
-            BLOCK_SIZE, COMPUTE_DTYPE, DOT_PRECISION,
+            BLOCK_SIZE, COMPUTE_DTYPE, DOT_PRECISION, HAS_SOFTCAP,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_out_tok + q_head * stride_out_head + dims[None, :],
@@ -242,12 +134,13 @@ def _paged_prefill_kernel(
 
 
 def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale,
-                            max_query_len: int | None = None) -> torch.Tensor:
+                            max_query_len: int | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's contract (kernels/reference.py). ``max_query_len`` sizes the grid; pass it when known
     to avoid a device-to-host sync."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = context_lens.shape[0]
-    query, block_tables = _last_dim_contiguous(query), _last_dim_contiguous(block_tables)
+    query, block_tables = last_dim_contiguous(query), last_dim_contiguous(block_tables)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -257,10 +150,11 @@ def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context
     meta = prefill_meta(kv_layer.dtype, num_q_heads // kv_layer.shape[3], head_dim, kv_layer.shape[2])
     grid = (triton.cdiv(max_query_len, meta["BLOCK_M"]), num_seqs, num_q_heads)
     _paged_prefill_kernel[grid](
-        out, query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale * _LOG2E,
+        out, query, kv_layer, block_tables, cu_seqlens_q, context_lens,
+        *variant_args(query, scale, sliding_window, softcap, sinks),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        **meta,
+        **meta, **variant_meta(softcap, sinks),
     )
     return out
 
@@ -271,8 +165,8 @@ def prefill_meta(dtype: torch.dtype, group: int, head_dim: int, block_size: int)
     block_m = 64 if dtype.itemsize <= 2 else 32
     return dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_D=_pow2_at_least(head_dim, _MIN_DOT), TILE=block_m,
-        COMPUTE_DTYPE=_compute_dtype(dtype), DOT_PRECISION=_dot_precision(dtype),
+        BLOCK_M=block_m, BLOCK_D=pow2_at_least(head_dim, MIN_DOT), TILE=block_m,
+        COMPUTE_DTYPE=compute_dtype(dtype), DOT_PRECISION=dot_precision(dtype),
         num_warps=8,
     )
 
@@ -311,4 +205,4 @@ def copy_blocks(kv_cache: torch.Tensor, src: BlockIds, dst: BlockIds) -> None:
 
 
 def copy_blocks_meta(block_numel: int) -> dict:
-    return dict(BLOCK_NUMEL=block_numel, CHUNK=min(1024, _pow2_at_least(block_numel)))
+    return dict(BLOCK_NUMEL=block_numel, CHUNK=min(1024, pow2_at_least(block_numel)))

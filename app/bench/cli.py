@@ -18,6 +18,7 @@ BENCHES = (
     systems_cli.register_logging,       # the run log's cost
     parts_cli.register_host,            # the host's work per step, by phase
     parts_cli.register_ui,              # the window's
+    parts_cli.register_hybrid,          # a hybrid KV cache against every layer full
     parts_cli.register_kernels,
     parts_cli.register_scheduler,
     parts_cli.register_attach,

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvscope.app.bench.report import aligned_rows
 from kvscope.app.bench.scheduler import text_tokenizer
 from kvscope.app.bench.scoreboard import HostSettings
 from kvscope.app.runlog.records import RowBuilder, Rows
@@ -123,13 +124,13 @@ def input_runner(num_blocks: int, block_size: int):
     """(a ModelRunner holding only what its input preparation reads, a zero-byte pool of ``num_blocks``)."""
     import torch
 
-    from kvscope.engine.model.block_tables import BlockTables
     from kvscope.engine.model.model_runner import ModelRunner
+    from kvscope.engine.model.step_inputs import StepInputs
 
-    # No model to load: _prepare reads the block size, the device and the persistent block tables (which widen
-    # to the longest table they are given).
+    # No model to load: _prepare reads only its step inputs (whose persistent block tables widen to the longest
+    # table they are given).
     runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size, runner.device, runner.block_tables = block_size, torch.device("cpu"), BlockTables(1)
+    runner.inputs = StepInputs(block_size, 1, torch.device("cpu"))
     return runner, torch.empty((1, 2, num_blocks, block_size, 0, 0))
 
 
@@ -280,15 +281,13 @@ def format_table(rows: list[HostRow], settings: HostSettings, tokenizer_name: st
               *(_cell(row.phases[name]) for name in (*ENGINE_PHASES, "engine", "run-log")),
               *(_cell(row.sampler[name]) for name in SAMPLERS)] for row in rows]
     header = ["blocks", "batch", "context", *columns]
-    widths = [max(len(header[i]), *(len(cells_row[i]) for cells_row in cells)) for i in range(len(header))]
     lines = [
         "kvscope bench host: one decode step's host work by phase, forward excluded; thread CPU ms, "
         "median (p10-p90)",
         f"  {settings.steps} steps a cell after {settings.warmup} warm-up; FakeRunner; text by {tokenizer_name} "
         f"tokenizer; sampler over {settings.vocab:,} logits, one torch thread, {settings.sampler_repeats} calls",
-        "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)),
+        *aligned_rows(header, cells),
     ]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     lines.append("engine = schedule + prepare + update + snapshot + events, per step; run-log is the writer "
                  "thread's encoding of the step; the sampler depends on the batch only (measured once per batch)")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
-"""`kvscope bench host | ui | kernels | scheduler | attach | lessons | startup`: one part of kvscope at a time.
+"""`kvscope bench host | ui | hybrid | kernels | scheduler | attach | lessons | startup`: one part at a time.
 
-``host`` and ``ui`` are the host-side scoreboard (the work around each forward, and the window's); ``kernels``
+``host`` and ``ui`` are the host-side scoreboard (the work around each forward, and the window's); ``hybrid``
+what a hybrid KV cache saves on a sliding-window model; ``kernels``
 times one layer's paged attention; ``scheduler`` one step() without the model; ``attach`` the vLLM attach
 client; ``lessons`` each lesson with the real model; ``startup`` a fresh process until the engine is ready.
 Each registers its own flags; everything heavy (torch, transformers, textual) is imported when it runs.
@@ -24,7 +25,7 @@ from kvscope.app.bench.options import (
     positive_int,
     setup_torch,
 )
-from kvscope.app.bench.scoreboard import HostSettings, UiSettings
+from kvscope.app.bench.scoreboard import HostSettings, HybridSettings, UiSettings
 
 
 def _progress(line: str) -> None:
@@ -45,6 +46,26 @@ def _settings(settings: type, args: argparse.Namespace, **more):
     """``settings`` made from the flags _add_setting_flags added, and ``more``."""
     flags = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(settings) if "help" in spec.metadata}
     return settings(**flags, **more)
+
+
+def register_hybrid(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "hybrid", help="a hybrid KV cache against every layer kept full, at the same memory",
+        description="On an engine with no model and a sliding-window model's shape: the KV a request holds, "
+                    "the requests that run at once and vLLM's concurrency figure, with the layers grouped by "
+                    "attention kind and with every layer kept full, from the same pool memory.")
+    _add_setting_flags(parser, HybridSettings)
+    add_json_flag(parser)
+    parser.set_defaults(func=run_hybrid)
+
+
+def run_hybrid(args: argparse.Namespace) -> int:
+    from kvscope.app.bench.hybrid import as_json, format_table, run_hybrid_bench
+
+    settings = _settings(HybridSettings, args)
+    rows = run_hybrid_bench(settings)
+    print(json.dumps(as_json(rows)) if args.json else format_table(rows, settings))
+    return 0
 
 
 def register_host(subparsers) -> None:

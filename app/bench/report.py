@@ -107,3 +107,9 @@ def format_table(rows: list[dict], notes: dict[tuple[str, str], list[str]] | Non
         lines.extend(f"  {note}" for note in (notes or {}).get((workload, dtype), []))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def aligned_rows(header: list[str], cells: list[list[str]]) -> list[str]:
+    """A header line and one line per row, each column right-aligned to its widest cell."""
+    widths = [max(len(header[i]), *(len(row[i]) for row in cells)) for i in range(len(header))]
+    return ["  ".join(text.rjust(width) for text, width in zip(row, widths, strict=True)) for row in [header, *cells]]

@@ -1,4 +1,5 @@
-"""The settings of the host-side scoreboard (`kvscope bench host` and `kvscope bench ui`), and their defaults.
+"""The settings of the host-side scoreboard (`kvscope bench host` and `kvscope bench ui`) and of `kvscope bench
+hybrid`, and their defaults.
 
 Apart from the benches themselves so that the command line builds their flags from here without importing the
 engine: a setting with help text is a flag of the same name, its default the setting's own. The sizes are the
@@ -38,4 +39,22 @@ class UiSettings:
     steps: int = flag(500, "engine steps per side; fewer make the window's cost noisy")
     frames: int = flag(10, "block-map frames timed")
     size: tuple[int, int] = (120, 40)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class HybridSettings:
+    # Gemma 3 270M's shape: 18 layers, five sliding (window 512) per full one, one KV head of 256, bf16.
+    layers: int = flag(18, "decoder layers")
+    window: int = flag(512, "sliding window in tokens")
+    pattern: int = flag(6, "every pattern-th layer is full, the others slide")
+    kv_heads: int = flag(1, "KV heads per layer")
+    head_dim: int = flag(256, "head size")
+    element_bytes: int = flag(2, "bytes per K or V element (2: bf16)")
+    memory_mib: int = flag(96, "the KV pool's MiB, the same for both layouts")
+    requests: int = flag(48, "requests in the workload")
+    prompt: int = flag(1024, "prompt tokens per request")
+    max_tokens: int = flag(256, "generated tokens per request")
+    max_model_len: int = flag(2048, "max_model_len, for the concurrency figure")
+    chunk: int = flag(512, "max_num_batched_tokens")
     seed: int = 0

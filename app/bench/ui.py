@@ -5,9 +5,11 @@ an H200 holds of SmolLM2 at 0.9 utilisation) of which ``--usage`` (default 80%) 
 requests, each with a prompt of its own. One run, in this order:
 
 1. Headless: the engine stepped ``--steps`` times from a thread of its own, as the app's engine thread steps it.
-2. Window: the real app (KVScopeApp, headless Textual through ``run_test``, at ``--size``) on the same engine,
-   unpaused for ``--steps`` steps: the engine thread steps, the UI thread takes every step (``ingest``) and
-   paints at its own frame rate under its CPU budget (app/screens/main.py).
+2. Window: the real app (KVScopeApp, headless Textual through ``run_test``, at ``--size``) on a twin of that
+   engine (built the same way, so both sides run the same steps: an engine whose step grows with what it has
+   generated would otherwise charge that growth to the window), unpaused for ``--steps`` steps: the engine
+   thread steps, the UI thread takes every step (``ingest``) and paints at its own frame rate under its CPU
+   budget (app/screens/main.py).
 3. Frames: the window's own BlockMap (its size in that window) shown each of the last ``--frames`` steps'
    snapshots and every line rendered (``show_snapshot`` then ``render_line`` for each row: the cells from the
    snapshot, then the strips; Textual's compositor pass is not included), before the app closes (closing it
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -46,6 +49,7 @@ class UiResult:
     headless_steps_per_cpu_s: float
     window_steps_per_cpu_s: float
     window_frames: int              # frames the window painted while measured
+    longest_paint_ms: float         # the UI thread's longest single paint (the most it held the GIL at once)
     # Where the CPU went, ms per engine step: the engine thread's own, headless and with the window open, and the
     # UI thread's while the window was open.
     headless_engine_ms: float
@@ -203,6 +207,24 @@ def time_frames(block_map, snapshots: list[CacheSnapshot]) -> tuple[list[int], l
 
 async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
     """The real app open on ``engine`` for ``settings.steps`` steps, then the frame timing on its block map."""
+    from kvscope.app.screens.main import MainScreen
+
+    paints: list[int] = []
+    paint = MainScreen.paint
+
+    def timed_paint(screen, force: bool = False) -> None:
+        start = time.thread_time_ns()
+        paint(screen, force)
+        paints.append(time.thread_time_ns() - start)
+
+    MainScreen.paint = timed_paint   # before the screen mounts, whose timer binds the method
+    try:
+        return await _window_run(engine, settings, paints)
+    finally:
+        MainScreen.paint = paint
+
+
+async def _window_run(engine: WindowedEngine, settings: UiSettings, paints: list[int]) -> dict:
     from kvscope.app.app import KVScopeApp
     from kvscope.app.headless import wait_until
     from kvscope.app.worker.commands import SetPaused
@@ -214,6 +236,7 @@ async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
             raise RuntimeError("the app did not take the engine within 120 s")
         block_map = app.main.view.block_map
         painted = []
+        del paints[:]     # the paints before the engine runs (the first frames of the window) are not timed
         show_snapshot = block_map.show_snapshot
         block_map.show_snapshot = lambda snapshot: (painted.append(1), show_snapshot(snapshot))   # counts frames
         first, cpu, ui_cpu = len(engine.stats), time.process_time(), engine.ui_cpu_ns()
@@ -222,12 +245,14 @@ async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
         if not await wait_until(pilot, lambda: engine.stopped is not None, 3600):
             raise RuntimeError("the engine stopped stepping in the window")
         frames, (stopped_cpu, stopped_ui, usage) = len(painted), engine.stopped
+        longest_paint = max(paints, default=0) / 1e6
         app.worker.send(SetPaused(True))
         await wait_until(pilot, lambda: app.worker.state.paused, 30)
         block_map.show_snapshot = show_snapshot
         cells, frame = time_frames(block_map, list(engine.recent))
         layout = block_map.map_layout
         return {"usage": usage, "steps": settings.steps, "cpu": stopped_cpu - cpu, "painted": frames,
+                "longest_paint_ms": longest_paint,
                 "engine_ms": engine.engine_ms(first, first + settings.steps),
                 "ui_ms": (stopped_ui - ui_cpu) / settings.steps / 1e6,
                 "cells": cells, "frame": frame, "num_cells": layout.num_cells,
@@ -240,20 +265,30 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
     engine = full_engine(settings)
     say(f"headless, {settings.steps} steps")
     first = len(engine.stats)
-    before = headless_rate(engine, settings.steps)
+    # The window keeps its own and its engine's long-lived objects out of the cyclic collector's walks
+    # (MainScreen.engine_ready); the headless side gets the same, so the window's cost is the window's alone.
+    gc.freeze()
+    try:
+        before = headless_rate(engine, settings.steps)
+    finally:
+        gc.unfreeze()
     headless_engine_ms = engine.engine_ms(first, first + settings.steps)
-    say(f"the window open at {settings.size[0]}x{settings.size[1]}, {settings.steps} steps")
-    window = asyncio.run(window_run(engine, settings))
+    del engine    # its twin takes the pool's memory next
+    say(f"the window open at {settings.size[0]}x{settings.size[1]} on a twin engine, {settings.steps} steps")
+    window = asyncio.run(window_run(full_engine(settings), settings))
     return UiResult(
         settings=settings, usage=window["usage"],
         cells=window["num_cells"], blocks_per_cell=window["blocks_per_cell"],
         frame=Spread.of(window["frame"]), cells_ms=Spread.of(window["cells"]),
         headless_steps_per_cpu_s=before[0] / before[1],
         window_steps_per_cpu_s=window["steps"] / window["cpu"], window_frames=window["painted"],
+        longest_paint_ms=window["longest_paint_ms"],
         headless_engine_ms=headless_engine_ms, window_engine_ms=window["engine_ms"], window_ui_ms=window["ui_ms"])
 
 
 def format_table(result: UiResult) -> str:
+    from kvscope.app.screens.main import FRAME_RATE
+
     s = result.settings
 
     def ms(spread: Spread) -> str:
@@ -267,6 +302,8 @@ def format_table(result: UiResult) -> str:
         ("engine headless", f"{result.headless_steps_per_cpu_s:,.1f} steps per CPU second"),
         ("engine, window open", f"{result.window_steps_per_cpu_s:,.1f} steps per CPU second "
                                 f"({result.window_frames} frames painted in {s.steps} steps)"),
+        ("longest paint", f"{result.longest_paint_ms:.1f} ms of UI-thread CPU at once (a frame at "
+                          f"{FRAME_RATE} a second is {1000 / FRAME_RATE:.0f} ms)"),
         ("the window's cost", f"{100 * result.window_cost:.1f}% of engine throughput"),
         ("  engine thread per step", f"{result.headless_engine_ms:.2f} ms headless, {result.window_engine_ms:.2f} ms "
                                      "with the window open"),
@@ -283,5 +320,6 @@ def as_json(result: UiResult) -> dict:
             "cells": result.cells, "blocks_per_cell": result.blocks_per_cell, "frame_ms": vars(result.frame),
             "cells_ms": vars(result.cells_ms), "headless_steps_per_cpu_s": result.headless_steps_per_cpu_s,
             "window_steps_per_cpu_s": result.window_steps_per_cpu_s, "window_frames": result.window_frames,
+            "longest_paint_ms": result.longest_paint_ms,
             "window_cost": result.window_cost, "headless_engine_ms": result.headless_engine_ms,
             "window_engine_ms": result.window_engine_ms, "window_ui_ms": result.window_ui_ms}

@@ -22,6 +22,7 @@ import zlib
 
 import numpy as np
 
+from kvscope.engine.kv_cache_groups import KVCacheGroup
 from kvscope.engine.outputs import CacheSnapshot, RequestView
 
 KEYFRAME_INTERVAL = 50
@@ -112,6 +113,8 @@ class SnapshotEncoder:
         if keyframe:
             header.update(block_size=snapshot.block_size, num_blocks=snapshot.num_blocks,
                           allocator=snapshot.allocator)
+            if snapshot.kv_cache_groups:    # absent from one-group runs and from logs written before groups
+                header["groups"] = [[list(g.layers), g.sliding_window] for g in snapshot.kv_cache_groups]
             arrays = {name: getattr(snapshot, name) for name in BLOCK_ARRAYS}
             self._previous_order, self._previous_rows = None, {}
             self._frames_since_keyframe = 0
@@ -193,6 +196,8 @@ class SnapshotDecoder:
         header, arrays = unpack(blob)
         if "num_blocks" in header:
             self._layout = {k: header[k] for k in ("block_size", "num_blocks", "allocator")}
+            self._layout["kv_cache_groups"] = tuple(KVCacheGroup(tuple(layers), window)
+                                                    for layers, window in header.get("groups", ()))
             self._arrays = {name: arrays[name].copy() for name in BLOCK_ARRAYS}
             self._fields, self._views = {}, {}
         elif self._layout is None:
@@ -223,7 +228,11 @@ class SnapshotDecoder:
                 if name.startswith("+"):
                     name = name[1:]
                     value = [old + tuple(tail) for old, tail in zip(fields[name], value, strict=True)]
-                fields[name] = tuple(tuple(t) for t in value) if name in TABLE_FIELDS else value
+                if name in TABLE_FIELDS:
+                    value = tuple(tuple(t) for t in value)
+                elif name == "group_block_tables":   # per sample, per group: JSON gives lists
+                    value = tuple(tuple(tuple(t) for t in tables) for tables in value)
+                fields[name] = value
 
     def _view(self, request_id: str) -> RequestView:
         view = self._views.get(request_id)

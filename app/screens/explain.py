@@ -29,7 +29,10 @@ more. **░** is a
 **cached** block: nobody uses it, but it still holds a prompt prefix that a new request can
 reuse until the block is needed for something else. **·** is free. The bottom line shows the
 **host pool**, where swapped-out requests' blocks (**▚**) wait. When the pool has more blocks
-than the panel has cells, one cell stands for several blocks; the caption says how many.
+than the panel has cells, one cell stands for several blocks; the caption says how many. Then
+**z** zooms into the blocks around the cursor, one cell per block (the arrows scroll on
+through the pool), and **f** shows only the selected request's blocks, one cell per block in
+the order of its block table; the same key again, or **Esc**, shows the whole pool.
 Move the cursor (arrows, or the mouse) to inspect a block; **Enter** (or a click) selects its
 request: every other block dims, so the selected request's blocks stand out wherever they
 are, and the block table below lists them in order; **Esc** on the map clears it. The chat

@@ -21,6 +21,7 @@ have stopped coming.
 
 from __future__ import annotations
 
+import gc
 import time
 
 from textual import events
@@ -117,6 +118,13 @@ class MainScreen(Screen):
                              info.runner.num_host_blocks)
         self.chat.set_engine_waiting(False)
         self.chat.show_sampling(info.runner.sampling_defaults)
+        # The window's own objects (every widget, style and cached line) and the new engine's live for the whole
+        # run: out of the collector's reach, a full collection, which the steps' garbage sets off every few
+        # seconds, walks only what came since instead of holding the GIL over the whole window. The engine this
+        # one replaced is collected first, so that none of its cycles stays frozen.
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
 
     def engine_not_ready(self, still_running: EngineInfo | None, error: str) -> None:
         """A build failed: back to the engine that goes on serving, or say there is none."""
@@ -177,9 +185,13 @@ class MainScreen(Screen):
 
     def ingest(self, result: StepResult) -> None:
         chat = self.chat
-        for output in result.outputs:
-            chat.show_output(output)
+        reply = chat.current_request
+        if reply is not None:     # the chat shows its own reply only: no call per request of a big batch
+            for output in result.outputs:
+                if output.request_id == reply:
+                    chat.show_output(output)
         block_map = self.view.block_map
+        block_map.note_step(result.snapshot)    # the next frame applies every step's block changes
         if chat.current_request is None and block_map.chat_request is not None:
             block_map.set_chat_request(None)
         self.throughput.push(result.stats)

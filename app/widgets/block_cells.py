@@ -12,14 +12,20 @@ request's scattered blocks stand out).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_USED, CacheSnapshot
+from kvscope.app.widgets.map_aggregates import (
+    KIND_CACHED,
+    KIND_FREE,
+    KIND_SHARED,
+    KIND_USED,
+    MapAggregates,
+    first_in_use,
+)
+from kvscope.engine.outputs import CacheSnapshot
 from kvscope.themes.palette import NUM_OWNER_COLOURS
-
-# Cell kinds, ordered by how much they matter when one cell stands for several blocks.
-KIND_FREE, KIND_CACHED, KIND_USED, KIND_SHARED = 0, 1, 2, 3
 
 FREE_GLYPH, CACHED_GLYPH = "·", "░"
 FILL_GLYPHS = "▁▂▃▄▅▆▇█"  # eighths of a block's slots written
@@ -89,110 +95,111 @@ def fit_layout(num_blocks: int, width: int, height: int) -> MapLayout:
     return MapLayout(num_blocks, width, 1, blocks_per_cell)
 
 
-def block_kinds(snapshot: CacheSnapshot) -> np.ndarray:
-    kinds = np.zeros(snapshot.num_blocks, dtype=np.int8)
-    kinds[snapshot.block_state == BLOCK_CACHED] = KIND_CACHED
-    kinds[snapshot.block_state == BLOCK_USED] = KIND_USED
-    kinds[(snapshot.block_state == BLOCK_USED) & (snapshot.ref_counts > 1)] = KIND_SHARED
-    return kinds
+class Cells(NamedTuple):
+    """What the codes are made of, per cell: its most important kind of block, the owner of its first block in
+    use (-1: none), how many of its blocks are in use, and, where a cell is one block, that block's fill and ref
+    count (None otherwise)."""
+
+    kind: np.ndarray
+    owner: np.ndarray
+    in_use: np.ndarray
+    blocks_per_cell: int
+    fill: np.ndarray | None = None
+    refs: np.ndarray | None = None
 
 
-def request_mask(snapshot: CacheSnapshot, request_id: str | None) -> np.ndarray | None:
-    """Device blocks in any of the request's block tables, or None when it holds none."""
-    if request_id is None:
-        return None
-    for view in snapshot.requests:
-        if view.request_id == request_id:
-            blocks = [b for table in view.block_tables for b in table]
-            if not blocks:
-                return None
-            mask = np.zeros(snapshot.num_blocks, dtype=bool)
-            mask[blocks] = True
-            return mask
-    return None
+def pool_cells(aggregates: MapAggregates) -> Cells:
+    """The whole pool, ``aggregates.blocks_per_cell`` blocks a cell: O(cells)."""
+    one = aggregates.blocks_per_cell == 1
+    n = aggregates.num_cells
+    return Cells(aggregates.cell_kinds(), aggregates.cell_owners(), aggregates.cells_in_use(),
+                 aggregates.blocks_per_cell, aggregates.fill[:n] if one else None,
+                 aggregates.refs[:n] if one else None)
 
 
-def owner_index(snapshot: CacheSnapshot) -> np.ndarray:
-    """int32 [num_blocks]: arrival index of each block's first owner, -1 where unowned.
-
-    Same answer as CacheSnapshot.owner_index, in one scatter instead of one per table.
-    """
-    owner = np.full(snapshot.num_blocks, -1, dtype=np.int32)
-    blocks: list[int] = []
-    arrivals: list[int] = []
-    for view in snapshot.requests:
-        for table in view.block_tables:
-            blocks.extend(table)
-            arrivals.extend([view.arrival_index] * len(table))
-    if blocks:
-        # Where several tables hold a block, the first one listed owns it.
-        unique_blocks, first = np.unique(np.array(blocks, dtype=np.int64), return_index=True)
-        owner[unique_blocks] = np.array(arrivals, dtype=np.int32)[first]
-    return owner
+def block_cells(aggregates: MapAggregates, blocks: np.ndarray, blocks_per_cell: int = 1) -> Cells:
+    """The given blocks (a region, or one request's table) in order, ``blocks_per_cell`` a cell: O(len(blocks))."""
+    kind = aggregates.kind[blocks]
+    if blocks_per_cell == 1:
+        return Cells(kind, aggregates.owner[blocks], (kind >= KIND_USED).astype(np.int32), 1,
+                     aggregates.fill[blocks], aggregates.refs[blocks])
+    padding = -blocks.size % blocks_per_cell
+    rows = np.concatenate([kind, np.full(padding, KIND_FREE, np.int8)]).reshape(-1, blocks_per_cell)
+    owners = np.concatenate([aggregates.owner[blocks], np.full(padding, -1, np.int32)]).reshape(rows.shape)
+    first = first_in_use(rows, blocks_per_cell)
+    owner = np.where(first < blocks_per_cell, owners[np.arange(rows.shape[0]), np.minimum(first, blocks_per_cell - 1)],
+                     -1)
+    return Cells(rows.max(axis=1), owner, (rows >= KIND_USED).sum(axis=1), blocks_per_cell)
 
 
-def _fold(values: np.ndarray, layout: MapLayout, fill_value) -> np.ndarray:
-    """[num_cells, blocks_per_cell] view of per-block values, padding the last cell."""
-    padded_len = layout.num_cells * layout.blocks_per_cell
-    if padded_len != values.size:
-        values = np.concatenate([values, np.full(padded_len - values.size, fill_value, values.dtype)])
-    return values.reshape(layout.num_cells, layout.blocks_per_cell)
-
-
-def _glyphs(kinds: np.ndarray, snapshot: CacheSnapshot, layout: MapLayout) -> np.ndarray:
+def _glyphs(cells: Cells, block_size: int) -> np.ndarray:
     """Glyph per cell. One block: its fill or ref count. Several: how many of them are in use."""
-    cell_kind = kinds.max(axis=1)
+    cell_kind = cells.kind
     glyph = np.where(cell_kind == KIND_CACHED, 1, 0).astype(np.int32)
     used = cell_kind >= KIND_USED
-    if layout.blocks_per_cell == 1:
-        fill = snapshot.block_fill.astype(np.int32)
-        eighths = np.clip(-(-fill * 8 // snapshot.block_size), 1, 8)
-        refs = np.clip(snapshot.ref_counts.astype(np.int32), 2, 10)
+    if cells.fill is not None:
+        fill = cells.fill.astype(np.int32)
+        eighths = np.clip(-(-fill * 8 // block_size), 1, 8)
+        refs = np.clip(cells.refs.astype(np.int32), 2, 10)
         glyph[used] = np.where(fill == 0, _RESERVED, _FILL_BASE + eighths - 1)[used]
         shared = cell_kind == KIND_SHARED
         glyph[shared] = (_SHARED_BASE + refs - 2)[shared]
     else:
-        in_use = (kinds >= KIND_USED).sum(axis=1)
-        eighths = np.clip(-(-in_use * 8 // layout.blocks_per_cell), 1, 8)
+        eighths = np.clip(-(-cells.in_use * 8 // cells.blocks_per_cell), 1, 8)
         glyph[used] = (_FILL_BASE + eighths - 1)[used]
     return glyph
 
 
-def block_mask(num_blocks: int, blocks) -> np.ndarray | None:
-    """A mask of the given physical blocks (ids out of range are ignored), or None for none."""
-    ids = [b for b in blocks if 0 <= b < num_blocks]
-    if not ids:
-        return None
-    mask = np.zeros(num_blocks, dtype=bool)
-    mask[ids] = True
-    return mask
-
-
-def cell_codes(snapshot: CacheSnapshot, layout: MapLayout, *, selected: np.ndarray | None = None,
-               chat: np.ndarray | None = None, cursor: int | None = None,
-               marked: np.ndarray | None = None) -> np.ndarray:
-    """int32 code per cell (see module doc)."""
-    kinds = _fold(block_kinds(snapshot), layout, KIND_FREE)
-    owners = _fold(owner_index(snapshot), layout, -1)
-    cell_kind = kinds.max(axis=1)
-    # The owner a cell shows is the one of its first block in use.
-    first_used = (kinds >= KIND_USED).argmax(axis=1)
-    owner = owners[np.arange(layout.num_cells), first_used] % NUM_OWNER_COLOURS
+def codes(cells: Cells, block_size: int, *, selected: np.ndarray | None = None, chat: np.ndarray | None = None,
+          cursor: int | None = None, marked: np.ndarray | None = None) -> np.ndarray:
+    """int32 code per cell (see module doc). ``selected``, ``chat``, ``marked``: the indices of the cells holding
+    the selected request's, the chat reply's and the marked blocks (None: no such request or mark)."""
+    cell_kind = cells.kind
+    owner = cells.owner % NUM_OWNER_COLOURS
     style = np.where(cell_kind == KIND_CACHED, STYLE_CACHED, STYLE_FREE).astype(np.int32)
     style = np.where(cell_kind == KIND_USED, STYLE_OWNER + owner, style)
     style = np.where(cell_kind == KIND_SHARED, STYLE_SHARED + owner, style)
-    overlay = np.zeros(layout.num_cells, dtype=np.int32)
+    overlay = np.zeros(cell_kind.size, dtype=np.int32)
     if chat is not None:
-        overlay[_fold(chat, layout, False).any(axis=1)] = OVERLAY_CHAT
+        overlay[chat] = OVERLAY_CHAT
     if selected is not None:
-        mine = _fold(selected, layout, False).any(axis=1)
         overlay[cell_kind != KIND_FREE] = OVERLAY_DIMMED
-        overlay[mine] = OVERLAY_SELECTED
+        overlay[selected] = OVERLAY_SELECTED
     if marked is not None:
-        overlay[_fold(marked, layout, False).any(axis=1)] = OVERLAY_MARKED
-    if cursor is not None and 0 <= cursor < layout.num_cells:
+        overlay[marked] = OVERLAY_MARKED
+    if cursor is not None and 0 <= cursor < cell_kind.size:
         overlay[cursor] = OVERLAY_CURSOR
-    glyph = _glyphs(kinds, snapshot, layout)
+    glyph = _glyphs(cells, block_size)
     glyph[(glyph == _FULL) & (overlay == OVERLAY_CHAT)] = _HIGHLIGHTED_FULL
     style += overlay * NUM_BASE_STYLES
     return style * GLYPH_SLOTS + glyph
+
+
+def request_blocks(snapshot: CacheSnapshot, request_id: str | None) -> np.ndarray | None:
+    """The device blocks in the request's block tables, in table order (a block shared by its samples once),
+    or None when it holds none or is not in the snapshot."""
+    if request_id is None:
+        return None
+    for view in snapshot.requests:
+        if view.request_id == request_id:
+            blocks = list(dict.fromkeys(b for table in view.block_tables for b in table))
+            return np.array(blocks, dtype=np.int64) if blocks else None
+    return None
+
+
+def pool_cells_of(blocks: np.ndarray | None, layout: MapLayout) -> np.ndarray | None:
+    """The overview's cells holding any of ``blocks``."""
+    return None if blocks is None else np.unique(blocks // layout.blocks_per_cell)
+
+
+def cell_codes(snapshot: CacheSnapshot, layout: MapLayout, *, selected: str | None = None, chat: str | None = None,
+               cursor: int | None = None, marked=()) -> np.ndarray:
+    """The whole pool's codes recounted from ``snapshot`` alone (the widget keeps its counts up to date instead):
+    ``selected`` and ``chat`` are request ids, ``marked`` block ids."""
+    aggregates = MapAggregates(snapshot.num_blocks, layout.blocks_per_cell)
+    aggregates.update(snapshot)
+    marked_blocks = np.array([b for b in marked if 0 <= b < snapshot.num_blocks], dtype=np.int64)
+    return codes(pool_cells(aggregates), snapshot.block_size,
+                 selected=pool_cells_of(request_blocks(snapshot, selected), layout),
+                 chat=pool_cells_of(request_blocks(snapshot, chat), layout), cursor=cursor,
+                 marked=pool_cells_of(marked_blocks if marked_blocks.size else None, layout))

@@ -23,6 +23,9 @@ def describe_block(snapshot: CacheSnapshot, block: int, width: int | None = None
         parts.append(f"{int(snapshot.block_fill[block])}/{snapshot.block_size} slots")
     block_hash = int(snapshot.block_hashes[block])
     parts.append(f"prefix hash {block_hash:016x}" if block_hash else "no prefix hash")
+    group = snapshot.block_group(block) if snapshot.kv_cache_groups and state == BLOCK_USED else None
+    if group is not None:
+        parts.append(snapshot.group_label(group))
     head = Content.from_markup(" · ".join(parts))
     owners = _owners(snapshot, block, width)
     return Content("\n").join([head, owners]) if owners else head

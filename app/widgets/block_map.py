@@ -1,8 +1,15 @@
-"""The block map: one cell per physical KV block, drawn with Textual's line API.
+"""The block map: one cell per physical KV block (or per run of blocks, for a pool larger than the panel),
+drawn with Textual's line API.
 
-A new snapshot becomes one integer per cell (block_cells.py); rows whose
-integers did not change keep their cached Strip and are not repainted, so a
-decode step that touches a handful of blocks repaints a handful of lines.
+A new snapshot brings the map's own counts up to date from the blocks the steps changed (map_aggregates.py),
+then becomes one integer per cell (block_cells.py); rows whose integers did not change keep their cached Strip
+and are not repainted, so a decode step that touches a handful of blocks repaints a handful of lines, and a
+frame of a 340,000-block pool costs its cells, not its blocks.
+
+Where one cell stands for hundreds of blocks, two keys make the pool explorable: ``z`` zooms into the blocks
+around the cursor, one cell per block (the arrows scroll past the region's edges), and ``f`` shows only the
+selected request's blocks, one cell per block in the order of its block table. Esc, or the same key again,
+goes back to the whole pool.
 """
 
 from __future__ import annotations
@@ -12,7 +19,6 @@ from rich.segment import Segment
 from rich.style import Style
 from textual.actions import SkipAction
 from textual.binding import Binding
-from textual.color import Color
 from textual.events import Click, Leave, MouseMove, Resize
 from textual.geometry import Region
 from textual.strip import Strip
@@ -20,17 +26,18 @@ from textual.widget import Widget
 
 from kvscope.app.messages import BlockHighlighted, RequestSelected
 from kvscope.app.widgets import block_cells as cells
+from kvscope.app.widgets.cell_styles import RUN_KEY, CellStyles
 from kvscope.app.widgets.line_cache import LineCache
+from kvscope.app.widgets.map_aggregates import MapAggregates
 from kvscope.app.widgets.theme_styled import ThemeStyled
-from kvscope.engine.outputs import CacheSnapshot
+from kvscope.engine.outputs import BlockArrays, CacheSnapshot
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
 SWAPPED_GLYPH = "▚"
-RUN_KEY = 1 << 16  # cache key of a run of one-char cells: code * RUN_KEY + run length
-DIMMED = 0.7  # how far the cells of requests other than the selected one fade into the background
+MAX_KEPT_VERSIONS = 1024   # steps' changes kept between two frames; past that, reading the pool once is cheaper
 
 
-class BlockMap(ThemeStyled, Widget, can_focus=True):
+class BlockMap(CellStyles, ThemeStyled, Widget, can_focus=True):
     BINDINGS = [
         Binding("left", "move(-1, 0)", "Left", show=False),
         Binding("right", "move(1, 0)", "Right", show=False),
@@ -38,12 +45,24 @@ class BlockMap(ThemeStyled, Widget, can_focus=True):
         Binding("down", "move(0, 1)", "Down", show=False),
         Binding("enter", "select_owner", "Select owner"),
         Binding("escape", "clear_selection", "Clear selection", show=False),
+        Binding("z", "zoom", "Zoom", tooltip="Zoom into the blocks around the cursor, one cell per block "
+                "(the arrows scroll on); again, or Esc, for the whole pool"),
+        Binding("f", "focus_request", "Focus", tooltip="Only the selected request's blocks (else the cursor's "
+                "owner), one cell per block in table order; again, or Esc, for the whole pool"),
     ]
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.snapshot: CacheSnapshot | None = None
         self.map_layout: cells.MapLayout | None = None
+        # What the cells show: None, the whole pool; else these block ids in order (a zoomed region or the
+        # focused request's table), and which of the two.
+        self.shown_blocks: np.ndarray | None = None
+        self.zoom_start: int | None = None
+        self.focused_request: str | None = None
+        self._aggregates: MapAggregates | None = None
+        self._counted: CacheSnapshot | None = None
+        self._versions: list[BlockArrays] = []   # the steps' block arrays since the last frame, oldest first
         self.selected_request: str | None = None
         self.chat_request: str | None = None
         self.marked_blocks: tuple[int, ...] = ()
@@ -58,6 +77,14 @@ class BlockMap(ThemeStyled, Widget, can_focus=True):
     def show_snapshot(self, snapshot: CacheSnapshot) -> None:
         self.snapshot = snapshot
         self._recompute()
+
+    def note_step(self, snapshot: CacheSnapshot) -> None:
+        """A step the map may not draw: its block changes are kept, so the next frame applies them instead of
+        reading the whole pool again. A window that stops drawing (another screen on top) stops keeping them."""
+        versions = self._versions
+        if len(versions) >= MAX_KEPT_VERSIONS:
+            versions.clear()    # the next frame reads the whole arrays once
+        versions.append(snapshot.blocks)
 
     def select_request(self, request_id: str | None) -> None:
         self.selected_request = request_id
@@ -83,15 +110,33 @@ class BlockMap(ThemeStyled, Widget, can_focus=True):
         snapshot = self.snapshot
         if snapshot is None or not self.size.area:
             return
-        layout = cells.fit_layout(snapshot.num_blocks, self.size.width, self.size.height - self._host_lines)
-        codes = cells.cell_codes(
-            snapshot, layout,
-            selected=cells.request_mask(snapshot, self.selected_request),
-            chat=cells.request_mask(snapshot, self.chat_request),
+        height = self.size.height - self._host_lines
+        pool = cells.fit_layout(snapshot.num_blocks, self.size.width, height)
+        aggregates = self._aggregates
+        if aggregates is None or (aggregates.num_blocks, aggregates.blocks_per_cell) != (pool.num_blocks,
+                                                                                            pool.blocks_per_cell):
+            aggregates = self._aggregates = MapAggregates(pool.num_blocks, pool.blocks_per_cell)
+            self._counted = None
+        if snapshot is not self._counted:
+            aggregates.update(snapshot, self._versions)
+            self._counted = snapshot
+        self._versions.clear()
+        shown = self._blocks_to_show(snapshot, pool)
+        self.shown_blocks = shown
+        if shown is None:
+            layout, data = pool, cells.pool_cells(aggregates)
+        else:
+            layout = cells.fit_layout(shown.size, self.size.width, height)
+            data = cells.block_cells(aggregates, shown, layout.blocks_per_cell)
+        codes = cells.codes(
+            data, snapshot.block_size,
+            selected=self._cells_of(cells.request_blocks(snapshot, self.selected_request), layout),
+            chat=self._cells_of(cells.request_blocks(snapshot, self.chat_request), layout),
             cursor=self.cursor_cell if self.has_focus or self.mouse_hover else None,
-            marked=cells.block_mask(snapshot.num_blocks, self.marked_blocks),
+            marked=self._cells_of(np.array(self.marked_blocks, dtype=np.int64) if self.marked_blocks else None,
+                                  layout),
         )
-        if layout != self.map_layout or codes.size != self._codes.size:
+        if layout != self.map_layout or codes.size != self._codes.size or shown is not None:
             self.map_layout, self._codes = layout, codes
             self._lines.clear()
             self._cell_cache.clear()
@@ -100,6 +145,38 @@ class BlockMap(ThemeStyled, Widget, can_focus=True):
         else:
             self._refresh_changed_rows(codes)
         self._refresh_host_line()
+
+    def _blocks_to_show(self, snapshot: CacheSnapshot, pool: cells.MapLayout) -> np.ndarray | None:
+        """The block ids the cells show in order, or None for the whole pool."""
+        if self.focused_request is not None:
+            blocks = cells.request_blocks(snapshot, self.focused_request)
+            return np.zeros(0, dtype=np.int64) if blocks is None else blocks
+        if self.zoom_start is None:
+            return None
+        page = self._zoom_page()
+        self.zoom_start = min(max(0, self.zoom_start), max(0, snapshot.num_blocks - page))
+        return np.arange(self.zoom_start, min(self.zoom_start + page, snapshot.num_blocks), dtype=np.int64)
+
+    def _zoom_page(self) -> int:
+        """Blocks a zoomed region holds: whole rows of two-char cells (a glyph and a gap) that fill the panel."""
+        return max(1, self.size.width // 2) * max(1, self.size.height - self._host_lines)
+
+    def _cells_of(self, blocks: np.ndarray | None, layout: cells.MapLayout) -> np.ndarray | None:
+        """The cells showing any of ``blocks`` (None: none)."""
+        if blocks is None:
+            return None
+        shown = self.shown_blocks
+        if shown is None:
+            return np.unique(blocks[blocks < layout.num_blocks] // layout.blocks_per_cell)
+        return np.unique(np.flatnonzero(np.isin(shown, blocks)) // layout.blocks_per_cell)
+
+    def cell_blocks(self, cell: int) -> list[int]:
+        """The physical blocks one cell stands for."""
+        layout = self.map_layout
+        if self.shown_blocks is None:
+            return list(layout.blocks_of(cell))
+        width = layout.blocks_per_cell
+        return self.shown_blocks[cell * width:(cell + 1) * width].tolist()
 
     def _refresh_changed_rows(self, codes: np.ndarray) -> None:
         columns = self.map_layout.columns
@@ -119,60 +196,17 @@ class BlockMap(ThemeStyled, Widget, can_focus=True):
             self.refresh(Region(0, host_row, self.size.width, 1))
 
     def _caption(self) -> str:
-        layout = self.map_layout
+        layout, total = self.map_layout, self.snapshot.num_blocks
+        if self.focused_request is not None:
+            if not layout.num_blocks:
+                return f"{self.focused_request} holds no device blocks now · f: whole pool"
+            return f"{self.focused_request}: {layout.num_blocks:,} blocks in table order · f: whole pool"
+        if self.zoom_start is not None:
+            last = self.zoom_start + layout.num_blocks - 1
+            return f"blocks {self.zoom_start:,}-{last:,} of {total:,} · 1 cell = 1 block · z: whole pool"
         per_cell = "1 cell = 1 block" if layout.blocks_per_cell == 1 else \
             f"1 cell = {layout.blocks_per_cell} blocks (pool larger than the panel)"
         return f"{layout.num_blocks:,} blocks · {per_cell}"
-
-    # --- styles ------------------------------------------------------------------------
-
-    def _forget_styles(self) -> None:
-        self._styles.clear()
-        self._cell_cache.clear()
-        self._lines.clear()
-
-    def _colour(self, variable: str) -> Color:
-        return Color.parse(self.app.theme_variables.get(variable, "magenta"))
-
-    def _style(self, style_code: int) -> Style:
-        style = self._styles.get(style_code)
-        if style is None:
-            style = self._styles[style_code] = self._build_style(style_code)
-        return style
-
-    def _build_style(self, style_code: int) -> Style:
-        overlay, base = divmod(style_code, cells.NUM_BASE_STYLES)
-        widget_background = Color.from_rich_color(self.rich_style.bgcolor)
-        if overlay == cells.OVERLAY_CURSOR:
-            # One look whatever lies under it, so the cursor is found at a glance (a shared block's
-            # digit on its owner's colour would otherwise look just like its neighbours).
-            return Style(color=widget_background.rich_color, bgcolor=self._colour("block-cursor").rich_color,
-                         bold=True)
-        if overlay == cells.OVERLAY_MARKED:
-            # A shared block's ref-count digit stays on a background (here the mark's); any other glyph
-            # (fill, free dot, cached shade) is drawn in the mark's colour, so its shape still reads.
-            marked = self._colour("block-marked").rich_color
-            if base >= cells.STYLE_SHARED:
-                return Style(color=widget_background.rich_color, bgcolor=marked, bold=True)
-            return Style(color=marked, bgcolor=widget_background.rich_color, bold=True)
-        background, bold = widget_background, False
-        if base == cells.STYLE_FREE:
-            colour = self._colour("block-free")
-        elif base == cells.STYLE_CACHED:
-            colour = self._colour("block-cached")
-        elif base < cells.STYLE_SHARED:
-            colour = self._colour(owner_variable(base - cells.STYLE_OWNER))
-        else:
-            colour, background, bold = self._colour("block-shared-text"), self._colour(
-                owner_variable(base - cells.STYLE_SHARED)), True
-        if overlay == cells.OVERLAY_CHAT:
-            if background != widget_background:   # a shared block: its owner's colour moves to the digit
-                colour = background
-            background = self._colour("block-chat")
-        elif overlay == cells.OVERLAY_DIMMED:
-            colour = colour.blend(widget_background, DIMMED)
-            background = background.blend(widget_background, DIMMED)
-        return Style(color=colour.rich_color, bgcolor=background.rich_color, bold=bold)
 
     # --- line API ------------------------------------------------------------------------
 
@@ -208,27 +242,6 @@ class BlockMap(ThemeStyled, Widget, can_focus=True):
             segments.append(Segment(" " * (width - used), self.rich_style))
         return Strip(segments, width)
 
-    def _run_segment(self, key: int) -> Segment:
-        code, count = divmod(key, RUN_KEY)
-        segment = self._cell_cache[key] = self._cell_segments(code, count)[0]
-        return segment
-
-    def _cell_segments(self, code: int, count: int) -> list[Segment]:
-        """``count`` equal cells: the glyph across each body, then a one-char gap in the widget's style."""
-        style_code, glyph_index = divmod(code, cells.GLYPH_SLOTS)
-        style = self._style(style_code)
-        glyph = cells.GLYPHS[glyph_index]
-        body_width = self.map_layout.cell_width - 1
-        if body_width == 0:
-            return [Segment(glyph * count, style)]
-        # A ref-count digit or the free dot is written once; fill glyphs span the body.
-        single = glyph in cells.SHARED_GLYPHS or glyph == cells.FREE_GLYPH
-        body = glyph.center(body_width) if single else glyph * body_width
-        if style.bgcolor == self.rich_style.bgcolor:
-            return [Segment((body + " ") * count, style)]
-        gap = Segment(" ", self.rich_style)
-        return [segment for _ in range(count) for segment in (Segment(body, style), gap)]
-
     def _render_host_line(self, width: int) -> Strip:
         snapshot = self.snapshot
         used = snapshot.num_host_blocks - snapshot.num_free_host_blocks
@@ -254,26 +267,95 @@ class BlockMap(ThemeStyled, Widget, can_focus=True):
             return
         self.cursor_cell = cell
         self._recompute()
-        if cell is not None:
-            blocks = self.map_layout.blocks_of(cell)
-            self.post_message(BlockHighlighted(blocks.start, blocks.stop - 1))
+        self._announce_cursor()
+
+    def _announce_cursor(self) -> None:
+        """Tell the inspector which blocks the cursor is on."""
+        blocks = self.cell_blocks(self.cursor_cell) if self.cursor_cell is not None else []
+        if blocks:
+            self.post_message(BlockHighlighted(blocks[0], blocks[-1]))
 
     def move_cursor_to_block(self, block_id: int) -> None:
-        if self.map_layout is not None:
-            self._move_cursor(block_id // self.map_layout.blocks_per_cell)
-
-    def action_move(self, dx: int, dy: int) -> None:
         if self.map_layout is None:
             return
-        cell = 0 if self.cursor_cell is None else self.cursor_cell + dx + dy * self.map_layout.columns
-        self._move_cursor(min(max(cell, 0), self.map_layout.num_cells - 1))
+        if self.shown_blocks is None:
+            self._move_cursor(block_id // self.map_layout.blocks_per_cell)
+            return
+        found = np.flatnonzero(self.shown_blocks == block_id)
+        if found.size:
+            self._move_cursor(int(found[0]) // self.map_layout.blocks_per_cell)
+
+    def action_move(self, dx: int, dy: int) -> None:
+        layout = self.map_layout
+        if layout is None:
+            return
+        cell = 0 if self.cursor_cell is None else self.cursor_cell + dx + dy * layout.columns
+        if self.zoom_start is not None and not 0 <= cell < layout.num_cells:
+            # Past the region's edge: the region moves by a row under the cursor, through the whole pool.
+            step = layout.columns if dy else 1
+            start = self.zoom_start + (step if cell >= layout.num_cells else -step)
+            if 0 <= start <= self.snapshot.num_blocks - layout.num_blocks:
+                self.zoom_start = start
+                self._recompute()
+                self._announce_cursor()
+                return
+        self._move_cursor(min(max(cell, 0), max(0, layout.num_cells - 1)))
+
+    def action_zoom(self) -> None:
+        """Into the blocks around the cursor, one cell per block; from a zoom or a focus, back to the pool."""
+        if self.snapshot is None or self.map_layout is None:
+            return
+        block = self._cursor_block()
+        if self.zoom_start is not None or self.focused_request is not None:
+            self._show_pool(block)
+            return
+        columns = max(1, self.size.width // 2)
+        page = self._zoom_page()
+        # The cursor's block in the middle row of the region, rows aligned to the pool's start.
+        self.zoom_start = max(0, (block // columns - page // columns // 2) * columns)
+        self._show_around(block)
+
+    def action_focus_request(self) -> None:
+        """Only the selected request's blocks (else the one under the cursor), in table order; again: the pool."""
+        if self.snapshot is None or self.map_layout is None:
+            return
+        if self.focused_request is not None:
+            self._show_pool(self._cursor_block())
+            return
+        request_id = self.selected_request or (
+            self.owner_of_cell(self.cursor_cell) if self.cursor_cell is not None else None)
+        if request_id is None:
+            self.app.bell()
+            return
+        self.zoom_start, self.focused_request = None, request_id
+        self.cursor_cell = None
+        self._recompute()
+        self._move_cursor(0)
+
+    def _cursor_block(self) -> int:
+        blocks = self.cell_blocks(self.cursor_cell) if self.cursor_cell is not None else []
+        return blocks[0] if blocks else 0
+
+    def _show_pool(self, block: int) -> None:
+        self.zoom_start = self.focused_request = None
+        self._show_around(block)
+
+    def _show_around(self, block: int) -> None:
+        """Draw the new view with the cursor on ``block``."""
+        self.cursor_cell = None
+        self._recompute()
+        self.move_cursor_to_block(block)
+
+    def _cell_under(self, event: MouseMove | Click) -> int | None:
+        offset = event.get_content_offset(self)
+        if offset is None or self.map_layout is None:
+            return None
+        return self.map_layout.cell_at(offset.x, offset.y)
 
     def on_mouse_move(self, event: MouseMove) -> None:
-        offset = event.get_content_offset(self)
-        if offset is not None and self.map_layout is not None:
-            cell = self.map_layout.cell_at(offset.x, offset.y)
-            if cell is not None:
-                self._move_cursor(cell)
+        cell = self._cell_under(event)
+        if cell is not None:
+            self._move_cursor(cell)
 
     # Textual sets has_focus and mouse_hover in the base class's handlers, which run after these:
     # the cursor is redrawn once the event has been handled.
@@ -290,16 +372,14 @@ class BlockMap(ThemeStyled, Widget, can_focus=True):
         self.call_next(self._recompute)
 
     def on_click(self, event: Click) -> None:
-        offset = event.get_content_offset(self)
-        if offset is not None and self.map_layout is not None:
-            cell = self.map_layout.cell_at(offset.x, offset.y)
-            if cell is not None:
-                self._move_cursor(cell)
+        cell = self._cell_under(event)
+        if cell is not None:
+            self._move_cursor(cell)
         self.action_select_owner()
 
     def owner_of_cell(self, cell: int) -> str | None:
         snapshot = self.snapshot
-        for block in self.map_layout.blocks_of(cell):
+        for block in self.cell_blocks(cell):
             owners = snapshot.owners(block)
             if owners:
                 return owners[0][0]
@@ -310,6 +390,9 @@ class BlockMap(ThemeStyled, Widget, can_focus=True):
             self.post_message(RequestSelected(self.owner_of_cell(self.cursor_cell)))
 
     def action_clear_selection(self) -> None:
+        if self.zoom_start is not None or self.focused_request is not None:
+            self._show_pool(self._cursor_block())
+            return
         if self.selected_request is None:
             raise SkipAction()  # nothing to clear: let Escape mean what the screen says
         self.post_message(RequestSelected(None))

@@ -14,7 +14,11 @@ HINT = "Select a request (in the queues, or Enter on the map) to see its block t
 def _table_line(label: str, table: tuple[int, ...], snapshot: CacheSnapshot, colour: str,
                 host: bool = False) -> str:
     entries = []
-    for logical, physical in enumerate(table):
+    # A sliding window's freed entries (-1) lead the table: said once, as a count.
+    freed = next((i for i, physical in enumerate(table) if physical >= 0), len(table))
+    if freed:
+        entries.append(f"[dim]0–{freed - 1} left the window[/]")
+    for logical, physical in enumerate(table[freed:], start=freed):
         shared = not host and snapshot.ref_counts[physical] > 1
         marker = "*" if shared else ""
         prefix = "h" if host else ""
@@ -35,9 +39,12 @@ def describe_request(view: RequestView, snapshot: CacheSnapshot) -> str:
     if any(t for t in view.block_tables if any(snapshot.ref_counts[b] > 1 for b in t)):
         head.append("* shared")
     lines = [" · ".join(head)]
-    for sample, table in enumerate(view.block_tables):
-        lines.append(_table_line(f"sample {sample}" if len(view.block_tables) > 1 else "table",
-                                 table, snapshot, colour))
+    for sample, tables in enumerate(view.group_block_tables or [(table,) for table in view.block_tables]):
+        for group, table in enumerate(tables):
+            label = f"sample {sample}" if len(view.block_tables) > 1 else "table"
+            if view.group_block_tables:
+                label = f"{label} · {snapshot.group_label(group)}"
+            lines.append(_table_line(label, table, snapshot, colour))
     for sample, table in enumerate(view.host_block_tables):
         if table:
             lines.append(_table_line(f"host {sample}", table, snapshot, colour, host=True))

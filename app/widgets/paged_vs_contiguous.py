@@ -7,6 +7,7 @@ reserved slots that hold no token.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,9 +42,8 @@ def compare_allocations(snapshot: CacheSnapshot, max_model_len: int) -> Allocati
     slots_per_sequence = -(-max_model_len // block_size) * block_size
     tables = [table for view in snapshot.requests for table in view.block_tables if table]
     # Every table's tokens in one gather and one segmented sum (this runs every frame).
-    lengths = np.fromiter((len(table) for table in tables), dtype=np.int64, count=len(tables))
-    entries = np.fromiter((block for table in tables for block in table), dtype=np.int64,
-                          count=int(lengths.sum()))
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    entries = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lengths.sum()))
     per_table = np.add.reduceat(snapshot.block_fill.astype(np.int64)[entries], np.cumsum(lengths) - lengths) \
         if tables else np.zeros(0, dtype=np.int64)
     num_tokens = int(per_table.sum())

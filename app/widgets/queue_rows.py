@@ -41,7 +41,9 @@ class RequestFinal(NamedTuple):
 
 def row_cells(view: RequestView) -> tuple[str, ...]:
     """The row of one request; compared with the previous row so unchanged rows keep their Strip."""
-    device_blocks = len({b for table in view.block_tables for b in table})
+    tables = view.block_tables
+    # One table never holds a block twice; samples of one request share theirs, counted once.
+    device_blocks = len(tables[0]) if len(tables) == 1 else len({b for table in tables for b in table})
     host_blocks = sum(len(t) for t in view.host_block_tables)
     samples = f"×{view.num_samples} " if view.num_samples > 1 else ""
     return (

@@ -25,7 +25,7 @@ class RequestCommands:
 
     def _add(self, request: AddRequest) -> None:
         if self.engine is None:
-            self.target.post_message(RequestRejected(request.request_id, "the engine is not running"))
+            self._post(RequestRejected(request.request_id, "the engine is not running"))
             return
         try:
             request_id = self.engine.add_request(request.prompt, request.params, request_id=request.request_id)
@@ -36,7 +36,7 @@ class RequestCommands:
         self._queued = True
 
     def _reject(self, request_id: str, exc: BaseException) -> None:
-        self.target.post_message(RequestRejected(request_id, describe_error(exc)))
+        self._post(RequestRejected(request_id, describe_error(exc)))
 
     def _abort(self, request_id: str) -> None:
         if self.engine is None:
@@ -70,7 +70,7 @@ class RequestCommands:
         try:
             planned = make_plan(presets.PresetContext.from_engine(self.engine))
         except ValueError as exc:   # the load cannot fit this pool: a refusal in its own words, with the fix
-            self.target.post_message(CommandRejected(command_name, str(exc)))
+            self._post(CommandRejected(command_name, str(exc)))
             return
         for item in planned:
             request = AddRequest(name(item), item.prompt, item.params)

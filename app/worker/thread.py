@@ -1,10 +1,11 @@
-"""The engine thread: owns the LLMEngine, takes commands from a queue, posts one message per step.
+"""The engine thread: owns the LLMEngine, takes commands from a queue, hands its steps to the UI in batches.
 
 Everything the UI asks for (add, abort, pause, single step, rate cap, preset,
 rebuild) is a command (app/worker/commands.py) put on a queue and applied
 between steps, so the engine is only ever touched by this thread. Results go
-back with ``post_message``, which never waits for the UI; a semaphore bounds
-how far the engine may run ahead of a UI that has stopped draining messages.
+back with ``post_message``, which never waits for the UI; steps go in batches,
+a few dozen posts a second however fast the engine steps, and never after a
+message posted after them (app/worker/step_posting.py).
 The run log is not the worker's business: ``log_factory`` attaches a logger to
 each engine it builds as an engine observer, as every other caller does.
 
@@ -33,7 +34,6 @@ from kvscope.app.messages import (
     EngineInfo,
     EngineReady,
     EngineStarting,
-    EngineStepped,
     QueueChanged,
     RequestRejected,
     RunState,
@@ -58,14 +58,14 @@ from kvscope.app.worker.commands import (
 from kvscope.app.worker.delayed import DelayedRequests
 from kvscope.app.worker.factory import build_engine, engine_info
 from kvscope.app.worker.requests import RequestCommands, describe_error
+from kvscope.app.worker.step_posting import StepPosting
 from kvscope.engine.config import EngineConfig
 
-MAX_STEPS_AHEAD_OF_UI = 256
 ENGINE_REBUILT = "the engine was restarted"
 ENGINE_STOPPED = "kvscope quit while the request was in flight"
 
 
-class EngineWorker(RequestCommands):
+class EngineWorker(RequestCommands, StepPosting):
     """``run`` is the thread body (the app starts it as a thread worker); ``send`` and the methods
     that call it are for the UI. ``start``, ``run_once`` and ``shutdown`` are the thread body's
     parts, for a caller that drives the worker on its own thread (the tests).
@@ -91,7 +91,7 @@ class EngineWorker(RequestCommands):
         self._clock = clock
         self._logger = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._in_flight = threading.BoundedSemaphore(MAX_STEPS_AHEAD_OF_UI)
+        StepPosting.__init__(self)
         self._paused = paused
         self._steps_per_s_cap = steps_per_s_cap
         self._pending_steps = 0
@@ -117,13 +117,6 @@ class EngineWorker(RequestCommands):
             self._stopping.set()    # a step in progress stops waiting for the UI at once
         self._commands.put(command)
 
-    def ack(self) -> None:
-        """The UI handled one EngineStepped message."""
-        try:
-            self._in_flight.release()
-        except ValueError:
-            pass
-
     @property
     def state(self) -> RunState:
         return RunState(self._paused, self._steps_per_s_cap)
@@ -139,10 +132,10 @@ class EngineWorker(RequestCommands):
         try:
             self.start()
             while not self._stopping.is_set():
-                self.run_once(self._wait_time())
+                self.run_once(self._wait_time(), batch_steps=True)
         except BaseException as exc:    # the window must say the engine is gone, not look idle
             self._died = exc
-            self.target.post_message(EngineDied(describe_error(exc)))
+            self._post(EngineDied(describe_error(exc)))
             raise
         finally:
             self.shutdown()
@@ -153,18 +146,23 @@ class EngineWorker(RequestCommands):
         if built is not None:
             self._install(*built)
 
-    def run_once(self, timeout: float | None = 0.0) -> None:
+    def run_once(self, timeout: float | None = 0.0, batch_steps: bool = False) -> None:
         """Apply the queued commands (waiting up to ``timeout`` for the first, None: for ever), then
-        take one step if one is due."""
+        take one step if one is due. The step is posted before this returns, unless ``batch_steps`` (the
+        thread's own loop) lets it wait to join the next ones (app/worker/step_posting.py)."""
         if self._until is not None and not self._has_work():
             self._end_until(met=False)
+        self._tell_steps(now=timeout != 0)     # before waiting, the UI hears of every step taken
         self._take_commands(timeout)
         if not self._stopping.is_set() and self._step_due():
             self._step()
+        if not batch_steps:
+            self._tell_steps()
 
     def shutdown(self) -> None:
         """The thread is ending: end the requests in flight and close the run log."""
         self._retire(ENGINE_STOPPED)
+        self._tell_steps()
 
     def _wait_time(self) -> float | None:
         """How long to block for a command: forever when idle, until the next step when rate-capped."""
@@ -198,7 +196,7 @@ class EngineWorker(RequestCommands):
         if self._queued and self.engine is not None and not self._step_due():
             # Requests were added and no step is about to show them (paused, or rate-capped): show them now.
             self._queued = False
-            self.target.post_message(QueueChanged(self.engine.snapshot()))
+            self._post(QueueChanged(self.engine.snapshot()))
 
     def _apply(self, command: WorkerCommand) -> None:
         """Apply one command; one that raises is refused with a message and changes nothing else."""
@@ -208,7 +206,7 @@ class EngineWorker(RequestCommands):
             if isinstance(command, AddRequest):
                 self._reject(command.request_id, exc)
             else:
-                self.target.post_message(CommandRejected(type(command).__name__, describe_error(exc)))
+                self._post(CommandRejected(type(command).__name__, describe_error(exc)))
 
     def _dispatch(self, command: WorkerCommand) -> None:
         match command:
@@ -249,7 +247,7 @@ class EngineWorker(RequestCommands):
             self._post_state()
 
     def _post_state(self) -> None:
-        self.target.post_message(RunStateChanged(self.state))
+        self._post(RunStateChanged(self.state))
 
     def _step(self) -> None:
         for request in self._delayed.pop_due(self._steps_done):
@@ -264,7 +262,7 @@ class EngineWorker(RequestCommands):
         except Exception as exc:  # the UI must survive any engine bug: show it, pause, wait for the user
             self._paused = True
             self._pending_steps = 0
-            self.target.post_message(EngineFailed(f"engine step failed: {describe_error(exc)}"))
+            self._post(EngineFailed(f"engine step failed: {describe_error(exc)}"))
             self._post_state()
             return
         self._steps_done += 1
@@ -279,18 +277,12 @@ class EngineWorker(RequestCommands):
             if output.finished:
                 self._accepted.discard(output.request_id)
 
-    def _post_step(self, result) -> None:
-        while not self._in_flight.acquire(timeout=0.1):
-            if self._stopping.is_set():
-                return
-        self.target.post_message(EngineStepped(result))
-
     def _check_until(self, result) -> None:
         condition, last = self._until
         try:
             met = bool(condition(result))
         except Exception as exc:  # a bad condition ends the run where it is; the engine is fine
-            self.target.post_message(EngineFailed(f"run-until condition failed: {type(exc).__name__}: {exc}"))
+            self._post(EngineFailed(f"run-until condition failed: {type(exc).__name__}: {exc}"))
             met = False
             last = self._steps_done
         if met or self._steps_done >= last:
@@ -301,7 +293,7 @@ class EngineWorker(RequestCommands):
         self._until = None
         self._pending_steps = 0
         self._set_paused(True)
-        self.target.post_message(RunUntilDone(self._last_step, met))
+        self._post(RunUntilDone(self._last_step, met))
 
     # --- building and retiring engines ---------------------------------------------------------
 
@@ -313,12 +305,12 @@ class EngineWorker(RequestCommands):
             self._install(*built)
 
     def _build(self, config: EngineConfig) -> tuple[Any, EngineInfo, EngineConfig] | None:
-        self.target.post_message(EngineStarting(config))
+        self._post(EngineStarting(config))
         try:
             engine = self._engine_factory(config, self.engine)
             return engine, engine_info(engine), config
         except Exception as exc:  # a bad model path or an impossible pool must not kill the app
-            self.target.post_message(EngineBuildFailed(f"could not start the engine: {exc}", self.info))
+            self._post(EngineBuildFailed(f"could not start the engine: {exc}", self.info))
             return None
 
     def _install(self, engine, info: EngineInfo, config: EngineConfig) -> None:
@@ -334,7 +326,7 @@ class EngineWorker(RequestCommands):
             self._logger, warning = None, f"run log off: {describe_error(exc)}"
         if self._logger is not None:
             warning = self._logger.warning
-        self.target.post_message(EngineReady(info, engine.banner, warning))
+        self._post(EngineReady(info, engine.banner, warning))
         self._post_state()
 
     def _retire(self, reason: str) -> None:
@@ -352,7 +344,7 @@ class EngineWorker(RequestCommands):
                 self._final_step(engine, logger, set(aborted), reason)
         except Exception as exc:    # a broken engine: say so for each request, close the log anyway
             for request_id in sorted(self._accepted):
-                self.target.post_message(RequestRejected(
+                self._post(RequestRejected(
                     request_id, f"{reason}; its final output was lost ({describe_error(exc)})"))
         finally:
             self._accepted.clear()

@@ -4,6 +4,9 @@ A sequence's block table is a tuple its engine replaces whole when it changes (e
 most), so a row is rewritten only when the tuple a batch item carries is not the one the row was written
 from. A step then costs a dictionary look-up per item and one gather, instead of flattening every table
 through Python every step.
+
+A model with KV-cache groups (engine/kv_cache_groups.py) has one BlockTables per group, each reading its
+group's table of every item; a sliding group's table has NULL_BLOCK where the window freed a block.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvscope.engine.batch import BatchItem
+from kvscope.engine.block_pool import NULL_BLOCK
 
 _INITIAL_ROWS = 64
 
 
 class BlockTables:
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, group: int | None = None, sliding: bool = False) -> None:
+        self.group = group          # None: the items' block_table; else their group_tables[group]
+        self.sliding = sliding
         self.table = np.zeros((_INITIAL_ROWS, max(width, 1)), dtype=np.int32)
         self.lengths = np.zeros(_INITIAL_ROWS, dtype=np.int64)
         self._written: dict[int, tuple[int, tuple[int, ...]]] = {}    # seq_id -> (row, the tuple written)
@@ -26,17 +32,18 @@ class BlockTables:
 
     def rows(self, items: Sequence[BatchItem]) -> np.ndarray:
         """The row of each item's table, written first where the table changed since it was last seen."""
-        written = self._written
+        written, group = self._written, self.group
         rows = np.empty(len(items), dtype=np.int64)
         for i, item in enumerate(items):
             entry = written.get(item.seq_id)
-            if entry is None or entry[1] is not item.block_table:
-                entry = self._write(item, items, entry)
+            table = item.block_table if group is None else item.group_tables[group]
+            if entry is None or entry[1] is not table:
+                entry = self._write(item, table, items, entry)
             rows[i] = entry[0]
         return rows
 
-    def _write(self, item: BatchItem, items: Sequence[BatchItem], entry) -> tuple[int, tuple[int, ...]]:
-        table = item.block_table
+    def _write(self, item: BatchItem, table: tuple[int, ...], items: Sequence[BatchItem],
+               entry) -> tuple[int, tuple[int, ...]]:
         if entry is None:
             if not self._free:
                 self._make_room(items)
@@ -77,6 +84,12 @@ class BlockTables:
         width = int(needed.max())
         tables = self.table[rows, :width]
         padded = np.where(np.arange(width)[None, :] < needed[:, None], tables, tables[:, :1])
+        if self.sliding:
+            # The kernels never read the entries of blocks the window freed; they get the row's first block still
+            # held there all the same (written whole, as above), so no id outside the pool reaches a kernel.
+            num_freed = np.argmax(tables != NULL_BLOCK, axis=1)    # freed entries lead; a row's last is held
+            first_held = tables[np.arange(len(rows)), num_freed]
+            padded = np.where(padded == NULL_BLOCK, first_held[:, None], padded)
         if padded.min() < 0 or padded.max() >= num_blocks:
             raise IndexError(f"a block table names a block outside the pool of {num_blocks} (an engine bug)")
         return padded

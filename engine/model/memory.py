@@ -5,6 +5,7 @@ from __future__ import annotations
 import psutil
 import torch
 
+from kvscope.engine.kv_cache_groups import blocks_per_sequence
 from kvscope.engine.model.loader import ModelError
 
 MIB = 1024 * 1024
@@ -25,7 +26,9 @@ def size_pool(runner) -> tuple[int, int]:
     host = (config.swap_space or 0) // per_block if config.preemption_mode == "swap" else 0
     if config.num_blocks is not None:
         return config.num_blocks, host
-    min_blocks = -(-runner.max_model_len // runner.block_size)
+    # One request of max_model_len must fit, holding in each group what that group holds of it.
+    min_blocks = blocks_per_sequence(runner.kv_cache_groups, runner.max_model_len, runner.block_size,
+                                     config.max_num_batched_tokens)
     if runner.device.type == "cuda" and config.kv_cache_memory is None:
         device_blocks = _cuda_blocks(runner)
         where = (f"gpu_memory_utilization {config.gpu_memory_utilization:.2f} of "

@@ -10,17 +10,17 @@ from __future__ import annotations
 import atexit
 import gc
 
-import numpy as np
 import torch
 
 from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
+from kvscope.engine.kv_cache_groups import KVCacheGroup, group_layers, layers_per_block
 from kvscope.engine.model import patches, threads
-from kvscope.engine.model.attention import AttentionContext
-from kvscope.engine.model.block_tables import BlockTables
-from kvscope.engine.model.loader import ModelError, load_model, refusal
+from kvscope.engine.model.layer_kinds import layer_attention_kinds
+from kvscope.engine.model.loader import load_model
 from kvscope.engine.model.memory import size_pool
 from kvscope.engine.model.sampler import Sampler, SampleRow
+from kvscope.engine.model.step_inputs import StepInputs
 from kvscope.engine.outputs import KVLayout
 from kvscope.engine.runner import RunnerInfo, RunnerOutput, format_banner
 from kvscope.kernels import dispatch as kernels
@@ -81,14 +81,18 @@ class ModelRunner:
         self.eos_token_ids = _eos_ids(self.model, tokenizer)
         self.block_size = config.block_size
         self.max_model_len = self._resolve_max_model_len(text_config)
-        self.block_tables = BlockTables(-(-self.max_model_len // self.block_size))
-        _check_attention_features(text_config, self.max_model_len)
+        self.layer_windows = tuple(layer_attention_kinds(text_config))
         self.num_layers = text_config.num_hidden_layers
+        self.kv_cache_groups = model_kv_cache_groups(self.layer_windows, self.max_model_len, config.allocator)
+        self.inputs = StepInputs(self.block_size, self.max_model_len, self.device, self.layer_windows,
+                                 self.kv_cache_groups)
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.head_dim = (getattr(text_config, "head_dim", None)
                          or text_config.hidden_size // text_config.num_attention_heads)
         element = torch.empty((), dtype=self.dtype).element_size()
-        self.kv_layout = KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, element)
+        # What one token slot of a block holds: every layer's K/V, or with groups, one group's layers'.
+        self.kv_layout = KVLayout(layers_per_block(self.kv_cache_groups, self.num_layers), self.num_kv_heads,
+                                  self.head_dim, element)
         self.bytes_per_block = self.kv_layout.bytes_per_token * self.block_size
         self.sampler = Sampler(config.seed)
         self.num_device_blocks, self.num_host_blocks = size_pool(self)
@@ -96,13 +100,15 @@ class ModelRunner:
         self.host_cache = self._allocate_host_cache()
         self.kv_cache_bytes = self.num_device_blocks * self.bytes_per_block
         self.banner = format_banner(self.num_device_blocks, self.block_size, self.kv_cache_bytes,
-                                    self.max_model_len, str(self.device))
+                                    self.max_model_len, str(self.device), self.kv_cache_groups,
+                                    config.max_num_batched_tokens)
         self.info = RunnerInfo(
             model_name=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             block_size=self.block_size, num_device_blocks=self.num_device_blocks,
             num_host_blocks=self.num_host_blocks, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids, kv_cache_bytes=self.kv_cache_bytes, banner=self.banner,
-            sampling_defaults=sampling_defaults(self.model.generation_config), kv_layout=self.kv_layout)
+            sampling_defaults=sampling_defaults(self.model.generation_config), kv_layout=self.kv_layout,
+            kv_cache_groups=self.kv_cache_groups)
         _freeze_heap()
 
     def _resolve_max_model_len(self, text_config) -> int:
@@ -114,13 +120,14 @@ class ModelRunner:
         return asked or limit
 
     def _allocate_cache(self, num_blocks: int) -> torch.Tensor:
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.kv_layout.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return kernels.kv_pool_zeros(shape, self.dtype, self.device)
 
     def _allocate_host_cache(self) -> torch.Tensor | None:
         if not self.num_host_blocks:
             return None
-        shape = (self.num_layers, 2, self.num_host_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.kv_layout.num_layers, 2, self.num_host_blocks, self.block_size, self.num_kv_heads,
+                 self.head_dim)
         return torch.zeros(shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
 
     def profile_forward_peak_bytes(self) -> int:
@@ -129,7 +136,9 @@ class ModelRunner:
         num_blocks = -(-num_tokens // self.block_size)
         probe = BatchItem(seq_id=-1, request_id="profile", token_ids=(0,) * num_tokens, start_pos=0,
                           block_table=tuple(range(num_blocks)), sample_indices=(0,),
-                          params=SamplingParams(temperature=0.0))
+                          params=SamplingParams(temperature=0.0),
+                          # Every group in the same scratch blocks: what is measured is memory, not values.
+                          group_tables=(tuple(range(num_blocks)),) * len(self.kv_cache_groups))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         self._run(ScheduledBatch(items=(probe,)), self._allocate_cache(num_blocks))  # a scratch pool, dropped here
@@ -176,63 +185,7 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.int64, device=device or self.device)
 
     def _prepare(self, items: list[BatchItem], num_prefill: int, kv_cache: torch.Tensor):
-        """Flatten the batch (prefill chunks first, then decodes) into the forward's inputs.
-
-        Decodes are the many small items, so they are handled as columns with numpy, not one by one; the
-        block tables come from the persistent array (engine/model/block_tables.py).
-        """
-        prefill, decode = items[:num_prefill], items[num_prefill:]
-        num_blocks, block_size = kv_cache.shape[2], self.block_size
-        rows = self.block_tables.rows(items)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[np.ndarray] = []
-        logit_rows: list[int] = []
-        for row, item in zip(rows, prefill):
-            n = len(item.token_ids)
-            pos = np.arange(item.start_pos, item.start_pos + n)
-            slots.append(self.block_tables.table[row, pos // block_size].astype(np.int64) * block_size
-                         + pos % block_size)
-            token_ids.extend(item.token_ids)
-            positions.extend(range(item.start_pos, item.start_pos + n))
-            if item.sample_indices:
-                logit_rows.append(len(token_ids) - 1)
-        num_prefill_tokens = len(token_ids)
-        prefill_tables = decode_tables = decode_lens = None
-        if prefill:
-            prefill_lens = np.fromiter((item.context_len for item in prefill), dtype=np.int64, count=len(prefill))
-            prefill_tables = self.block_tables.padded(rows[:num_prefill], prefill_lens, block_size, num_blocks)
-        if decode:
-            starts = np.fromiter((item.start_pos for item in decode), dtype=np.int64, count=len(decode))
-            decode_tables = self.block_tables.padded(rows[num_prefill:], starts + 1, block_size, num_blocks)
-            slots.append(decode_tables[np.arange(len(decode)), starts // block_size].astype(np.int64) * block_size
-                         + starts % block_size)
-            token_ids.extend(item.token_ids[0] for item in decode)
-            positions.extend(starts.tolist())
-            logit_rows.extend(num_prefill_tokens + row for row, item in enumerate(decode) if item.sample_indices)
-            decode_lens = (starts + 1).astype(np.int32)
-        ctx = AttentionContext(
-            kv_cache=kv_cache,
-            slot_mapping=self._tensor(np.concatenate(slots)),
-            num_prefill_tokens=num_prefill_tokens,
-            prefill_block_tables=self._tensor(prefill_tables) if prefill else None,
-            prefill_cu_seqlens=self._int32(np.cumsum([0] + [len(item.token_ids) for item in prefill]))
-            if prefill else None,
-            prefill_context_lens=self._int32(prefill_lens) if prefill else None,
-            # Known on the host: passing it spares the CUDA kernel a device-to-host sync per layer.
-            prefill_max_query_len=max((len(item.token_ids) for item in prefill), default=0),
-            decode_block_tables=self._tensor(decode_tables) if decode else None,
-            decode_context_lens=self._tensor(decode_lens) if decode else None,
-        )
-        device = self.device
-        return (ctx, torch.tensor([token_ids], device=device), torch.tensor([positions], device=device),
-                torch.tensor(logit_rows, dtype=torch.int64, device=device))
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
-
-    def _int32(self, values) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values, dtype=np.int32), device=self.device)
+        return self.inputs.prepare(items, num_prefill, kv_cache)
 
     def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[list[int] | None]:
         rows, owners = [], []
@@ -270,15 +223,15 @@ def _freeze_heap() -> None:
     atexit.register(gc.unfreeze)
 
 
-def _check_attention_features(text_config, max_model_len: int) -> None:
-    """Refuse attention variants our kernels do not implement, rather than compute wrong tokens."""
-    window = getattr(text_config, "sliding_window", None)
-    if getattr(text_config, "use_sliding_window", True) and window and window < max_model_len:
-        raise ModelError(refusal(text_config.model_type, f"it uses sliding-window attention ({window} tokens), which "
-                                 f"kvscope's kernels do not compute; run it with --max-model-len {window} or less"))
-    if getattr(text_config, "attn_logit_softcapping", None):
-        raise ModelError(refusal(text_config.model_type, "it soft-caps attention logits, which kvscope's "
-                                 "attention kernels do not compute"))
+def model_kv_cache_groups(layer_windows, max_model_len: int, allocator: str) -> tuple[KVCacheGroup, ...]:
+    """The model's layers grouped by attention kind (engine/kv_cache_groups.py), from each layer's window
+    (engine/model/layer_kinds.py). A window of max_model_len or more sees the whole of any context, so its
+    layer keeps every block, as a full one; the contiguous allocator, the pre-paging baseline, keeps one
+    group whatever the layers are."""
+    if allocator != "paged":
+        return ()
+    return group_layers([window if window is not None and window < max_model_len else None
+                         for window in layer_windows])
 
 
 def sampling_defaults(generation_config) -> tuple[tuple[str, float | int], ...]:

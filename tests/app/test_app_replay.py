@@ -12,6 +12,7 @@ from kvscope.app.attach.window.replay_view import VllmReplayView
 from kvscope.app.load.presets import PresetContext, build
 from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.app.screens.replay import ReplayScreen, StepView
+from kvscope.app.widgets import block_cells as cells
 from kvscope.app.widgets.block_map import BlockMap
 from kvscope.app.widgets.counters import Counters
 from kvscope.app.widgets.queues import QueuesTable
@@ -79,6 +80,40 @@ async def test_history_lists_the_run_and_replay_shows_the_recorded_steps(run_log
 
         await pilot.press("escape", "escape")
         assert app.screen is app.main
+
+
+async def test_the_replayed_map_shows_the_cells_the_live_run_had(tmp_path):
+    """Stepping forward, back and jumping through a logged run, the map's cells (kept from changes where it can)
+    equal a recount of the live engine's snapshot of that step."""
+    path = tmp_path / "runs.db"
+    config = EngineConfig(num_blocks=64, max_model_len=256)
+    engine = fake_engine(config, num_host_blocks=8)
+    context = PresetContext(16, 64, 256, config.max_num_batched_tokens, lambda text: len(text.encode()))
+    live = {}
+    with record_run(engine, db_path=path) as logger:
+        for i, planned in enumerate(build("shared", 4, context)):
+            engine.add_request(planned.prompt, planned.params, request_id=f"r{i}")
+        for _ in range(NUM_STEPS):
+            result = engine.step()
+            live[result.stats.step] = result.snapshot
+    async with window(db_path=path, log_enabled=True) as (app, pilot):
+        await history_on(pilot, logger.run_id, num_runs=2)     # the app's own run and the logged one
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, ReplayScreen))
+        replay, block_map = app.screen, app.screen.query_one(BlockMap)
+
+        def assert_live_cells() -> None:
+            step = replay.frame.stats.step
+            cursor = block_map.cursor_cell if block_map.has_focus else None
+            expected = cells.cell_codes(live[step], block_map.map_layout, cursor=cursor)
+            assert np.array_equal(block_map._codes, expected), f"step {step}"
+
+        assert_live_cells()
+        for key in ["right"] * 12 + ["left"] * 3:
+            await pilot.press(key)
+            assert_live_cells()
+        await pilot.press("g", *str(NUM_STEPS - 2), "enter")
+        assert_live_cells()
 
 
 async def test_history_without_a_log_says_so(tmp_path):

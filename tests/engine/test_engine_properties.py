@@ -11,6 +11,8 @@ from invariants import BlockArraysReplica, KVEventReplica, check_invariants
 
 from kvscope.engine import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
+from kvscope.engine.hybrid_kv_cache_manager import make_kv_cache_manager
+from kvscope.engine.kv_cache_groups import KVCacheGroup
 from kvscope.engine.kv_cache_manager import KVCacheManager
 
 MAX_MODEL_LEN = 48
@@ -32,6 +34,7 @@ class Scenario:
     num_host_blocks: int
     eos_period: int | None
     arrivals: list[Arrival]
+    groups: tuple[KVCacheGroup, ...] = ()
 
 
 @st.composite
@@ -46,7 +49,15 @@ def arrivals(draw, prefixes: list[list[int]]) -> Arrival:
 
 
 @st.composite
-def scenarios(draw) -> Scenario:
+def hybrid_groups(draw) -> tuple[KVCacheGroup, ...]:
+    """A full group beside sliding ones, or sliding groups only (Mistral's shape), windows of 1 to 20 tokens."""
+    windows = draw(st.lists(st.integers(1, 20), min_size=1, max_size=2))
+    kinds = ([None] if draw(st.booleans()) else []) + windows
+    return tuple(KVCacheGroup((layer,), window) for layer, window in enumerate(kinds))
+
+
+@st.composite
+def scenarios(draw, groups=None) -> Scenario:
     config = EngineConfig(
         block_size=draw(st.sampled_from([1, 2, 4, 8])),
         max_num_batched_tokens=draw(st.integers(3, 40)),
@@ -55,13 +66,14 @@ def scenarios(draw) -> Scenario:
         preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
         allocator=draw(st.sampled_from(["paged", "contiguous"])),
     )
+    kv_cache_groups = draw(groups) if groups is not None else ()
     prefixes = draw(st.lists(st.lists(st.integers(0, 255), min_size=1, max_size=20), min_size=1, max_size=3))
     workload = draw(st.lists(arrivals(prefixes), min_size=2, max_size=8))
     # Tight: just enough for the largest request, plus a little.
-    sizing = KVCacheManager(1, 0, config.block_size, allocator=config.allocator, max_model_len=MAX_MODEL_LEN)
+    sizing = make_kv_cache_manager(config, 1, 0, config.block_size, MAX_MODEL_LEN, kv_cache_groups)
     largest = max(sizing.max_blocks_needed(len(a.prompt), a.params.max_tokens, a.params.n) for a in workload)
     return Scenario(config, largest + draw(st.integers(0, 3)), draw(st.sampled_from([0, 2, 64])),
-                    draw(st.sampled_from([None, 6])), workload)
+                    draw(st.sampled_from([None, 6])), workload, kv_cache_groups)
 
 
 def run(scenario: Scenario) -> tuple[dict, set, object]:
@@ -69,11 +81,11 @@ def run(scenario: Scenario) -> tuple[dict, set, object]:
     by arrival index, the aborted arrivals and the engine."""
     engine = fake_engine(scenario.config, num_blocks=scenario.num_blocks,
                          num_host_blocks=scenario.num_host_blocks, max_model_len=MAX_MODEL_LEN,
-                         eos_period=scenario.eos_period)
+                         eos_period=scenario.eos_period, kv_cache_groups=scenario.groups)
     request_ids: dict[int, str] = {}
     final: dict[str, object] = {}
     aborted: set[str] = set()
-    replica, blocks = KVEventReplica(), BlockArraysReplica()
+    replica, blocks = KVEventReplica(groups=bool(scenario.groups)), BlockArraysReplica()
     step = 0
     while len(request_ids) < len(scenario.arrivals) or engine.has_unfinished_requests():
         for index, arrival in enumerate(scenario.arrivals):
@@ -102,13 +114,29 @@ def run(scenario: Scenario) -> tuple[dict, set, object]:
 
 def reference(scenario: Scenario) -> list:
     config = EngineConfig(block_size=16, max_num_batched_tokens=4096)
-    engine = fake_engine(config, num_blocks=4096, max_model_len=MAX_MODEL_LEN, eos_period=scenario.eos_period)
+    engine = fake_engine(config, num_blocks=4096, max_model_len=MAX_MODEL_LEN, eos_period=scenario.eos_period,
+                         kv_cache_groups=scenario.groups if scenario.config.allocator == "paged" else ())
     return engine.generate([a.prompt for a in scenario.arrivals], [a.params for a in scenario.arrivals])
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_workloads_keep_invariants_and_match_an_uninterrupted_run(scenario):
+    check_against_an_uninterrupted_run(scenario)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(hybrid_groups()))
+def test_hybrid_groups_keep_invariants_per_group_and_match_an_uninterrupted_run(scenario):
+    """The same workloads with KV-cache groups: sliding groups free blocks as requests advance, and the fake
+    runner checks every group's reads (no NULL entry, no freed block, the right tokens)."""
+    engine = check_against_an_uninterrupted_run(scenario)
+    kv = engine.scheduler.kv
+    if scenario.config.allocator == "paged":
+        event(f"blocks freed by a window: {'some' if kv.num_window_freed_blocks else 'none'}")
+
+
+def check_against_an_uninterrupted_run(scenario: Scenario):
     outputs, aborted, engine = run(scenario)
     expected = reference(scenario)
     for index, output in outputs.items():
@@ -120,6 +148,7 @@ def test_random_workloads_keep_invariants_and_match_an_uninterrupted_run(scenari
         assert [s.text for s in output.samples] == [s.text for s in expected[index].samples]
     pool = engine.scheduler.kv.block_pool
     assert pool.num_free_blocks == pool.num_blocks and not pool.ref_counts.any()
+    return engine
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvscope.engine.block_pool import NULL_BLOCK
+from kvscope.engine.hybrid_kv_cache_manager import group_hash, held
+from kvscope.engine.kv_cache_groups import blocks_per_sequence, first_needed_block
 from kvscope.engine.kv_cache_manager import cdiv, hash_block
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, AllBlocksCleared, BlockRemoved, BlockStored
 from kvscope.engine.request import RequestStatus
@@ -90,6 +93,10 @@ def _check_request(kv, request) -> None:
         assert seq.num_output_tokens <= request.params.max_tokens
         if request.status == RequestStatus.WAITING:
             assert not seq.block_table and not seq.host_block_table and seq.num_computed_tokens == 0
+            assert not seq.group_tables and not seq.host_group_tables
+        elif getattr(kv, "groups", None):
+            _check_group_tables(kv, request, seq)
+            continue
         elif request.status == RequestStatus.SWAPPED:
             assert not seq.block_table
             assert len(seq.host_block_table) == cdiv(seq.num_computed_tokens, bs)
@@ -100,6 +107,36 @@ def _check_request(kv, request) -> None:
         for i in range(min(seq.num_computed_tokens // bs, len(seq.block_hashes), len(seq.block_table))):
             block_hash = int(kv.block_pool.hashes[seq.block_table[i]])
             assert block_hash in (0, seq.block_hashes[i]), "a block's cached hash does not match its content"
+
+
+def _check_group_tables(kv, request, seq) -> None:
+    """Per KV-cache group: one table each, as long as the computed tokens need, NULL only where a sliding window
+    freed blocks no query can see any more, and the sample's block_table every block held, group after group."""
+    bs, computed = kv.block_size, seq.num_computed_tokens
+    swapped = request.status == RequestStatus.SWAPPED
+    tables = seq.host_group_tables if swapped else seq.group_tables
+    assert not (seq.group_tables if swapped else seq.host_group_tables), "tables in both pools"
+    if not tables:  # a sample that has not forked yet
+        assert not computed and not seq.block_table and not seq.host_block_table
+        return
+    assert len(tables) == len(kv.groups), "one table per group"
+    assert (seq.host_block_table if swapped else seq.block_table) == held(tables), "block_table != groups' blocks"
+    for group, (window, table) in enumerate(zip(kv.windows, tables, strict=True)):
+        assert len(table) == cdiv(computed, bs), f"group {group}'s table does not match computed"
+        live = [i for i, block in enumerate(table) if block != NULL_BLOCK]
+        assert live == list(range(len(table) - len(live), len(table))), "NULL entries are only leading ones"
+        if window is None:
+            assert len(live) == len(table), "a full group never frees a block a request holds"
+            continue
+        assert len(table) - len(live) <= first_needed_block(computed, window, bs), "freed a block still visible"
+        cap = blocks_per_sequence((kv.groups[group],), kv.max_model_len, bs, kv.chunk)
+        assert len(live) <= cap, f"a sliding group holds {len(live)} blocks, more than its {cap}"
+        if swapped:
+            continue
+        for i in live:
+            if i < min(computed // bs, len(seq.block_hashes)):
+                block_hash = int(kv.block_pool.hashes[table[i]])
+                assert block_hash in (0, group_hash(seq.block_hashes[i], group)), "a cached hash is wrong"
 
 
 def _check_idle(kv) -> None:
@@ -134,6 +171,8 @@ def _check_result(engine, result) -> None:
         live = [seq for seq in request.seqs if seq.finish_reason is None]
         assert view.queue == request.status
         assert view.block_tables == tuple(tuple(seq.block_table) for seq in live)
+        if any(seq.group_tables for seq in live):
+            assert view.group_block_tables == tuple(seq.group_tables for seq in live)
         assert view.num_output_tokens == request.seqs[0].num_output_tokens
         assert view.num_computed_tokens == request.seqs[0].num_computed_tokens
         assert view.used_slots <= view.reserved_slots
@@ -200,7 +239,8 @@ class KVEventReplica:
     ``step(result)`` applies one step's kv_events and asserts the replica equals the cached blocks of that
     step's snapshot. Start it with the engine (or with a snapshot whose events have all been reported)."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: bool = False) -> None:
+        self.groups = groups    # groups key their prefixes by the chain hash mixed with the group's index
         self.cached: dict[int, int] = {}
         self.counts = {BlockStored: 0, BlockRemoved: 0, AllBlocksCleared: 0}
 
@@ -218,7 +258,7 @@ class KVEventReplica:
                 assert event.block_id not in self.cached, "a block stored twice without a removal"
                 assert event.block_hash not in self.cached.values(), "a prefix stored in two blocks"
                 assert len(event.token_ids) == event.block_size and isinstance(event.token_ids, tuple)
-                assert event.block_hash == hash_block(event.parent_block_hash or 0, event.token_ids)
+                assert self.groups or event.block_hash == hash_block(event.parent_block_hash or 0, event.token_ids)
                 self.cached[event.block_id] = event.block_hash
             elif type(event) is BlockRemoved:
                 assert self.cached.pop(event.block_id, None) == event.block_hash, "removed what was not stored"

@@ -35,7 +35,7 @@ def options(parser: argparse.ArgumentParser) -> set[str]:
 
 def test_every_bench_is_a_subcommand_whose_help_shows_only_its_own_flags():
     parsers = bench_parsers()
-    assert set(parsers) >= {"throughput", "serve", "logging", "host", "ui", "kernels", "scheduler", "attach",
+    assert set(parsers) >= {"throughput", "serve", "logging", "host", "ui", "hybrid", "kernels", "scheduler", "attach",
                             "lessons", "startup"}
     everyone = set().union(*(options(p) for p in parsers.values()))
     for name, parser in parsers.items():
@@ -143,3 +143,16 @@ def test_bench_ui_prints_the_frame_and_the_window_cost(capsys):
                 "engine headless", "engine, window open", "the window's cost", "engine thread per step",
                 "UI thread per engine step"):
         assert row in out
+
+
+def test_bench_hybrid_shows_a_sliding_window_model_holding_less_at_the_same_memory(capsys):
+    argv = ["bench", "hybrid", "--layers", "4", "--window", "32", "--pattern", "2", "--memory-mib", "4",
+            "--requests", "6", "--prompt", "100", "--max-tokens", "20", "--max-model-len", "256", "--chunk", "64"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "hybrid" in out and "every layer full" in out
+    assert main([*argv, "--json"]) == 0
+    hybrid, full = json.loads(capsys.readouterr().out)
+    assert (hybrid["groups"], full["groups"]) == (2, 1) and hybrid["block_kib"] * 2 == full["block_kib"]
+    assert hybrid["kib_per_request"] < full["kib_per_request"]
+    assert hybrid["max_concurrency"] > full["max_concurrency"]

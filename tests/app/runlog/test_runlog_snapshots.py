@@ -16,6 +16,7 @@ from kvscope.app.runlog.snapshots import SnapshotDecoder, SnapshotEncoder, unpac
 from kvscope.engine import LLMEngine, SamplingParams
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import FakeRunner
+from kvscope.engine.kv_cache_groups import KVCacheGroup
 from kvscope.engine.outputs import CacheSnapshot, RequestView
 
 ARRAYS = ("block_state", "ref_counts", "block_fill", "block_hashes")
@@ -170,11 +171,16 @@ def test_the_replay_cursor_steps_jumps_and_goes_back(tmp_path):
         assert_same_snapshot(frame.snapshot, results[step].snapshot)
 
 
-def test_a_real_engine_run_replays_exactly(tmp_path):
-    # The engine with its fake runner: swap preemption, prefix sharing, n=2 forks, evictions.
-    config = EngineConfig(device="cpu", num_blocks=48, block_size=4, preemption_mode="swap",
+@pytest.mark.parametrize("groups", [(), (KVCacheGroup((0,), None), KVCacheGroup((1,), 8))],
+                         ids=["one group", "full and sliding groups"])
+def test_a_real_engine_run_replays_exactly(tmp_path, groups):
+    # The engine with its fake runner: swap preemption, prefix sharing, n=2 forks, evictions; with groups, each
+    # request's per-group tables and the groups themselves replay too.
+    scale = max(len(groups), 1)     # each group holds a block per block of tokens
+    config = EngineConfig(device="cpu", num_blocks=48 * scale, block_size=4, preemption_mode="swap",
                           swap_space="1MiB")
-    engine = LLMEngine(config, runner=FakeRunner(config, num_blocks=48, num_host_blocks=32))
+    runner = FakeRunner(config, num_blocks=48 * scale, num_host_blocks=32 * scale, kv_cache_groups=groups)
+    engine = LLMEngine(config, runner=runner)
     logger = open_run_log(tmp_path / "runs.db", source="script", config=config, model="fake", device="cpu",
                           dtype="float32")
     for i in range(12):

@@ -7,11 +7,11 @@ import pytest
 from app_harness import replace
 from textual.content import Content
 
-from kvscope.app.bench.ui import synthetic_snapshot
 from kvscope.app.load.presets import PRESETS, PresetContext, build
 from kvscope.app.widgets import block_cells as cells
 from kvscope.app.widgets.block_inspector import describe_block, describe_cell
 from kvscope.app.widgets.block_legend import GAP, ITEMS, legend_lines
+from kvscope.app.widgets.map_aggregates import owners_recounted
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
 from kvscope.app.widgets.throughput import bar_levels
 from kvscope.engine.config import RequestError
@@ -73,19 +73,18 @@ def test_cell_codes_show_state_fill_sharing_and_owner():
 def test_chat_and_cursor_overlays():
     snap = snapshot()
     layout = cells.fit_layout(8, 8, 1)
-    codes = cells.cell_codes(snap, layout, chat=cells.request_mask(snap, "r0"), cursor=5)
+    codes = cells.cell_codes(snap, layout, chat="r0", cursor=5)
     overlays = [cells.decode(c)[1] for c in codes]
     assert overlays == [cells.OVERLAY_CHAT, cells.OVERLAY_CHAT, cells.OVERLAY_CHAT, 0, 0,
                         cells.OVERLAY_CURSOR, 0, 0]
     assert glyphs(codes)[0] == cells.HIGHLIGHTED_FULL_GLYPH   # a full block lets the chat tint show
-    assert cells.request_mask(snap, "gone") is None
+    assert cells.request_blocks(snap, "gone") is None
 
 
 def test_a_selection_dims_every_other_block_in_use_or_cached():
     snap = snapshot()
     layout = cells.fit_layout(8, 8, 1)
-    codes = cells.cell_codes(snap, layout, selected=cells.request_mask(snap, "r1"),
-                             chat=cells.request_mask(snap, "r0"), cursor=5)
+    codes = cells.cell_codes(snap, layout, selected="r1", chat="r0", cursor=5)
     overlays = [cells.decode(c)[1] for c in codes]
     dimmed, selected = cells.OVERLAY_DIMMED, cells.OVERLAY_SELECTED
     assert overlays == [dimmed, selected, dimmed, selected, dimmed, cells.OVERLAY_CURSOR, 0, 0]
@@ -108,10 +107,11 @@ def test_aggregated_cells_count_blocks_in_use():
     assert cells.decode(codes[0])[0] == cells.STYLE_SHARED + 0
 
 
-def test_owner_index_matches_the_snapshot():
-    for seed in range(3):
-        snap = synthetic_snapshot(512, 40, seed=seed)
-        assert np.array_equal(cells.owner_index(snap), snap.owner_index())
+def test_a_block_belongs_to_its_earliest_arriving_holder_whatever_the_queue_order():
+    snap = snapshot()
+    later_first = replace(snap, requests=tuple(reversed(snap.requests)))   # r1 (arrival 1) listed first
+    assert owners_recounted(later_first).tolist() == [0, 0, 0, 1, -1, -1, -1, -1]
+    assert cells.decode(cells.cell_codes(later_first, cells.fit_layout(8, 8, 1))[1])[0] == cells.STYLE_SHARED + 0
 
 
 def test_block_details_name_owners_and_logical_indices():

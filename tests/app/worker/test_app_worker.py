@@ -18,9 +18,20 @@ from kvscope.app.messages import (
     EngineStepped,
     RequestRejected,
     RunStateChanged,
+    RunUntilDone,
+    StepsReady,
 )
 from kvscope.app.runlog import RunLogReader, record_run
-from kvscope.app.worker.commands import AddChatTurn, AddRequest, LaunchPreset, Rebuild, SetPaused, StepOnce, Stop
+from kvscope.app.worker.commands import (
+    AddChatTurn,
+    AddRequest,
+    LaunchPreset,
+    Rebuild,
+    RunUntil,
+    SetPaused,
+    StepOnce,
+    Stop,
+)
 from kvscope.app.worker.thread import ENGINE_REBUILT, ENGINE_STOPPED, EngineWorker
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -35,10 +46,11 @@ class Inbox:
         self.worker: EngineWorker | None = None
 
     def post_message(self, message) -> bool:
+        taken = message.batch.take() if isinstance(message, StepsReady) else [message]
         with self.changed:
-            self.messages.append(message)
+            self.messages.extend(taken)
             self.changed.notify_all()
-        if isinstance(message, EngineStepped):
+        for _ in range(len(taken) if isinstance(message, StepsReady) else 0):
             self.worker.ack()
         return True
 
@@ -72,7 +84,7 @@ def stop(worker: EngineWorker, thread: threading.Thread) -> None:
     assert not thread.is_alive()
 
 
-def test_runs_requests_to_completion_posting_one_message_per_step():
+def test_runs_requests_to_completion_handing_over_every_step_in_order():
     engines = FakeEngines()
     worker, inbox, thread = start(engines)
     worker.send(AddRequest("a", "hello there", SamplingParams(max_tokens=5, temperature=0.0)))
@@ -82,6 +94,49 @@ def test_runs_requests_to_completion_posting_one_message_per_step():
     steps = [m.result.stats.step for m in inbox.of(EngineStepped)]
     assert steps == [s.step for s in engines.engine.stats]
     assert steps == sorted(set(steps))
+
+
+class SlowInbox(Inbox):
+    """A UI that takes the steps only when it gets round to it (the app does between frames)."""
+
+    def post_message(self, message) -> bool:
+        with self.changed:
+            self.messages.append(message)
+            self.changed.notify_all()
+        return True
+
+    def in_order(self) -> list:
+        """Every message as the UI handles them: each StepsReady opened into its steps."""
+        handled = []
+        for message in self.of(object):
+            if isinstance(message, StepsReady):
+                steps = message.batch.take()
+                handled.extend(steps)
+                for _ in steps:
+                    self.worker.ack()
+            else:
+                handled.append(message)
+        return handled
+
+
+def test_a_busy_engine_posts_its_steps_in_one_message_until_the_ui_takes_them_and_none_overtakes_a_message():
+    inbox = SlowInbox()
+    engines = FakeEngines()
+    worker = EngineWorker(inbox, EngineConfig(num_blocks=64, max_model_len=256), engine_factory=engines)
+    inbox.worker = worker
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    inbox.wait_for(lambda: inbox.of(EngineReady))
+    worker.send(AddRequest("a", "hello there", SamplingParams(max_tokens=40, temperature=0.0)))
+    worker.send(RunUntil(lambda result: False, 30))
+    inbox.wait_for(lambda: inbox.of(RunUntilDone))
+    stop(worker, thread)
+    assert len(inbox.of(StepsReady)) < 30     # was one message per step
+    handled = inbox.in_order()
+    steps = [m.result.stats.step for m in handled if isinstance(m, EngineStepped)]
+    assert steps == [s.step for s in engines.engine.stats][:len(steps)] and len(steps) >= 30
+    done = next(i for i, m in enumerate(handled) if isinstance(m, RunUntilDone))
+    assert sum(isinstance(m, EngineStepped) for m in handled[:done]) == 30    # its steps come before it
 
 
 def test_idle_engine_does_not_step():

@@ -33,6 +33,7 @@ from kvscope.app.messages import (
     EngineReady,
     EngineStepped,
     RequestRejected,
+    StepsReady,
 )
 from kvscope.app.worker.commands import AbortRequest, AddRequest, LaunchPreset, Rebuild, SetPaused, SetRateCap, StepOnce
 from kvscope.app.worker.thread import ENGINE_REBUILT, ENGINE_STOPPED, EngineWorker
@@ -98,9 +99,12 @@ class Inbox:
         self.worker: EngineWorker | None = None
 
     def post_message(self, message) -> bool:
-        self.messages.append(message)
-        if isinstance(message, EngineStepped):
-            self.worker.ack()
+        if isinstance(message, StepsReady):    # the steps, taken at once, in the order they came
+            for stepped in message.batch.take():
+                self.messages.append(stepped)
+                self.worker.ack()
+        else:
+            self.messages.append(message)
         return True
 
     def of(self, kind) -> list:

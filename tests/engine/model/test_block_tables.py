@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from kvscope.engine.batch import BatchItem
+from kvscope.engine.block_pool import NULL_BLOCK
 from kvscope.engine.config import SamplingParams
 from kvscope.engine.model.block_tables import BlockTables
 
@@ -52,3 +53,14 @@ def test_a_block_outside_the_pool_or_a_table_shorter_than_its_context_is_refused
         tables.padded(tables.rows([item(1, (3, 8))]), np.array([20]), 16, num_blocks=8)
     with pytest.raises(IndexError, match="shorter than its context"):
         tables.padded(tables.rows([item(2, (3,))]), np.array([20]), 16, num_blocks=8)
+
+
+def test_a_sliding_groups_freed_entries_reach_the_kernels_as_the_rows_first_block_still_held():
+    tables = BlockTables(width=4, group=1, sliding=True)
+    full, sliding = (1, 2, 3, 4), (NULL_BLOCK, NULL_BLOCK, 7, 8)
+    short = (NULL_BLOCK, 9)
+    items = [BatchItem(1, "r1", (1,), 60, full + sliding, (0,), PARAMS, (full, sliding)),
+             BatchItem(2, "r2", (1,), 20, (5, 9), (0,), PARAMS, ((5, 6), short))]
+    rows = tables.rows(items)
+    padded = tables.padded(rows, np.array([61, 21]), 16, num_blocks=12)
+    assert padded.tolist() == [[7, 7, 7, 8], [9, 9, 9, 9]]

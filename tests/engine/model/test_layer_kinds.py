@@ -68,3 +68,22 @@ def test_a_layer_kind_the_kernels_do_not_compute_is_refused_naming_the_family():
                              sliding_window=None, model_type="llama4_text")
     with pytest.raises(ModelError, match="cannot serve 'llama4_text' models: it has chunked_attention layers"):
         layer_attention_kinds(config)
+
+
+def test_attention_refuses_a_window_other_than_the_layer_kinds_say():
+    """The KV cache frees blocks by layer_attention_kinds: a layer whose module attends with another window must
+    stop the step, not read freed blocks or compute other tokens than transformers."""
+    from kvscope.engine.model.attention import AttentionContext, paged_attention_forward
+
+    ctx = AttentionContext(kv_cache=torch.zeros(2, 2, 4, 16, 1, 16), slot_mapping=torch.tensor([0]),
+                           num_prefill_tokens=0, prefill_block_tables=None, prefill_cu_seqlens=None,
+                           prefill_context_lens=None, prefill_max_query_len=0,
+                           decode_block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                           decode_context_lens=torch.tensor([1], dtype=torch.int32), layer_windows=(None, 24))
+    module = SimpleNamespace(layer_idx=1)
+    q, kv = torch.randn(1, 2, 1, 16), torch.randn(1, 1, 1, 16)
+    out, _ = paged_attention_forward(module, q, kv, kv, None, kvscope_ctx=ctx, sliding_window=24)
+    assert out.shape == (1, 1, 2, 16)
+    with pytest.raises(RuntimeError, match="layer 1 attends with a sliding window of 32 tokens but kvscope's "
+                                           "layer kinds say 24"):
+        paged_attention_forward(module, q, kv, kv, None, kvscope_ctx=ctx, sliding_window=32)

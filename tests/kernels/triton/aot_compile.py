@@ -23,9 +23,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvscope.kernels import triton_ops  # noqa: E402
+from kvscope.kernels import triton_attend, triton_decode, triton_ops  # noqa: E402
 
 INT32_POINTERS = {"block_tables_ptr", "context_lens_ptr", "cu_seqlens_q_ptr"}
+FP32_POINTERS = {"sinks_ptr", "partial_max_ptr", "partial_sum_ptr", "partial_acc_ptr"}
 INT64_POINTERS = {"slot_ptr", "src_ptr", "dst_ptr"}
 TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -38,9 +39,11 @@ def signature(kernel, constants: dict, dtype: torch.dtype) -> dict[str, str]:
             return "*i32"
         if name in INT64_POINTERS:
             return "*i64"
+        if name in FP32_POINTERS:
+            return "*fp32"
         if name.endswith("_ptr"):
             return "*" + TRITON_DTYPE[dtype]
-        return "fp32" if name == "scale_log2e" else "i32"
+        return "fp32" if name in ("scale_log2e", "softcap_log2e") else "i32"
 
     return {name: arg_type(name) for name in kernel.arg_names}
 
@@ -67,15 +70,27 @@ def build(kernel, meta: dict, dtype: torch.dtype, capability: int) -> dict:
 
 
 def builds(head_dims: list[int]) -> list[tuple[str, object, dict, torch.dtype]]:
-    """(name, kernel, meta, cache dtype) for each kernel at the parameters its wrapper launches with."""
-    ops = triton_ops
+    """(name, kernel, meta, cache dtype) for each kernel at the parameters its wrapper launches with: attention
+    plain, and with soft-capping and sinks both compiled in."""
+    ops, decode = triton_ops, triton_decode
+    plain, variants = triton_attend.variant_meta(None, None), triton_attend.variant_meta(30.0, torch.zeros(1))
+    split = decode.PARTITION_TOKENS
     result = []
     for dtype in (torch.float32, torch.bfloat16):
         for head_dim in head_dims:
             result += [
-                ("decode", ops._paged_decode_kernel, ops.decode_meta(dtype, 4, head_dim, 16), dtype),
-                ("decode", ops._paged_decode_kernel, ops.decode_meta(dtype, 3, head_dim, 1), dtype),
-                ("prefill", ops._paged_prefill_kernel, ops.prefill_meta(dtype, 3, head_dim, 32), dtype),
+                ("decode", decode._paged_decode_kernel, {**decode.decode_meta(dtype, 4, head_dim, 16), **plain},
+                 dtype),
+                ("decode", decode._paged_decode_kernel, {**decode.decode_meta(dtype, 3, head_dim, 1), **variants},
+                 dtype),
+                ("decode_split", decode._paged_decode_kernel,
+                 {**decode.decode_meta(dtype, 3, head_dim, 16, split), **triton_attend.variant_meta(30.0, None)},
+                 dtype),
+                ("decode_reduce", decode._decode_reduce_kernel,
+                 {**decode.reduce_meta(head_dim, split), "HAS_SINKS": True}, dtype),
+                ("prefill", ops._paged_prefill_kernel, {**ops.prefill_meta(dtype, 3, head_dim, 32), **plain}, dtype),
+                ("prefill", ops._paged_prefill_kernel, {**ops.prefill_meta(dtype, 3, head_dim, 32), **variants},
+                 dtype),
                 ("store_kv", ops._store_kv_kernel, ops.store_kv_meta(3, head_dim, 16), dtype),
             ]
         result.append(("copy_blocks", ops._copy_blocks_kernel, ops.copy_blocks_meta(16 * 3 * 64), dtype))
