@@ -24,6 +24,12 @@ def server():
 
 
 @pytest.fixture(scope="module")
+def api(server):
+    with client(server) as openai_client:
+        yield openai_client
+
+
+@pytest.fixture(scope="module")
 def reference():
     model, tok = tiny_model("llama")
     return model, tok
@@ -34,9 +40,9 @@ def log_softmax(model, token_ids) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([list(token_ids)])).logits[0].float(), dim=-1)
 
 
-def test_echo_with_logprobs_gives_the_prompts_and_the_replys_as_lm_eval_reads_them(server, reference):
+def test_echo_with_logprobs_gives_the_prompts_and_the_replys_as_lm_eval_reads_them(api, reference):
     model, tok = reference
-    reply = client(server).completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=3, temperature=0,
+    reply = api.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=3, temperature=0,
                                               logprobs=2, echo=True)
     (choice,) = reply.choices
     columns = choice.logprobs
@@ -54,9 +60,9 @@ def test_echo_with_logprobs_gives_the_prompts_and_the_replys_as_lm_eval_reads_th
         assert abs(lp - max(top.values())) <= 1e-6
 
 
-def test_completion_logprobs_match_transformers_and_stream_the_same(server, reference):
+def test_completion_logprobs_match_transformers_and_stream_the_same(api, reference):
     model, tok = reference
-    openai_client = client(server)
+    openai_client = api
     whole = openai_client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=5, temperature=0,
                                              logprobs=3, extra_body={"prompt_logprobs": 1})
     (choice,) = whole.choices
@@ -73,9 +79,9 @@ def test_completion_logprobs_match_transformers_and_stream_the_same(server, refe
         assert entry[token]["decoded_token"] == tok.decode([PROMPT_IDS[position]])
 
 
-def test_chat_logprobs_and_top_logprobs(server, reference):
+def test_chat_logprobs_and_top_logprobs(api, reference):
     model, tok = reference
-    reply = client(server).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+    reply = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                    max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
                                                    extra_body={"ignore_eos": True})
     content = reply.choices[0].logprobs.content
@@ -87,14 +93,14 @@ def test_chat_logprobs_and_top_logprobs(server, reference):
     assert reply.choices[0].message.content in "".join(entry.token for entry in content)
 
 
-def test_penalties_and_bias_through_the_client_give_transformers_tokens(server, reference):
+def test_penalties_and_bias_through_the_client_give_transformers_tokens(api, reference):
     model, tok = reference
     with torch.inference_mode():
         expected = model.generate(torch.tensor([PROMPT_IDS]), max_new_tokens=12, min_new_tokens=12,
                                   do_sample=False, repetition_penalty=1.6,
                                   attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.long),
                                   pad_token_id=tok.pad_token_id)[0, len(PROMPT_IDS):].tolist()
-    openai_client = client(server)
+    openai_client = api
     reply = openai_client.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=12, temperature=0,
                                              logprobs=0, extra_body={"repetition_penalty": 1.6, "ignore_eos": True})
     assert reply.choices[0].logprobs.tokens == [tok.decode([t]) for t in expected]
@@ -104,8 +110,8 @@ def test_penalties_and_bias_through_the_client_give_transformers_tokens(server, 
     assert biased.choices[0].text == tok.decode([1234] * 3)
 
 
-def test_token_id_prompts_one_or_a_batch(server):
-    openai_client = client(server)
+def test_token_id_prompts_one_or_a_batch(api):
+    openai_client = api
     second = [7, 8, 9, 10]
     batch = openai_client.completions.create(model="tiny", prompt=[PROMPT_IDS, second], max_tokens=3, temperature=0)
     alone = [openai_client.completions.create(model="tiny", prompt=p, max_tokens=3, temperature=0).choices[0].text
@@ -130,9 +136,9 @@ def test_tokenize_and_detokenize_in_vllms_shapes(server, reference):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
 
 
-def test_unknown_fields_are_ignored_with_one_warning_naming_them(server, caplog):
+def test_unknown_fields_are_ignored_with_one_warning_naming_them(api, caplog):
     with caplog.at_level(logging.WARNING, logger="kvscope.serve"):
-        reply = client(server).completions.create(model="tiny", prompt="Hi", max_tokens=2,
+        reply = api.completions.create(model="tiny", prompt="Hi", max_tokens=2,
                                                   extra_body={"custom_field": 1, "another_one": {"x": 2}})
     assert reply.choices[0].finish_reason in ("length", "stop")
     warnings = [r.getMessage() for r in caplog.records if "unknown fields" in r.getMessage()]
