@@ -80,7 +80,9 @@ class Request:
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.params = params
         self.arrival_index = arrival_index
-        self.prompt_preview = prompt_preview
+        # The window's queues show a constrained request as such, ahead of its prompt.
+        self.prompt_preview = prompt_preview if params.structured_output is None else \
+            f"{{{params.structured_output[0].replace('_', ' ')}}} {prompt_preview}"
         self.status = RequestStatus.WAITING
         self.seqs = [Sequence(k, prompt_token_ids, _detokenizer(tokenizer, prompt_token_ids, params))
                      for k in range(params.n)]

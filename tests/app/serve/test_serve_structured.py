@@ -12,7 +12,8 @@ from models import load_smollm2
 from pydantic import BaseModel, ConfigDict, Field
 from serve_helpers import client, running_server
 
-from kvscope.engine import EngineConfig, LLMEngine
+from kvscope.app.widgets.queue_rows import row_cells
+from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 class City(BaseModel):
@@ -87,3 +88,14 @@ def test_an_unsupported_schema_is_a_400_and_the_server_goes_on(api):
     assert refused.value.param == "response_format" and "not supported" in refused.value.message
     reply = api.chat.completions.create(model="tiny", messages=ask("Hi"), max_tokens=3)
     assert reply.choices[0].message.content is not None
+
+
+def test_the_window_shows_a_constrained_request_as_such(server):
+    """The queues' row of a constrained request starts with its format, e.g. "{json schema}"."""
+    engine = server.engine
+    engine.add_request([{"role": "user", "content": "Hi"}], SamplingParams(
+        max_tokens=2, structured_output=("json_schema", ShortCity.model_json_schema())), request_id="constrained")
+    engine.add_request("Hello", SamplingParams(max_tokens=2), request_id="plain")
+    views = {view.request_id: view for view in engine.snapshot().requests}
+    assert any(cell.startswith("{json schema} ") for cell in row_cells(views["constrained"]))
+    assert not any(cell.startswith("{") for cell in row_cells(views["plain"]))
