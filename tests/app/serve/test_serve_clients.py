@@ -11,22 +11,9 @@ import httpx
 import pytest
 import torch
 from models import tiny_model
-from serve_helpers import client, running_server
 
 TOLERANCE = 2e-3
 PROMPT_IDS = [5, 920, 77, 4031, 1200, 18, 342, 9000]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with running_server() as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    with client(server) as openai_client:
-        yield openai_client
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,6 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_t
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server() as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server.url, timeout=30) as session:
         yield session

@@ -10,7 +10,7 @@ import openai
 import pytest
 from models import load_smollm2
 from pydantic import BaseModel, ConfigDict, Field
-from serve_helpers import client, running_server
+from serve_helpers import running_server
 
 from kvscope.app.widgets.queue_rows import row_cells
 from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
@@ -39,12 +39,6 @@ def server():
     engine = LLMEngine(EngineConfig(dtype="float32", num_blocks=256, max_model_len=1024), model=model, tokenizer=tok)
     with running_server(engine) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    with client(server) as openai_client:
-        yield openai_client
 
 
 def ask(text: str) -> list[dict]:
