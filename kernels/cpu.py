@@ -228,20 +228,28 @@ def _int32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.int32).contiguous()
 
 
-def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale) -> torch.Tensor:
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+
+
+def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale, sliding_window=None, softcap=None,
+                           sinks=None) -> torch.Tensor:
     if not supports(query, kv_layer):
-        return reference.paged_decode_attention(query, kv_layer, block_tables, context_lens, scale)
+        return reference.paged_decode_attention(query, kv_layer, block_tables, context_lens, scale, sliding_window,
+                                                softcap, sinks)
     return torch.ops.kvscope_cpu.paged_decode_attention(_rows(query), kv_layer, _int32(block_tables),
-                                                        _int32(context_lens), float(scale))
+                                                        _int32(context_lens), float(scale), sliding_window or 0,
+                                                        float(softcap or 0.0), _sinks(sinks))
 
 
-def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale,
-                            max_query_len=None) -> torch.Tensor:
+def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale, max_query_len=None,
+                            sliding_window=None, softcap=None, sinks=None) -> torch.Tensor:
     if not supports(query, kv_layer):
         return reference.paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale,
-                                                 max_query_len)
+                                                 max_query_len, sliding_window, softcap, sinks)
     return torch.ops.kvscope_cpu.paged_prefill_attention(_rows(query), kv_layer, _int32(block_tables),
-                                                         _int32(cu_seqlens_q), _int32(context_lens), float(scale))
+                                                         _int32(cu_seqlens_q), _int32(context_lens), float(scale),
+                                                         sliding_window or 0, float(softcap or 0.0), _sinks(sinks))
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -58,14 +58,17 @@ def store_kv(key, value, kv_layer, slot_mapping) -> None:
     _backend(kv_layer).store_kv(key, value, kv_layer, slot_mapping)
 
 
-def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale) -> torch.Tensor:
-    return _backend(query).paged_decode_attention(query, kv_layer, block_tables, context_lens, scale)
+def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale, sliding_window: int | None = None,
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return _backend(query).paged_decode_attention(query, kv_layer, block_tables, context_lens, scale,
+                                                  sliding_window, softcap, sinks)
 
 
 def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale,
-                            max_query_len: int | None = None) -> torch.Tensor:
+                            max_query_len: int | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     return _backend(query).paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens,
-                                                   scale, max_query_len)
+                                                   scale, max_query_len, sliding_window, softcap, sinks)
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: BlockIds, dst: BlockIds) -> None:

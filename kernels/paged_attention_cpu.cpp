@@ -8,6 +8,11 @@
 // s lives at block s / block_size, offset s % block_size. Scores and softmax are fp32 for every cache dtype.
 // No slot past a context is ever read, so whatever the pool holds there cannot reach the output.
 //
+// Per call, a layer's variant (kernels/variants.py defines each): a sliding window W, where a query at position p
+// sees only keys p-W+1 .. p and no block-table entry of a block wholly before a call's earliest visible position
+// is read (an engine may have freed those blocks); a logit soft-cap c (s -> c * tanh(s / c)); per-head sink
+// logits that join each softmax's denominator.
+//
 // The arithmetic is written with GCC/Clang vector types of 16 floats: one AVX-512 register with -march=native
 // on x86, two AVX2 or four NEON registers elsewhere, with no intrinsics. head_dim is a template parameter
 // (in lanes of 16), so a row is a handful of registers. kvscope/kernels/cpu.py builds this file on first use.
@@ -18,9 +23,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -119,6 +126,21 @@ inline E* scratch(int64_t count) {
   return buffer.data();
 }
 
+struct Variant {
+  int64_t window;      // 0: full attention
+  float softcap;       // 0: none
+  const float* sinks;  // [num_q_heads] or nullptr
+
+  int64_t first_visible(int64_t position) const { return window ? std::max<int64_t>(0, position - window + 1) : 0; }
+};
+
+inline float soft_cap(float score, float cap) { return cap * std::tanh(score / cap); }
+
+inline vfloat soft_cap(vfloat scores, float cap) {
+  for (int i = 0; i < kLanes; ++i) scores[i] = soft_cap(scores[i], cap);
+  return scores;
+}
+
 struct Pool {
   int64_t num_blocks, block_size, num_kv_heads, head_dim;
   int64_t token_stride() const { return num_kv_heads * head_dim; }
@@ -185,12 +207,13 @@ struct DecodeItem {
 };
 
 // In place over [rows, padded] scores of which the first len count: e^(score - row max) (0 past len); returns
-// each row's sum in totals.
-inline void softmax_rows(float* scores, int64_t rows, int64_t padded, int64_t len, float* totals) {
+// each row's sum in totals. A row's sink (sinks[r], when given) counts towards its max and its sum.
+inline void softmax_rows(float* scores, int64_t rows, int64_t padded, int64_t len, const float* sinks,
+                         float* totals) {
   const vint32 lane = lane_index();
   for (int64_t r = 0; r < rows; ++r) {
     float* row = scores + r * padded;
-    vfloat top = splat(-std::numeric_limits<float>::max());
+    vfloat top = splat(sinks ? sinks[r] : -std::numeric_limits<float>::max());
     for (int64_t i = 0; i < padded; i += kLanes) {
       const vfloat s = lane + static_cast<int32_t>(i) < static_cast<int32_t>(len) ? load(row + i) : top;
       top = s > top ? s : top;
@@ -203,24 +226,29 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t padded, int64_t le
       store(row + i, e);
       total += e;
     }
-    totals[r] = sum(total);
+    totals[r] = sum(total) + (sinks ? exp_nonpositive(sinks[r] - row_top) : 0.0f);
   }
 }
 
 template <int C, typename T>
 void decode_item(const T* query, int64_t stride_head, const T* kv, const Pool& pool, const DecodeItem& item,
-                 float scale, T* out) {
+                 const Variant& variant, float scale, T* out) {
   constexpr int64_t dim = C * kLanes;
-  const int64_t heads = item.heads, group = item.group, rows = heads * group, len = item.context_len;
+  const int64_t heads = item.heads, group = item.group, rows = heads * group;
+  // Positions begin .. context_len - 1 are visible; from here on, i indexes them from 0 to len - 1.
+  const int64_t begin = variant.first_visible(item.context_len - 1), len = item.context_len - begin;
   const int64_t padded = (len + kLanes - 1) / kLanes * kLanes, stride = pool.token_stride();
   float* scores = scratch(rows * padded + rows * dim + rows * kLanes * kLanes + rows);
   float* acc = scores + rows * padded;
   vfloat* partial = reinterpret_cast<vfloat*>(acc + rows * dim);  // [rows, kLanes]: a score before its lane sum
   float* totals = reinterpret_cast<float*>(partial + rows * kLanes);
-  int64_t* offsets = scratch<int64_t>(len);  // element offset of each position's token row
-  for (int64_t start = 0, block = 0; start < len; start += pool.block_size, ++block) {
-    const int64_t first = item.table[block] * pool.block_size;
-    for (int64_t t = 0; t < std::min(pool.block_size, len - start); ++t) offsets[start + t] = (first + t) * stride;
+  int64_t* offsets = scratch<int64_t>(len);  // element offset of each visible position's token row
+  for (int64_t position = begin; position < item.context_len;) {
+    const int64_t within = position % pool.block_size;
+    const int64_t count = std::min(pool.block_size - within, item.context_len - position);
+    const int64_t first = item.table[position / pool.block_size] * pool.block_size + within;
+    for (int64_t t = 0; t < count; ++t) offsets[position - begin + t] = (first + t) * stride;
+    position += count;
   }
   const int64_t row_bytes = heads * dim * static_cast<int64_t>(sizeof(T));
   auto prefetch_next_block = [&](const T* base, int64_t position) {
@@ -254,7 +282,12 @@ void decode_item(const T* query, int64_t stride_head, const T* kv, const Pool& p
     }
     for (int64_t r = 0; r < rows; ++r) store(scores + r * padded + first, reduce_lanes(partial + r * kLanes));
   }
-  softmax_rows(scores, rows, padded, len, totals);
+  if (variant.softcap != 0.0f) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < len; ++i) scores[r * padded + i] = soft_cap(scores[r * padded + i], variant.softcap);
+    }
+  }
+  softmax_rows(scores, rows, padded, len, variant.sinks ? variant.sinks + item.head_begin * group : nullptr, totals);
   std::fill(acc, acc + rows * dim, 0.0f);
   const T* values = keys + pool.values_offset();
   for (int64_t position = 0; position < len; ++position) {
@@ -275,7 +308,7 @@ void decode_item(const T* query, int64_t stride_head, const T* kv, const Pool& p
 
 template <int C, typename T>
 void decode(const at::Tensor& query, const at::Tensor& kv_layer, const at::Tensor& block_tables,
-            const at::Tensor& context_lens, float scale, at::Tensor& out) {
+            const at::Tensor& context_lens, const Variant& variant, float scale, at::Tensor& out) {
   const Pool pool = pool_of(kv_layer);
   const int64_t num_seqs = query.size(0), num_q_heads = query.size(1);
   const int64_t group = num_q_heads / pool.num_kv_heads;
@@ -290,7 +323,8 @@ void decode(const at::Tensor& query, const at::Tensor& kv_layer, const at::Tenso
   for_each_item(num_seqs * items_per_seq, [&](int64_t index) {
     const int64_t seq = index / items_per_seq, head = (index % items_per_seq) * heads_per_item;
     const DecodeItem item{tables + seq * st, lens[seq], head, heads_per_item, group};
-    decode_item<C>(q + seq * sq, sh, kv, pool, item, scale, o + (seq * num_q_heads + head * group) * pool.head_dim);
+    decode_item<C>(q + seq * sq, sh, kv, pool, item, variant, scale,
+                   o + (seq * num_q_heads + head * group) * pool.head_dim);
   });
 }
 
@@ -341,13 +375,19 @@ inline void tile_scores(const float* queries, int64_t padded_rows, const float* 
 
 template <int C, typename T>
 void prefill_item(const T* query, int64_t stride_token, int64_t stride_head, const T* kv, const Pool& pool,
-                  const int32_t* table, const PrefillItem& item, int64_t group, float scale, T* out,
-                  int64_t out_stride_token) {
+                  const int32_t* table, const PrefillItem& item, int64_t group, const Variant& variant, float scale,
+                  T* out, int64_t out_stride_token) {
   constexpr int64_t dim = C * kLanes;
   const int64_t rows = item.num_tokens * group;
   const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
   std::vector<float> queries(padded_rows * dim, 0.0f), acc(padded_rows * dim, 0.0f), totals(padded_rows, 0.0f);
   std::vector<float> top(padded_rows, -std::numeric_limits<float>::infinity()), keys_t(dim * kLanes);
+  if (variant.sinks) {  // the online softmax starts from the sink: its e^(sink - top) is 1
+    for (int64_t r = 0; r < rows; ++r) {
+      top[r] = variant.sinks[item.head * group + r % group];
+      totals[r] = 1.0f;
+    }
+  }
   std::vector<vfloat> scores(padded_rows);
   std::vector<Row<C>> values(kLanes);
   for (int64_t i = 0; i < item.num_tokens; ++i) {
@@ -360,22 +400,27 @@ void prefill_item(const T* query, int64_t stride_token, int64_t stride_head, con
   vint32 lane;
   for (int i = 0; i < kLanes; ++i) lane[i] = i;
   const int64_t last_position = item.first_position + item.num_tokens - 1;
-  for (int64_t start = 0; start <= last_position; start += kLanes) {
+  for (int64_t start = variant.first_visible(item.first_position); start <= last_position; start += kLanes) {
     const int64_t count = std::min<int64_t>(kLanes, last_position + 1 - start);
     load_key_tile<C>(kv, pool, table, item.head, start, count, keys_t.data(), values.data());
     tile_scores<C>(queries.data(), padded_rows, keys_t.data(), scores.data());
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = std::min(count, item.first_position + r / group - start + 1);
-      if (visible <= 0) continue;
-      const vfloat masked = lane < static_cast<int32_t>(visible) ? scores[r] : splat(-3.0e38f);
+      // Lanes [from, to) of this tile are visible to row r: not past its position, not before its window.
+      const int64_t position = item.first_position + r / group;
+      const int64_t from = std::max<int64_t>(0, variant.first_visible(position) - start);
+      const int64_t to = std::min(count, position - start + 1);
+      if (to <= from) continue;
+      const vint32 visible = (lane >= static_cast<int32_t>(from)) & (lane < static_cast<int32_t>(to));
+      const vfloat capped = variant.softcap != 0.0f ? soft_cap(scores[r], variant.softcap) : scores[r];
+      const vfloat masked = visible ? capped : splat(-3.0e38f);
       const float new_top = std::max(top[r], max(masked));
       const float rescale = exp_nonpositive(top[r] - new_top);
       top[r] = new_top;
-      const vfloat weights = lane < static_cast<int32_t>(visible) ? exp_nonpositive(masked - new_top) : vfloat{};
+      const vfloat weights = visible ? exp_nonpositive(masked - new_top) : vfloat{};
       totals[r] = totals[r] * rescale + sum(weights);
       Row<C> a = Row<C>::load_from(&acc[r * dim]);
       for (int c = 0; c < C; ++c) a.v[c] *= rescale;
-      for (int64_t t = 0; t < visible; ++t) {
+      for (int64_t t = from; t < to; ++t) {
         for (int c = 0; c < C; ++c) a.v[c] += weights[t] * values[t].v[c];
       }
       for (int c = 0; c < C; ++c) store(&acc[r * dim + c * kLanes], a.v[c]);
@@ -392,7 +437,8 @@ void prefill_item(const T* query, int64_t stride_token, int64_t stride_head, con
 
 template <int C, typename T>
 void prefill(const at::Tensor& query, const at::Tensor& kv_layer, const at::Tensor& block_tables,
-             const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, float scale, at::Tensor& out) {
+             const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens, const Variant& variant, float scale,
+             at::Tensor& out) {
   const Pool pool = pool_of(kv_layer);
   const int64_t num_q_heads = query.size(1), group = num_q_heads / pool.num_kv_heads;
   const int32_t* starts = cu_seqlens_q.data_ptr<int32_t>();
@@ -418,7 +464,8 @@ void prefill(const at::Tensor& query, const at::Tensor& kv_layer, const at::Tens
   const int64_t sq = query.stride(0), sh = query.stride(1), st = block_tables.stride(0);
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t index) {
     const PrefillItem& item = items[index];
-    prefill_item<C>(q, sq, sh, kv, pool, tables + item.seq * st, item, group, scale, o, num_q_heads * pool.head_dim);
+    prefill_item<C>(q, sq, sh, kv, pool, tables + item.seq * st, item, group, variant, scale, o,
+                    num_q_heads * pool.head_dim);
   });
 }
 
@@ -455,10 +502,13 @@ void check_int32(const at::Tensor& tensor, const char* name) {
               " must be contiguous int32");
 }
 
-// Every block a sequence reads (the first ceil(context_len / block_size) of its table) must be in the pool: a
-// wrong id would read another process's memory, or crash, without a word. One pass over the ids read, before
-// any attention: a few hundred integer compares next to the attention's millions of multiply-adds.
-void check_block_ids(const at::Tensor& kv_layer, const at::Tensor& block_tables, const at::Tensor& context_lens) {
+// Every block a sequence reads must be in the pool: a wrong id would read another process's memory, or crash,
+// without a word. A sequence reads the entries from the block of the earliest position its first query sees
+// (first_query[seq]; -1: no query, nothing read) to the block of its last token; entries before stay unread, and
+// unchecked, as the engine may have freed those blocks. One pass over the ids read, before any attention: a few
+// hundred integer compares next to the attention's millions of multiply-adds.
+void check_block_ids(const at::Tensor& kv_layer, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                     const std::vector<int64_t>& first_query, const Variant& variant) {
   const Pool pool = pool_of(kv_layer);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -468,7 +518,8 @@ void check_block_ids(const at::Tensor& kv_layer, const at::Tensor& block_tables,
     const int64_t used = (static_cast<int64_t>(lens[seq]) + pool.block_size - 1) / pool.block_size;
     TORCH_CHECK(lens[seq] >= 0 && used <= width, "kvscope_cpu: sequence ", seq, " has context_len ", lens[seq],
                 " but its block table holds only ", width, " blocks of ", pool.block_size);
-    for (int64_t i = 0; i < used; ++i) {
+    if (first_query[seq] < 0) continue;
+    for (int64_t i = variant.first_visible(first_query[seq]) / pool.block_size; i < used; ++i) {
       const int32_t block = tables[seq * st + i];
       TORCH_CHECK(block >= 0 && block < pool.num_blocks, "kvscope_cpu: sequence ", seq, " reads block id ", block,
                   " at table entry ", i, ", outside the pool of ", pool.num_blocks, " blocks");
@@ -476,31 +527,59 @@ void check_block_ids(const at::Tensor& kv_layer, const at::Tensor& block_tables,
   }
 }
 
+Variant variant_of(const at::Tensor& query, int64_t sliding_window, double softcap,
+                   const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(sliding_window >= 0 && softcap >= 0.0, "kvscope_cpu: sliding_window and softcap must be >= 0");
+  if (sinks) {
+    TORCH_CHECK(sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->numel() == query.size(1),
+                "kvscope_cpu: sinks must be one contiguous float32 logit per query head");
+  }
+  return {sliding_window, static_cast<float>(softcap), sinks ? sinks->data_ptr<float>() : nullptr};
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_layer,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t sliding_window, double softcap, const std::optional<at::Tensor>& sinks) {
   check_common(query, kv_layer, block_tables);
   check_int32(context_lens, "context_lens");
   TORCH_CHECK(context_lens.size(0) == query.size(0), "kvscope_cpu: one context_len per query row");
-  check_block_ids(kv_layer, block_tables, context_lens);
+  const Variant variant = variant_of(query, sliding_window, softcap, sinks);
+  std::vector<int64_t> first_query(context_lens.size(0));
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t seq = 0; seq < context_lens.size(0); ++seq) first_query[seq] = lens[seq] - 1;
+  check_block_ids(kv_layer, block_tables, context_lens, first_query, variant);
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (query.size(0) == 0) return out;
   dispatch(query, [&]<int C, typename T>() {
-    decode<C, T>(query, kv_layer, block_tables, context_lens, static_cast<float>(scale), out);
+    decode<C, T>(query, kv_layer, block_tables, context_lens, variant, static_cast<float>(scale), out);
   });
   return out;
 }
 
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_layer,
                                    const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                                   const at::Tensor& context_lens, double scale) {
+                                   const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                                   double softcap, const std::optional<at::Tensor>& sinks) {
   check_common(query, kv_layer, block_tables);
   check_int32(cu_seqlens_q, "cu_seqlens_q");
   check_int32(context_lens, "context_lens");
-  check_block_ids(kv_layer, block_tables, context_lens);
+  TORCH_CHECK(cu_seqlens_q.size(0) == context_lens.size(0) + 1, "kvscope_cpu: cu_seqlens_q needs one more entry "
+              "than context_lens");
+  const Variant variant = variant_of(query, sliding_window, softcap, sinks);
+  std::vector<int64_t> first_query(context_lens.size(0));
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* starts = cu_seqlens_q.data_ptr<int32_t>();
+  for (int64_t seq = 0; seq < context_lens.size(0); ++seq) {
+    const int64_t query_len = starts[seq + 1] - starts[seq];
+    first_query[seq] = query_len > 0 ? lens[seq] - query_len : -1;
+  }
+  check_block_ids(kv_layer, block_tables, context_lens, first_query, variant);
   at::Tensor out = at::empty(query.sizes(), query.options());
   if (query.size(0) == 0) return out;
   dispatch(query, [&]<int C, typename T>() {
-    prefill<C, T>(query, kv_layer, block_tables, cu_seqlens_q, context_lens, static_cast<float>(scale), out);
+    prefill<C, T>(query, kv_layer, block_tables, cu_seqlens_q, context_lens, variant, static_cast<float>(scale),
+                  out);
   });
   return out;
 }
@@ -509,9 +588,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv
 
 TORCH_LIBRARY(kvscope_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor kv_layer, Tensor block_tables, Tensor context_lens, "
-        "float scale) -> Tensor");
+        "float scale, int sliding_window, float softcap, Tensor? sinks) -> Tensor");
   m.def("paged_prefill_attention(Tensor query, Tensor kv_layer, Tensor block_tables, Tensor cu_seqlens_q, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int sliding_window, float softcap, Tensor? sinks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvscope_cpu, CPU, m) {

@@ -1,5 +1,8 @@
 """Paged attention in plain torch: the CPU production path, and the oracle for the Triton kernels.
 
+Each attention call may carry its layer's variant: a sliding window, soft-capped logits, attention sinks
+(kernels/variants.py defines them; SDPA serves where it can express the variant, the written-out form elsewhere).
+
 Cache layout (one layer): ``kv_layer[2, num_blocks, block_size, num_kv_heads, head_dim]``; index 0 holds
 keys, 1 values. Token slot ``s`` lives at block ``s // block_size``, offset ``s % block_size``.
 
@@ -7,8 +10,8 @@ On CPU attention is bound by moving K/V out of the scattered blocks, not by arit
 
 - what follows from the block tables alone (row indices, masks) is a plan, built on the first layer of a step
   and reused by the others, which pass equal tables;
-- large scratch tensors come from a reused per-thread workspace (a fresh multi-megabyte allocation per layer
-  costs more in page faults than the copy itself);
+- large scratch tensors come from a reused per-thread workspace (kernels/workspace.py: a fresh multi-megabyte
+  allocation per layer costs more in page faults than the copy itself);
 - no slot past a context enters the arithmetic (decode points padding at the context's last token and masks
   it out; prefill slices each context out of its gathered blocks), so whatever the pool holds there (stale
   data, even NaN) never reaches the output;
@@ -20,55 +23,15 @@ On CPU attention is bound by moving K/V out of the scattered blocks, not by arit
 
 from __future__ import annotations
 
-import math
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from kvscope.kernels.variants import explicit_attention, first_visible, soft_cap, window_mask
+from kvscope.kernels.workspace import _plans, _workspace
+
 BlockIds = torch.Tensor | Sequence[int]
-
-
-class _Workspace(threading.local):
-    """Grow-only scratch buffers, one per (name, device, dtype) and per thread, reused across layers and steps."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor] = {}
-
-    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = math.prod(shape)
-        # Tensors made under inference_mode cannot be written outside it (and the engine runs inside it while
-        # tests and callers may not), so each mode keeps its own buffer.
-        key = (name, device, dtype, torch.is_inference_mode_enabled())
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
-            self.buffers[key] = buffer
-        return buffer[:numel].view(shape)
-
-
-class _Plans(threading.local):
-    """This thread's last decode and last prefill plan, each with the inputs it was built from."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, tuple[tuple, tuple[torch.Tensor, ...], object]] = {}
-
-    def get(self, kind: str, key: tuple, inputs: tuple[torch.Tensor, ...], build: Callable[[], object]):
-        entry = self.entries.get(kind)
-        if entry is not None and entry[0] == key and all(map(_same, entry[1], inputs)):
-            return entry[2]
-        plan = build()
-        self.entries[kind] = (key, tuple(tensor.clone() for tensor in inputs), plan)
-        return plan
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-
-
-_workspace = _Workspace()
-_plans = _Plans()
 
 
 def clear_workspace() -> None:
@@ -113,39 +76,52 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence (``[B, Hq, D]``) attending to its first ``context_lens[b]`` (>= 1) cached tokens."""
+    """One query per sequence (``[B, Hq, D]``) at position ``context_lens[b] - 1`` (>= 0), attending to its
+    cached tokens: all of them, or the last ``sliding_window``. ``softcap`` and ``sinks`` ([Hq] logits) as
+    kernels/variants.py defines them; block-table entries before the window are never read."""
     num_seqs, num_q_heads, _ = query.shape
     if num_seqs == 0:
         return query.new_empty(query.shape)
     key = (tuple(kv_layer.shape[1:]), kv_layer.dtype, kv_layer.device, num_q_heads)
-    plan = _plans.get("decode", key, (block_tables, context_lens),
-                      lambda: _decode_plan(block_tables, context_lens, kv_layer, num_q_heads))
-    return plan.attend(query, kv_layer, scale)
+    # One plan per window: a model alternating sliding and full layers keeps both for the whole step.
+    plan = _plans.get(_plan_kind("decode", sliding_window), key, (block_tables, context_lens),
+                      lambda: _decode_plan(block_tables, context_lens, kv_layer, num_q_heads, sliding_window))
+    return plan.attend(query, kv_layer, scale, softcap, sinks)
 
 
-def _decode_plan(block_tables, context_lens, kv_layer, num_q_heads) -> _PaddedDecode | _TiledDecode:
+def _plan_kind(kind: str, sliding_window: int | None) -> str:
+    return kind if sliding_window is None else f"{kind}/{sliding_window}"
+
+
+def _decode_plan(block_tables, context_lens, kv_layer, num_q_heads, sliding_window) -> _PaddedDecode | _TiledDecode:
     lens = context_lens.to(device=kv_layer.device, dtype=torch.long)
+    first = first_visible(lens - 1, sliding_window)
     tables = block_tables.to(device=kv_layer.device, dtype=torch.long)
-    if lens.numel() * int(lens.max()) <= _PADDED_MAX_KEYS:
-        return _PaddedDecode(lens, tables, kv_layer)
-    return _TiledDecode(lens, tables, kv_layer, num_q_heads)
+    if lens.numel() * int((lens - first).max()) <= _PADDED_MAX_KEYS:
+        return _PaddedDecode(first, lens, tables, kv_layer)
+    return _TiledDecode(first, lens, tables, kv_layer, num_q_heads)
 
 
 class _PaddedDecode:
     """Every context padded to the longest: one gather of keys and values, one SDPA call."""
 
-    def __init__(self, lens: torch.Tensor, tables: torch.Tensor, kv_layer: torch.Tensor) -> None:
+    def __init__(self, first: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor, kv_layer: torch.Tensor):
         _, num_blocks, block_size = kv_layer.shape[:3]
-        self.span = int(lens.max())
-        positions = torch.arange(self.span, device=lens.device).expand(lens.numel(), -1)
+        spans = lens - first
+        self.span = int(spans.max())
+        positions = first[:, None] + torch.arange(self.span, device=lens.device)
         last = (lens - 1)[:, None]
-        self.mask = None if bool((lens == self.span).all()) else (positions <= last)[:, None, None, :]
+        self.mask = None if bool((spans == self.span).all()) else (positions <= last)[:, None, None, :]
         seqs = torch.arange(lens.numel(), device=lens.device)
         slots = _slots(tables, seqs, torch.minimum(positions, last), block_size)
         self.rows = torch.cat((slots, slots + num_blocks * block_size)).view(-1)  # keys, then values
 
-    def attend(self, query: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, kv_layer: torch.Tensor, scale: float, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_seqs, num_q_heads, head_dim = query.shape
         num_kv_heads = kv_layer.shape[3]
         slots = kv_layer.view(-1, num_kv_heads * head_dim)
@@ -154,8 +130,13 @@ class _PaddedDecode:
         kv = _upcast("padded_upcast", kv).view(2, num_seqs, self.span, num_kv_heads, head_dim).transpose(2, 3)
         # The query heads sharing a kv head act as a short query sequence over the same keys: plain MHA shapes,
         # so SDPA needs neither enable_gqa nor a repeat_interleave copy of K/V.
-        grouped = query.to(kv.dtype).reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=self.mask, scale=scale)
+        group = num_q_heads // num_kv_heads
+        grouped = query.to(kv.dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
+        if softcap or sinks is not None:
+            out = explicit_attention(grouped, kv[0], kv[1], self.mask, scale, softcap,
+                                     None if sinks is None else sinks.view(num_kv_heads, group, 1))
+        else:
+            out = F.scaled_dot_product_attention(grouped, kv[0], kv[1], attn_mask=self.mask, scale=scale)
         return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
 
 
@@ -163,15 +144,17 @@ class _TiledDecode:
     """Row indices of every tile's keys (its values' follow them in the pool), and the mask of the padded
     tile tails."""
 
-    def __init__(self, lens: torch.Tensor, tables: torch.Tensor, kv_layer: torch.Tensor, num_q_heads: int):
+    def __init__(self, first: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor, kv_layer: torch.Tensor,
+                 num_q_heads: int):
         _, num_blocks, block_size, num_kv_heads, _ = kv_layer.shape
         device = lens.device
         self.num_seqs, self.num_q_heads = lens.numel(), num_q_heads
-        tiles_per_seq = (lens + _TILE - 1) // _TILE
+        tiles_per_seq = (lens - first + _TILE - 1) // _TILE
         self.seq_of_tile = torch.repeat_interleave(torch.arange(self.num_seqs, device=device), tiles_per_seq)
         first_tile = tiles_per_seq.cumsum(0) - tiles_per_seq
         tile_in_seq = torch.arange(self.seq_of_tile.numel(), device=device) - first_tile[self.seq_of_tile]
-        positions = tile_in_seq[:, None] * _TILE + torch.arange(_TILE, device=device)
+        positions = (first[self.seq_of_tile, None] + tile_in_seq[:, None] * _TILE
+                     + torch.arange(_TILE, device=device))
         last = (lens - 1)[self.seq_of_tile, None]
         key_mask = torch.zeros(positions.shape, dtype=_compute_dtype(kv_layer.dtype), device=device)
         key_mask.masked_fill_(positions > last, float("-inf"))
@@ -181,11 +164,14 @@ class _TiledDecode:
         self.key_rows = (slot_rows[:, None, :] + heads[:, None]).view(-1)  # tile by tile, head-major
         self.values_offset = num_blocks * block_size * num_kv_heads  # values follow the keys in the pool's rows
 
-    def attend(self, query: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, kv_layer: torch.Tensor, scale: float, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         head_dim = query.shape[2]
         rows = kv_layer.view(-1, head_dim)  # one row per (slot, kv head), keys first
         scores = self._scores(query, rows, kv_layer.shape[3], scale)
-        self._softmax(scores)
+        if softcap:
+            scores.copy_(soft_cap(scores, softcap))
+        self._softmax(scores, sinks)
         return self._weighted_values(scores, rows, kv_layer.shape[3]).to(query.dtype)
 
     def _scores(self, query: torch.Tensor, rows: torch.Tensor, num_kv_heads: int, scale: float) -> torch.Tensor:
@@ -225,13 +211,18 @@ class _TiledDecode:
             torch.index_select(rows, 0, picked, out=gathered)
             yield start, end, _upcast("tile_rows_upcast", gathered).view(end - start, _TILE, head_dim)
 
-    def _softmax(self, scores: torch.Tensor) -> None:
-        """Softmax in place over all the tiles of each sequence, per query head."""
+    def _softmax(self, scores: torch.Tensor, sinks: torch.Tensor | None) -> None:
+        """Softmax in place over all the tiles of each sequence, per query head (sinks in the denominator)."""
         seq_of_tile = self.seq_of_tile
-        seq_max = scores.new_full((self.num_seqs, self.num_q_heads), float("-inf"))
+        shape = (self.num_seqs, self.num_q_heads)
+        if sinks is None:
+            seq_max = scores.new_full(shape, float("-inf"))
+        else:
+            seq_max = sinks.to(scores.dtype).expand(shape).clone()
         seq_max.scatter_reduce_(0, seq_of_tile[:, None].expand(-1, self.num_q_heads), scores.amax(-1), "amax")
         scores.sub_(seq_max[seq_of_tile, :, None]).exp_()
-        seq_sum = scores.new_zeros(seq_max.shape).index_add_(0, seq_of_tile, scores.sum(-1))
+        seq_sum = scores.new_zeros(shape) if sinks is None else (sinks.to(scores.dtype) - seq_max).exp()
+        seq_sum.index_add_(0, seq_of_tile, scores.sum(-1))
         scores.div_(seq_sum[seq_of_tile, :, None])
 
 
@@ -256,23 +247,28 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal chunks of queries (``[T, Hq, D]``, flattened over sequences) over their whole cached context.
+    """Causal chunks of queries (``[T, Hq, D]``, flattened over sequences) over their cached context.
 
     Sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``; its ``i``-th query sits at position
-    ``context_lens[s] - q_len + i`` and sees keys ``0 ..`` that position, all already in the pool.
-    ``max_query_len`` is unused here (the Triton path takes it to avoid a device sync).
+    ``p = context_lens[s] - q_len + i`` and sees keys ``0 .. p`` (``p - sliding_window + 1 .. p`` with a window),
+    all already in the pool; block-table entries of blocks before the chunk's first query's window are never
+    read. ``softcap`` and ``sinks`` as kernels/variants.py defines them. ``max_query_len`` is unused here (the
+    Triton path takes it to avoid a device sync).
     """
     key = (tuple(kv_layer.shape[1:]), kv_layer.dtype, kv_layer.device)
-    plan = _plans.get("prefill", key, (block_tables, cu_seqlens_q, context_lens),
-                      lambda: _PrefillPlan(block_tables, cu_seqlens_q, context_lens, kv_layer))
-    return plan.attend(query, kv_layer, scale)
+    plan = _plans.get(_plan_kind("prefill", sliding_window), key, (block_tables, cu_seqlens_q, context_lens),
+                      lambda: _PrefillPlan(block_tables, cu_seqlens_q, context_lens, kv_layer, sliding_window))
+    return plan.attend(query, kv_layer, scale, softcap, sinks)
 
 
 class _PrefillPlan:
-    """One gather of every sequence's blocks; per sequence, its query rows, keys and mask."""
+    """One gather of the blocks every sequence's chunk can see; per sequence, its query rows, keys and mask."""
 
-    def __init__(self, block_tables, cu_seqlens_q, context_lens, kv_layer) -> None:
+    def __init__(self, block_tables, cu_seqlens_q, context_lens, kv_layer, sliding_window=None) -> None:
         block_size, device = kv_layer.shape[2], kv_layer.device
         starts = cu_seqlens_q.tolist()
         self.seqs: list[tuple[int, int, int, int, torch.Tensor | None]] = []
@@ -281,16 +277,23 @@ class _PrefillPlan:
             q_start, q_end = starts[seq], starts[seq + 1]
             if q_end == q_start:
                 continue
+            first_query = context_len - (q_end - q_start)
+            first_block = first_visible(first_query, sliding_window) // block_size
             seq_blocks = -(-context_len // block_size)
-            blocks.append(block_tables[seq, :seq_blocks])
-            mask = _prefix_causal_mask(q_end - q_start, context_len, _compute_dtype(kv_layer.dtype), device)
-            self.seqs.append((q_start, q_end, num_gathered * block_size, context_len, mask))
-            num_gathered += seq_blocks
+            blocks.append(block_tables[seq, first_block:seq_blocks])
+            key_start = first_block * block_size
+            # torch's is_causal aligns the diagonal top-left: right only for a whole prompt without a window.
+            mask = None if first_query == 0 and sliding_window is None else window_mask(
+                torch.arange(first_query, context_len, device=device),
+                torch.arange(key_start, context_len, device=device), sliding_window)
+            self.seqs.append((q_start, q_end, num_gathered * block_size, context_len - key_start, mask))
+            num_gathered += seq_blocks - first_block
         block_ids = torch.cat(blocks).to(device=device, dtype=torch.long) if blocks else None
         # Rows of the pool viewed as [2 * num_blocks, one block]: keys, then values.
         self.rows = None if block_ids is None else torch.cat((block_ids, block_ids + kv_layer.shape[1]))
 
-    def attend(self, query: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, kv_layer: torch.Tensor, scale: float, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         if self.rows is None:
             return torch.empty_like(query)
         num_blocks, num_kv_heads, head_dim = kv_layer.shape[1], kv_layer.shape[3], kv_layer.shape[4]
@@ -299,27 +302,21 @@ class _PrefillPlan:
         torch.index_select(blocks, 0, self.rows, out=gathered)
         tokens = _upcast("blocks_upcast", gathered).view(2, -1, num_kv_heads, head_dim)  # [2, slots, Hkv, D]
         queries = query.to(tokens.dtype)
+        group = query.shape[1] // num_kv_heads
         outs = []
-        for q_start, q_end, key_start, context_len, mask in self.seqs:
-            keys, values = tokens[:, key_start:key_start + context_len].transpose(1, 2)  # [Hkv, ctx, D] each
-            out = F.scaled_dot_product_attention(
-                queries[q_start:q_end].transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
-                is_causal=mask is None, scale=scale, enable_gqa=True,
-            )
-            outs.append(out[0].transpose(0, 1))
+        for q_start, q_end, key_start, num_keys, mask in self.seqs:
+            keys, values = tokens[:, key_start:key_start + num_keys].transpose(1, 2)  # [Hkv, keys, D] each
+            q = queries[q_start:q_end].transpose(0, 1)  # [Hq, n, D]
+            if softcap or sinks is not None:
+                if mask is None:
+                    mask = torch.ones(q.shape[1], num_keys, dtype=torch.bool, device=q.device).tril()
+                out = explicit_attention(q, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0),
+                                         mask, scale, softcap, None if sinks is None else sinks.view(-1, 1, 1))
+            else:
+                out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+                                                     is_causal=mask is None, scale=scale, enable_gqa=True)[0]
+            outs.append(out.transpose(0, 1))
         return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(query.dtype)
-
-
-def _prefix_causal_mask(query_len: int, context_len: int, dtype: torch.dtype, device: torch.device):
-    """Additive mask of a chunk after a cached prefix; None without one, where SDPA's is_causal fits.
-
-    (torch's is_causal aligns the diagonal top-left, which is only right when the chunk has no prefix.)
-    """
-    if query_len == context_len:
-        return None
-    key_pos = torch.arange(context_len, device=device)
-    mask = torch.zeros(query_len, context_len, dtype=dtype, device=device)
-    return mask.masked_fill_(key_pos > key_pos[context_len - query_len:, None], float("-inf"))
 
 
 def _block_index(ids: BlockIds, device: torch.device) -> torch.Tensor:

@@ -64,12 +64,14 @@ def random_layout(
 
 
 def naive_attention(
-    query: torch.Tensor, layout: PagedLayout, query_positions: list[torch.Tensor], scale: float
+    query: torch.Tensor, layout: PagedLayout, query_positions: list[torch.Tensor], scale: float,
+    sliding_window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float64 attention with a plain softmax, one sequence at a time, reading the pool via the block tables.
 
     ``query`` is ``[T, Hq, D]`` with sequence ``s`` owning the next ``len(query_positions[s])`` rows; each row
-    attends causally to keys ``0 ..`` its position. Returns ``[T, Hq, D]`` in float64.
+    attends causally to keys ``0 ..`` its position (the last ``sliding_window`` of them with a window), with
+    ``softcap`` and ``sinks`` as kernels/variants.py defines them. Returns ``[T, Hq, D]`` in float64.
     """
     num_q_heads, num_kv_heads = query.shape[1], layout.kv_layer.shape[3]
     kv_head_of = torch.arange(num_q_heads) // (num_q_heads // num_kv_heads)
@@ -80,11 +82,30 @@ def naive_attention(
         keys, values = flat[:, layout.slots(seq)][:, :, kv_head_of].transpose(1, 2)  # [Hq, ctx, D] each
         q = query[row:row + len(positions)].double().transpose(0, 1)  # [Hq, n, D]
         scores = q @ keys.transpose(1, 2) * scale
-        visible = torch.arange(keys.shape[1])[None, :] <= positions[:, None]
-        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        distance = positions[:, None] - torch.arange(keys.shape[1])[None, :]
+        visible = (distance >= 0) & (distance < (sliding_window or keys.shape[1] + 1))
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:   # one more logit per head, whose value is zero
+            sink_column = sinks.double().view(-1, 1, 1).expand(-1, len(positions), 1)
+            weights = torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
+        else:
+            weights = torch.softmax(scores, dim=-1)
         outputs.append((weights @ values).transpose(0, 1))
         row += len(positions)
     return torch.cat(outputs) if outputs else torch.empty(query.shape, dtype=torch.float64)
+
+
+POISON_BLOCK = 2**30
+
+
+def poison_out_of_window(layout: PagedLayout, first_query_positions: list[int], sliding_window: int) -> None:
+    """Point every block-table entry of a block that lies wholly before the window of a sequence's first query at
+    a block id far outside the pool, as an engine that freed those blocks may: a kernel reading one fails."""
+    for seq, first_query in enumerate(first_query_positions):
+        first_block = max(0, first_query - sliding_window + 1) // layout.block_size
+        layout.block_tables[seq, :first_block] = POISON_BLOCK
 
 
 # Largest absolute error against the float64 oracle: fp32 kernels must agree to rounding; bf16 ones are allowed

@@ -4,6 +4,12 @@ Keys are walked in tiles of ``TILE`` token positions, independent of the cache's
 looks up its own block id, so block sizes below the 16-wide minimum of ``tl.dot`` (and any power of two up to
 256) need no special case. Scores and softmax statistics are fp32 throughout (online softmax, exp2 domain).
 
+A layer's variant (kernels/variants.py): a sliding window (a runtime argument, 0 for none: the loops over keys
+start at the earliest position a program's queries see, so block-table entries before it are never loaded),
+soft-capped logits and attention sinks (compile-time switches, their values runtime arguments). Both fold into
+the exp2 domain: c * tanh(s / c) * log2(e) is (c log2 e) * tanh(s log2 e / (c log2 e)), and a sink starts the
+online softmax as a score that carries no value.
+
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors for testing. The interpreter keeps bf16 as raw
 uint16 in numpy, so its arithmetic and ``tl.dot`` on bf16 are meaningless; there the kernels upcast loaded
 values to fp32 before computing. On a GPU, 16-bit caches use native 16-bit dots with fp32 accumulation.
@@ -96,9 +102,9 @@ def store_kv_meta(num_heads: int, head_dim: int, block_size: int) -> dict:
 @triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, cache_ptr, block_table_row_ptr, key_pos, key_in_range, key_visible, kv_head, dims,
-    dim_mask, scale_log2e,
+    dim_mask, scale_log2e, softcap_log2e,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
-    BLOCK_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):
     """``key_in_range`` [TILE] guards the loads; ``key_visible`` ([M or 1, TILE]) masks the scores."""
     block = tl.load(block_table_row_ptr + key_pos // BLOCK_SIZE, mask=key_in_range, other=0).to(tl.int64)
@@ -107,6 +113,9 @@ def _attend_tile(
     load_mask = key_in_range[:, None] & dim_mask[None, :]
     keys = tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=load_mask, other=0.0).to(COMPUTE_DTYPE)
     scores = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2e
+    if HAS_SOFTCAP:
+        # tanh(x) = 1 - 2 / (e^2x + 1): exact at both ends (e^2x overflowing to inf gives 1).
+        scores = softcap_log2e * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap_log2e) + 1.0))
     scores = tl.where(key_visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     # A row that has seen nothing yet keeps m = -inf; keep its arithmetic finite.
@@ -120,18 +129,31 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _softmax_start(sinks_ptr, q_heads, row_valid, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The online softmax's running (max, sum) before any key: nothing, or each row's sink (e^0 = 1 of itself)."""
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + q_heads, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([ROWS], 1.0, tl.float32)
+    else:
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+    return m_i, l_i
+
+
 # ----------------------------------------------------------------------------------------------------
 # Decode: one program per (sequence, kv head); the group of query heads sharing that kv head are the rows.
 
 
 @triton.jit
 def _paged_decode_kernel(
-    out_ptr, q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, scale_log2e,
+    out_ptr, q_ptr, cache_ptr, block_tables_ptr, context_lens_ptr, sinks_ptr, scale_log2e, softcap_log2e,
+    sliding_window,
     stride_q_seq, stride_q_head, stride_out_seq, stride_out_head, stride_bt_seq,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,25 +165,28 @@ def _paged_decode_kernel(
     q_heads = kv_head * GROUP + rows
     q = tl.load(q_ptr + seq * stride_q_seq + q_heads[:, None] * stride_q_head + dims[None, :],
                 mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    m_i, l_i = _softmax_start(sinks_ptr, q_heads, rows < GROUP, BLOCK_G, HAS_SINKS)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    for tile_start in range(0, context_len, TILE):
+    first_key = 0
+    if sliding_window > 0:
+        first_key = tl.maximum(context_len - sliding_window, 0)
+    for tile_start in range(first_key, context_len, TILE):
         key_pos = tile_start + tl.arange(0, TILE)
         key_in_range = key_pos < context_len
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, cache_ptr, block_table_row_ptr, key_pos, key_in_range, key_in_range[None, :],
-            kv_head, dims, dim_mask, scale_log2e,
+            kv_head, dims, dim_mask, scale_log2e, softcap_log2e,
             stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
-            BLOCK_SIZE, COMPUTE_DTYPE, DOT_PRECISION,
+            BLOCK_SIZE, COMPUTE_DTYPE, DOT_PRECISION, HAS_SOFTCAP,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + seq * stride_out_seq + q_heads[:, None] * stride_out_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale) -> torch.Tensor:
+def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale, sliding_window=None, softcap=None,
+                           sinks=None) -> torch.Tensor:
     """The reference's contract (kernels/reference.py): one query row per sequence."""
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_layer.shape[3]
@@ -171,12 +196,25 @@ def paged_decode_attention(query, kv_layer, block_tables, context_lens, scale) -
         return out
     assert kv_layer.stride(-1) == 1, "kv cache must be contiguous in head_dim"
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        out, query, kv_layer, block_tables, context_lens, scale * _LOG2E,
+        out, query, kv_layer, block_tables, context_lens, *_variant_args(query, scale, sliding_window, softcap, sinks),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         **decode_meta(kv_layer.dtype, num_q_heads // num_kv_heads, head_dim, kv_layer.shape[2]),
+        **_variant_meta(softcap, sinks),
     )
     return out
+
+
+def _variant_args(query: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None,
+                  sinks: torch.Tensor | None) -> tuple:
+    """sinks_ptr (the query stands in when there are none: never read), scale and softcap in the exp2 domain,
+    and the window (0: none)."""
+    sinks_ptr = query if sinks is None else sinks.detach().to(device=query.device, dtype=torch.float32).contiguous()
+    return sinks_ptr, scale * _LOG2E, (softcap or 0.0) * _LOG2E, sliding_window or 0
+
+
+def _variant_meta(softcap: float | None, sinks: torch.Tensor | None) -> dict:
+    return dict(HAS_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None)
 
 
 def decode_meta(dtype: torch.dtype, group: int, head_dim: int, block_size: int) -> dict:
@@ -197,12 +235,13 @@ def decode_meta(dtype: torch.dtype, group: int, head_dim: int, block_size: int) 
 
 @triton.jit
 def _paged_prefill_kernel(
-    out_ptr, q_ptr, cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, scale_log2e,
+    out_ptr, q_ptr, cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, sinks_ptr, scale_log2e,
+    softcap_log2e, sliding_window,
     stride_q_tok, stride_q_head, stride_out_tok, stride_out_head, stride_bt_seq,
     stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     q_tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -220,21 +259,26 @@ def _paged_prefill_kernel(
     tokens = (q_start + local).to(tl.int64)
     q = tl.load(q_ptr + tokens[:, None] * stride_q_tok + q_head * stride_q_head + dims[None, :],
                 mask=row_mask, other=0.0).to(COMPUTE_DTYPE)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = _softmax_start(sinks_ptr, tl.full([BLOCK_M], q_head, tl.int32), local >= 0, BLOCK_M, HAS_SINKS)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    # Keys past the tile's last query position are invisible to every row of the tile.
+    # Keys past the tile's last query position are invisible to every row of the tile, and with a window so
+    # are keys before its first query's window.
     key_end = tl.minimum(context_len, context_len - query_len + (q_tile + 1) * BLOCK_M)
-    for tile_start in range(0, key_end, TILE):
+    first_key = 0
+    if sliding_window > 0:
+        first_key = tl.maximum(context_len - query_len + q_tile * BLOCK_M - sliding_window + 1, 0)
+    for tile_start in range(first_key, key_end, TILE):
         key_pos = tile_start + tl.arange(0, TILE)
         key_in_range = key_pos < context_len
         key_visible = (key_pos[None, :] <= query_pos[:, None]) & key_in_range[None, :]
+        if sliding_window > 0:
+            key_visible = key_visible & (key_pos[None, :] > query_pos[:, None] - sliding_window)
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, cache_ptr, block_table_row_ptr, key_pos, key_in_range, key_visible,
-            q_head // GROUP, dims, dim_mask, scale_log2e,
+            q_head // GROUP, dims, dim_mask, scale_log2e, softcap_log2e,
             stride_cache_kv, stride_cache_block, stride_cache_slot, stride_cache_head,
-            BLOCK_SIZE, COMPUTE_DTYPE, DOT_PRECISION,
+            BLOCK_SIZE, COMPUTE_DTYPE, DOT_PRECISION, HAS_SOFTCAP,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_out_tok + q_head * stride_out_head + dims[None, :],
@@ -242,7 +286,8 @@ def _paged_prefill_kernel(
 
 
 def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale,
-                            max_query_len: int | None = None) -> torch.Tensor:
+                            max_query_len: int | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's contract (kernels/reference.py). ``max_query_len`` sizes the grid; pass it when known
     to avoid a device-to-host sync."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -257,10 +302,11 @@ def paged_prefill_attention(query, kv_layer, block_tables, cu_seqlens_q, context
     meta = prefill_meta(kv_layer.dtype, num_q_heads // kv_layer.shape[3], head_dim, kv_layer.shape[2])
     grid = (triton.cdiv(max_query_len, meta["BLOCK_M"]), num_seqs, num_q_heads)
     _paged_prefill_kernel[grid](
-        out, query, kv_layer, block_tables, cu_seqlens_q, context_lens, scale * _LOG2E,
+        out, query, kv_layer, block_tables, cu_seqlens_q, context_lens,
+        *_variant_args(query, scale, sliding_window, softcap, sinks),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        **meta,
+        **meta, **_variant_meta(softcap, sinks),
     )
     return out
 

@@ -9,19 +9,10 @@ caching is off here, so a freed block is plainly free and handed out first.
 
 from __future__ import annotations
 
+from kvscope.app.lessons.cues import after_steps, all_done, is_running
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import (
-    Beat,
-    Highlight,
-    Lesson,
-    Moment,
-    after_steps,
-    all_done,
-    arrows,
-    figures,
-    is_running,
-    plural,
-)
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.words import arrows, figures, plural
 
 # name, prompt tokens, tokens to generate
 FIRST = (("r1", 29, 24), ("r2", 20, 4), ("r3", 40, 20), ("r4", 20, 4))

@@ -9,18 +9,10 @@ the decodes never stall behind it.
 
 from __future__ import annotations
 
+from kvscope.app.lessons.cues import after_steps, all_done, prefilled
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import (
-    Beat,
-    Highlight,
-    Lesson,
-    Moment,
-    after_steps,
-    all_done,
-    figures,
-    plural,
-    prefilled,
-)
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.words import figures, plural
 
 BUDGET = 32
 LONG = "r3"

@@ -9,19 +9,10 @@ have taken with the same requests.
 
 from __future__ import annotations
 
+from kvscope.app.lessons.cues import after_steps, all_done, has_finished, is_running
 from kvscope.app.lessons.load import ask, question
-from kvscope.app.lessons.script import (
-    Beat,
-    Highlight,
-    Lesson,
-    Moment,
-    after_steps,
-    all_done,
-    figures,
-    has_finished,
-    is_running,
-    plural,
-)
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.words import figures, plural
 
 BATCH = 4
 # name, tokens to generate, steps after the start it arrives

@@ -9,8 +9,10 @@ copy of it (copy-on-write), the last one keeps the original.
 
 from __future__ import annotations
 
+from kvscope.app.lessons.cues import all_done, prefilled
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, all_done, arrows, figures, plural, prefilled
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.words import arrows, figures, plural
 
 NAME = "r1"
 SAMPLES = 4

@@ -13,20 +13,10 @@ because the one partial block is a larger share of them.
 
 from __future__ import annotations
 
+from kvscope.app.lessons.cues import after_steps, all_done, is_running
 from kvscope.app.lessons.load import ask, question, read
-from kvscope.app.lessons.script import (
-    Beat,
-    Highlight,
-    Lesson,
-    Moment,
-    after_steps,
-    all_done,
-    compared,
-    is_running,
-    percent,
-    plural,
-    spark,
-)
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.words import compared, percent, plural, spark
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
 
 NUM_REQUESTS = 6

@@ -12,20 +12,10 @@ long pause for everyone decoding beside it. The times are the engine's own
 
 from __future__ import annotations
 
+from kvscope.app.lessons.cues import all_done, prefilled
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import (
-    Beat,
-    Highlight,
-    Lesson,
-    Moment,
-    StepRecord,
-    all_done,
-    bars,
-    compared,
-    plural,
-    prefilled,
-    spark,
-)
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, StepRecord
+from kvscope.app.lessons.words import bars, compared, plural, spark
 
 BUDGETS = (32, 96, 256)
 LONG = "r3"

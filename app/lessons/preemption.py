@@ -12,8 +12,10 @@ the cache).
 
 from __future__ import annotations
 
+from kvscope.app.lessons.cues import all_done, has_event
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, all_done, arrows, has_event
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.words import arrows
 from kvscope.engine.outputs import EventKind
 
 POOL_BLOCKS = 7

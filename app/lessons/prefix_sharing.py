@@ -11,21 +11,10 @@ before its start, so a later request can still reuse the beginning.
 
 from __future__ import annotations
 
+from kvscope.app.lessons.cues import all_done, every, has_event, is_running, prefilled
 from kvscope.app.lessons.load import ask, question, read, system_prompt
-from kvscope.app.lessons.script import (
-    Beat,
-    Highlight,
-    Lesson,
-    Moment,
-    all_done,
-    every,
-    figures,
-    has_event,
-    is_running,
-    percent,
-    plural,
-    prefilled,
-)
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.words import figures, percent, plural
 from kvscope.engine.outputs import BLOCK_CACHED, EventKind
 
 POOL_BLOCKS = 36

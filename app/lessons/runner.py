@@ -22,7 +22,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, StepRecord, all_done
+from kvscope.app.lessons.cues import all_done
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, StepRecord
 from kvscope.app.messages import EngineInfo
 from kvscope.app.worker.commands import LaunchPlan, Rebuild, RunUntil, WorkerCommand
 from kvscope.engine.config import EngineConfig

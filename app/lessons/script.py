@@ -4,7 +4,7 @@ A lesson is data. Each beat says what to do before it can be shown (rebuild the
 engine with other settings, send requests, run until a condition holds on a
 step's result) and how to talk about the step it stopped at: a caption built
 from that step's numbers and the requests or blocks to point at. The runner
-(runner.py) does the doing; the lesson screen does the showing. Conditions run
+(runner.py) does the doing; the lesson screen does the showing. Conditions (cues.py) run
 on the engine thread after each step, so a beat stops at exactly the step where
 its moment happens, never a few steps later.
 """
@@ -15,12 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvscope.app.lessons.cues import Condition
 from kvscope.app.load.presets import PlannedRequest, PresetContext
 from kvscope.app.messages import EngineInfo
-from kvscope.app.widgets.formatting import bar
-from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, RequestView, StepResult, StepStats
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, RequestView, StepResult, StepStats
 
-Condition = Callable[[StepResult], bool]
 Plan = Callable[[PresetContext], list[PlannedRequest]]
 DEFAULT_MAX_STEPS = 200
 
@@ -124,102 +123,3 @@ class Lesson:
     summary: str                        # one sentence: what the class will see
     beats: tuple[Beat, ...]
     config: dict[str, Any] = field(default_factory=dict)   # EngineConfig changes on top of the teaching pool
-
-
-# --- conditions: each a function of one step's result ---------------------------------------
-
-
-def after_steps(count: int) -> Condition:
-    """Holds from the ``count``-th step of the current engine on."""
-    return lambda result: result.stats.step >= count
-
-
-def has_event(kind: EventKind, request_id: str | None = None) -> Condition:
-    return lambda result: any(e.kind == kind and (request_id is None or e.request_id == request_id)
-                              for e in result.events)
-
-
-def is_running(request_id: str) -> Condition:
-    return lambda result: any(v.request_id == request_id and v.queue == "running"
-                              for v in result.snapshot.requests)
-
-
-def has_finished(request_id: str) -> Condition:
-    return lambda result: any(o.request_id == request_id and o.finished for o in result.outputs)
-
-
-def all_done(result: StepResult) -> bool:
-    return not result.snapshot.requests
-
-
-def prefilled(request_id: str) -> Condition:
-    """Holds once the request's whole prompt is computed (it has produced a token)."""
-    return lambda result: any(v.request_id == request_id and v.num_output_tokens > 0
-                              for v in result.snapshot.requests)
-
-
-def every(*conditions: Condition) -> Condition:
-    return lambda result: all(condition(result) for condition in conditions)
-
-
-# --- words ---------------------------------------------------------------------------------------
-
-
-def arrows(blocks) -> str:
-    """A block table as the class reads it: 12 → 40 → 7."""
-    return " → ".join(str(b) for b in blocks) or "(no blocks)"
-
-
-def plural(count: int, word: str) -> str:
-    return f"{count:,} {word}{'' if count == 1 else 's'}"
-
-
-def percent(fraction: float) -> str:
-    return f"{100 * fraction:.1f}%"
-
-
-# The lesson panel's text width at 120x40, the size a class projects: a table or a bar chart wider than this
-# wraps into nonsense there, where prose merely wraps.
-CAPTION_WIDTH = 42
-# A measured difference smaller than this share of the larger figure is not told as an effect: a busy CPU's step
-# times vary by that much from run to run, and a step's fixed cost can be most of a small step.
-NOISE = 0.15
-
-
-def compared(a: float, b: float, noise: float = NOISE) -> int:
-    """+1 when ``b`` is above ``a`` by more than ``noise`` of the larger, -1 when below, 0 within it: what a
-    caption may say of two measured figures."""
-    top = max(abs(a), abs(b))
-    if top == 0 or abs(b - a) <= noise * top:
-        return 0
-    return 1 if b > a else -1
-
-
-def bars(rows: list[tuple[str, float, str]], width: int | None = None) -> list[str]:
-    """A horizontal bar chart: one "label ██████▌ value" line per (label, amount, value text), the longest bar
-    ``width`` cells (default: what CAPTION_WIDTH leaves beside the labels and values), so amounts read against
-    each other at a glance."""
-    longest = max((amount for _, amount, _ in rows), default=0) or 1
-    label_width = max(len(label) for label, _, _ in rows)
-    if width is None:
-        width = max(4, CAPTION_WIDTH - label_width - 2 - max(len(value) for _, _, value in rows))
-    return [f"{label:<{label_width}} [$accent]{bar(amount / longest, width)}[/] {value}"
-            for label, amount, value in rows]
-
-
-SPARKS = "▁▂▃▄▅▆▇█"
-
-
-def spark(values: list[float]) -> str:
-    """A one-line plot of ``values``, one cell each, the largest a full cell."""
-    top = max(values, default=0) or 1
-    return "".join(SPARKS[min(len(SPARKS) - 1, round(v / top * (len(SPARKS) - 1)))] for v in values)
-
-
-def figures(rows: list[tuple[str, str]], note: str = "") -> str:
-    """The closing figures: "label  value" lines, labels padded to the longest, then a sentence."""
-    width = max(len(label) for label, _ in rows)
-    # A value too long for its row goes under its label, indented, rather than wrapping under the labels.
-    lines = [f"{label:<{width}}  {value}" if width + 2 + len(value) <= CAPTION_WIDTH else f"{label}\n  {value}"
-             for label, value in rows]
-    return "[b]The figures of this run[/b]\n" + "\n".join(lines) + (f"\n\n{note}" if note else "")

@@ -13,8 +13,10 @@ budget, the block size and the dtype each change in turn.
 
 from __future__ import annotations
 
+from kvscope.app.lessons.cues import after_steps, all_done
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, after_steps, all_done, plural
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.words import plural
 from kvscope.app.widgets.formatting import mebibytes
 
 MIB = 2**20

@@ -13,9 +13,11 @@ so the freed batch comes closer to being throughput.
 
 from __future__ import annotations
 
-from kvscope.app.lessons import script
+from kvscope.app.lessons import words
+from kvscope.app.lessons.cues import after_steps, all_done
 from kvscope.app.lessons.load import ask, question
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, after_steps, all_done, bars, plural
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.words import bars, plural
 
 NUM_REQUESTS = 12
 MAX_TOKENS = 40
@@ -76,10 +78,10 @@ def say_figures(moment: Moment) -> str:
     rate = bars([(label, m["rate"], f"{m['rate']:,.1f} tok/s") for label, m in runs])
     batch = bars([(label, m["batch"], f"{m['batch']} (mean {m['mean_batch']:.1f})") for label, m in runs])
     step = bars([(label, m["step_s"], f"{1000 * m['step_s']:,.0f} ms at batch {m['batch']}") for label, m in runs])
-    gain = script.compared(contiguous["rate"], paged["rate"])
+    gain = words.compared(contiguous["rate"], paged["rate"])
     hidden = " Paging was slower here: this run's noise (a busy CPU) hid the effect."
     verdict = "" if gain > 0 else hidden if gain < 0 else (
-        f" No gain stands above this machine's noise here: tokens a second differ by less than {script.NOISE:.0%}.")
+        f" No gain stands above this machine's noise here: tokens a second differ by less than {words.NOISE:.0%}.")
     return ("[b]The figures of this run[/b] (the engine's own time)\n\n"
             "output tokens a second\n" + "\n".join(rate) + "\n\nbatch, most at once\n" + "\n".join(batch) +
             "\n\na step that only decodes\n" + "\n".join(step) + "\n\n"

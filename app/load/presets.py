@@ -41,7 +41,7 @@ class PresetContext:
     max_model_len: int
     max_num_batched_tokens: int
     count_tokens: Callable[[str], int]
-    count_chat: Callable[[list[dict]], int] | None = None   # chat prompt length, template included
+    tokenize_chat: Callable[[list[dict]], Any] | None = None   # the engine's own: a TokenizedPrompt
     allocator: str = "paged"
 
     @property
@@ -65,22 +65,23 @@ class PresetContext:
             f"try --max-model-len {suggest_max_model_len(self.num_blocks, self.block_size):,} or the paged "
             "allocator")
 
-    def chat_tokens(self, messages: list[dict]) -> int:
-        if self.count_chat is not None:
-            return self.count_chat(messages)
-        return sum(self.count_tokens(m["content"]) for m in messages) + CHAT_TEMPLATE_MARGIN
+    def chat_prompt(self, messages: list[dict]) -> tuple[Any, int]:
+        """What to queue for ``messages`` and its length in tokens. With the engine at hand, the prompt is
+        tokenized here once, template included, and queued as tokenized; else the length is an estimate."""
+        if self.tokenize_chat is not None:
+            prompt = self.tokenize_chat(messages)
+            return prompt, len(prompt.token_ids)
+        return messages, sum(self.count_tokens(m["content"]) for m in messages) + CHAT_TEMPLATE_MARGIN
 
     @classmethod
     def from_engine(cls, engine) -> PresetContext:
         tokenizer = engine.tokenizer
         encode = getattr(tokenizer, "encode", None)
         count = (lambda text: len(encode(text))) if callable(encode) else (lambda text: len(text) // 4 + 1)
-        # The engine's own count, as add_request will make it: the chat template's tokens included. (len() of
-        # what apply_chat_template returns counts a transformers 5 BatchEncoding's keys: 2.)
-        count_chat = (lambda messages: len(engine.prompt_token_ids(messages))) if tokenizer is not None else None
         info = engine.info
         return cls(info.block_size, info.num_device_blocks, info.max_model_len,
-                   engine.config.max_num_batched_tokens, count, count_chat, engine.config.allocator)
+                   engine.config.max_num_batched_tokens, count, engine.tokenize if tokenizer is not None else None,
+                   engine.config.allocator)
 
 
 def suggest_max_model_len(num_blocks: int, block_size: int) -> int:
@@ -89,16 +90,15 @@ def suggest_max_model_len(num_blocks: int, block_size: int) -> int:
     return max(block_size, num_blocks // rows * block_size)
 
 
-def fit_reply(ctx: PresetContext, messages: list[dict], max_tokens: int, n: int = 1) -> int:
-    """``max_tokens``, shrunk so the chat prompt plus the reply fit max_model_len and the pool (at least 1:
-    a prompt that leaves no room is then refused by the engine with its own words)."""
-    room = ctx.max_request_tokens(n) - ctx.chat_tokens(messages)
-    return max(1, min(max_tokens, room))
+def fit_reply(ctx: PresetContext, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+    """``max_tokens``, shrunk so the prompt plus the reply fit max_model_len and the pool (at least 1: a
+    prompt that leaves no room is then refused by the engine with its own words)."""
+    return max(1, min(max_tokens, ctx.max_request_tokens(n) - num_prompt_tokens))
 
 
 @dataclass(frozen=True)
 class PlannedRequest:
-    prompt: Any                 # chat messages, or plain text
+    prompt: Any                 # chat messages, plain text, or a prompt the engine tokenized
     params: SamplingParams
     delay_steps: int = 0        # add it this many engine steps after the preset starts
     name: str | None = None     # the request id to use (lessons name theirs); else the preset numbers it
@@ -144,9 +144,9 @@ def plan_chat_burst(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     questions = prompt_lines("chat_questions.txt")
     planned = []
     for i in range(count):
-        messages = _user(questions[i % len(questions)])
-        params = SamplingParams(max_tokens=fit_reply(ctx, messages, 96), temperature=0.7, top_p=0.9, seed=i)
-        planned.append(PlannedRequest(messages, params))
+        prompt, num_tokens = ctx.chat_prompt(_user(questions[i % len(questions)]))
+        params = SamplingParams(max_tokens=fit_reply(ctx, num_tokens, 96), temperature=0.7, top_p=0.9, seed=i)
+        planned.append(PlannedRequest(prompt, params))
     return planned
 
 
@@ -157,9 +157,9 @@ def plan_shared_prefix(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     prefill_steps = -(-ctx.count_tokens(system) // ctx.max_num_batched_tokens)
     planned = []
     for i in range(count):
-        messages = _user(questions[i % len(questions)], system)
-        params = SamplingParams(max_tokens=fit_reply(ctx, messages, 64), temperature=0.7, top_p=0.9, seed=i)
-        planned.append(PlannedRequest(messages, params, delay_steps=0 if i == 0 else prefill_steps + 1))
+        prompt, num_tokens = ctx.chat_prompt(_user(questions[i % len(questions)], system))
+        params = SamplingParams(max_tokens=fit_reply(ctx, num_tokens, 64), temperature=0.7, top_p=0.9, seed=i)
+        planned.append(PlannedRequest(prompt, params, delay_steps=0 if i == 0 else prefill_steps + 1))
     return planned
 
 
@@ -189,11 +189,11 @@ def plan_parallel_sampling(count: int, ctx: PresetContext) -> list[PlannedReques
     prompts = prompt_lines("sampling_prompts.txt")
     planned = []
     for i in range(count):
-        messages = _user(prompts[i % len(prompts)])
-        n = next((n for n in (4, 3, 2) if ctx.max_request_tokens(n) - ctx.chat_tokens(messages) >= 8), 1)
-        params = SamplingParams(n=n, max_tokens=fit_reply(ctx, messages, 64, n=n), temperature=1.0, top_p=0.95,
+        prompt, num_tokens = ctx.chat_prompt(_user(prompts[i % len(prompts)]))
+        n = next((n for n in (4, 3, 2) if ctx.max_request_tokens(n) - num_tokens >= 8), 1)
+        params = SamplingParams(n=n, max_tokens=fit_reply(ctx, num_tokens, 64, n=n), temperature=1.0, top_p=0.95,
                                 seed=i)
-        planned.append(PlannedRequest(messages, params))
+        planned.append(PlannedRequest(prompt, params))
     return planned
 
 
@@ -203,11 +203,10 @@ def plan_overload(count: int, ctx: PresetContext) -> list[PlannedRequest]:
     per_request = -(-3 * ctx.pool_tokens // (2 * count))
     planned = []
     for i in range(count):
-        messages = _user(questions[i % len(questions)])
-        prompt_tokens = ctx.chat_tokens(messages)
-        max_tokens = fit_reply(ctx, messages, max(16, min(per_request, ctx.max_model_len) - prompt_tokens))
+        prompt, num_tokens = ctx.chat_prompt(_user(questions[i % len(questions)]))
+        max_tokens = fit_reply(ctx, num_tokens, max(16, min(per_request, ctx.max_model_len) - num_tokens))
         params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
-        planned.append(PlannedRequest(messages, params))
+        planned.append(PlannedRequest(prompt, params))
     return planned
 
 

@@ -4,6 +4,11 @@ The model's classes do all the other math. Attention is registered with transfor
 the name "kvscope" and reads the step's context (slot mapping, block tables, lengths) from a keyword argument
 the model threads through to every attention call. No mask function is registered for that name, so
 transformers builds no dense mask at all.
+
+Each layer's variant reaches the kernels here: its sliding window (from engine/model/layer_kinds.py, the rule the
+KV cache groups layers by; transformers' module passes the same window, and a disagreement is an error rather
+than wrong tokens), the logit soft-cap (Gemma 2's ``softcap``), the attention sinks (gpt-oss's ``s_aux``) and
+the module's own ``scaling`` (Gemma's query_pre_attn_scalar).
 """
 
 from __future__ import annotations
@@ -32,14 +37,21 @@ class AttentionContext:
     prefill_max_query_len: int
     decode_block_tables: torch.Tensor | None
     decode_context_lens: torch.Tensor | None
+    layer_windows: tuple[int | None, ...]   # per layer: its sliding window, None for full attention
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            kvscope_ctx: AttentionContext | None = None, **kwargs):
+                            kvscope_ctx: AttentionContext | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """transformers calls this per layer with query [1, Hq, T, D] and key/value [1, Hkv, T, D]."""
     if kvscope_ctx is None:
         raise RuntimeError("kvscope attention was called without a step context")
     ctx = kvscope_ctx
+    window = ctx.layer_windows[module.layer_idx]
+    if sliding_window is not None and sliding_window != window:
+        raise RuntimeError(f"layer {module.layer_idx} attends with a sliding window of {sliding_window} tokens "
+                           f"but kvscope's layer kinds say {window}")
+    variant = dict(sliding_window=window, softcap=softcap or None, sinks=s_aux)
     kv_layer = ctx.kv_cache[module.layer_idx]
     # Rotary ran in fp32 in a bf16 model (engine/model/precision.py): q, k and v come down to the pool's dtype here.
     q = query[0].transpose(0, 1).to(kv_layer.dtype)
@@ -51,13 +63,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if split:
         parts.append(kernels.paged_prefill_attention(q[:split], kv_layer, ctx.prefill_block_tables,
                                                      ctx.prefill_cu_seqlens, ctx.prefill_context_lens, scale,
-                                                     ctx.prefill_max_query_len))
+                                                     ctx.prefill_max_query_len, **variant))
     if split < q.shape[0]:
         parts.append(kernels.paged_decode_attention(q[split:], kv_layer, ctx.decode_block_tables,
-                                                    ctx.decode_context_lens, scale))
+                                                    ctx.decode_context_lens, scale, **variant))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.unsqueeze(0), None
-
 
 
 def route(model) -> None:

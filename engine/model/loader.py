@@ -189,7 +189,7 @@ def load_model(model: str, dtype, device):
         tokenizer = AutoTokenizer.from_pretrained(source, **local_only)
         with _no_progress_bars():
             hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **local_only,
-                                                            attn_implementation=_attention_to_load_with(config),
+                                                            attn_implementation=attention_to_load_with(config),
                                                             **NO_HUB_KERNELS)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load weights from {source}: {exc}") from exc
@@ -244,7 +244,8 @@ def _no_progress_bars():
 
 def check_architecture(config) -> None:
     """Refuse, in kvscope's own words naming the family and the reason, a model it cannot serve: encoder-only,
-    encoder-decoder, attention not routed through AttentionInterface, or attention our kernels do not compute."""
+    encoder-decoder, or attention not routed through AttentionInterface (engine/model/layer_kinds.py refuses the
+    layer kinds the kernels do not compute)."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -261,9 +262,6 @@ def check_architecture(config) -> None:
     if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
         raise ModelError(refusal(model_type, "its transformers code does not route attention through "
                                  "AttentionInterface, so kvscope cannot page its KV cache"))
-    if getattr(config.get_text_config(), "attn_logit_softcapping", None):
-        raise ModelError(refusal(model_type, "it soft-caps attention logits, which kvscope's attention kernels "
-                                 "do not compute"))
 
 
 def refusal(model_type: str | None, reason: str) -> str:
@@ -282,7 +280,7 @@ def _causal_lm_class(config):
         return None
 
 
-def _attention_to_load_with(config) -> str:
+def attention_to_load_with(config) -> str:
     """sdpa where the family has it, else eager: either is replaced by kvscope's paged attention once loaded,
     and asking for sdpa where a family lacks it makes transformers refuse the load."""
     model_class = _causal_lm_class(config)

@@ -18,7 +18,8 @@ from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.model import patches, threads
 from kvscope.engine.model.attention import AttentionContext
 from kvscope.engine.model.block_tables import BlockTables
-from kvscope.engine.model.loader import ModelError, load_model, refusal
+from kvscope.engine.model.layer_kinds import layer_attention_kinds
+from kvscope.engine.model.loader import load_model
 from kvscope.engine.model.logits_processing import ContextRow, prompt_logprobs
 from kvscope.engine.model.memory import size_pool
 from kvscope.engine.model.sampler import Sampler, SampleRow
@@ -83,7 +84,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = self._resolve_max_model_len(text_config)
         self.block_tables = BlockTables(-(-self.max_model_len // self.block_size))
-        _check_attention_features(text_config, self.max_model_len)
+        self.layer_windows = tuple(layer_attention_kinds(text_config))
         self.num_layers = text_config.num_hidden_layers
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         self.head_dim = (getattr(text_config, "head_dim", None)
@@ -247,6 +248,7 @@ class ModelRunner:
             prefill_max_query_len=max((len(item.token_ids) for item in prefill), default=0),
             decode_block_tables=self._tensor(decode_tables) if decode else None,
             decode_context_lens=self._tensor(decode_lens) if decode else None,
+            layer_windows=self.layer_windows,
         )
         device = self.device
         return (ctx, torch.tensor([token_ids], device=device), torch.tensor([positions], device=device),
@@ -310,17 +312,6 @@ def _freeze_heap() -> None:
     gc.freeze()
     atexit.unregister(gc.unfreeze)
     atexit.register(gc.unfreeze)
-
-
-def _check_attention_features(text_config, max_model_len: int) -> None:
-    """Refuse attention variants our kernels do not implement, rather than compute wrong tokens."""
-    window = getattr(text_config, "sliding_window", None)
-    if getattr(text_config, "use_sliding_window", True) and window and window < max_model_len:
-        raise ModelError(refusal(text_config.model_type, f"it uses sliding-window attention ({window} tokens), which "
-                                 f"kvscope's kernels do not compute; run it with --max-model-len {window} or less"))
-    if getattr(text_config, "attn_logit_softcapping", None):
-        raise ModelError(refusal(text_config.model_type, "it soft-caps attention logits, which kvscope's "
-                                 "attention kernels do not compute"))
 
 
 def sampling_defaults(generation_config) -> tuple[tuple[str, float | int], ...]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, step_number, type_chat, until
+from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, step_number, type_chat, until, window
 
 from kvscope.app.actions import ACTIONS
 from kvscope.app.widgets import block_cells as cells
@@ -109,9 +109,7 @@ async def test_pause_and_single_step_advance_exactly_one_step():
 
 
 async def test_selecting_a_block_shows_its_owner():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48)) as (app, pilot):
         await burst_steps(pilot, 3, 2)
         snapshot = app.main.latest.snapshot
         owner = snapshot.requests[1]
@@ -182,9 +180,7 @@ async def test_switching_preemption_and_prefix_caching_rebuilds_the_engine():
 
 
 async def test_command_palette_lists_every_action_once():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48)) as (app, pilot):
         titles = [command.title.split(" (")[0] for command in app.get_system_commands(app.screen)]
         for action in ACTIONS:
             assert action.title in titles, action.title
@@ -193,9 +189,7 @@ async def test_command_palette_lists_every_action_once():
 
 
 async def test_explain_screen_opens_and_closes():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(100, 30)) as pilot:
-        await started(pilot)
+    async with window((100, 30)) as (app, pilot):
         await pilot.press("f1")
         assert app.screen.__class__.__name__ == "ExplainScreen"
         await pilot.press("escape")
@@ -203,9 +197,7 @@ async def test_explain_screen_opens_and_closes():
 
 
 async def test_theme_switch_restyles_the_map():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36)) as (app, pilot):
         await burst_steps(pilot, 2, 1)
         block_map = app.main.query_one(BlockMap)
         dark = block_map._style(cells.STYLE_OWNER)
@@ -216,9 +208,7 @@ async def test_theme_switch_restyles_the_map():
 
 
 async def test_80x24_and_resizing_keep_every_panel_reachable():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(80, 24)) as pilot:
-        await started(pilot)
+    async with window((80, 24)) as (app, pilot):
         assert app.screen.has_class("-narrow")
         assert app.main.query_one("#chat-input").region.bottom <= 24
         header = str(app.main.query_one(EngineHeader).render())
@@ -237,9 +227,7 @@ async def test_80x24_and_resizing_keep_every_panel_reachable():
 
 
 async def test_a_narrow_queue_table_leaves_out_the_least_needed_columns():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36)) as (app, pilot):
         await burst_steps(pilot, 3, 1)
         table = app.main.query_one(QueuesTable)
         header = table.render_line(0).text.split()
@@ -267,9 +255,7 @@ async def test_ctrl_g_aborts_the_chat_reply_and_frees_its_blocks():
 
 
 async def test_selecting_a_request_in_the_queues_highlights_its_blocks():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48)) as (app, pilot):
         await burst_steps(pilot, 3, 2)
         table = app.main.query_one(QueuesTable)
         chosen = table.order[1]
@@ -332,9 +318,7 @@ async def test_a_restart_with_nothing_in_flight_asks_nothing():
 
 
 async def test_the_palette_names_keys_as_the_footer_does_and_the_chat_says_how_it_samples():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48)) as (app, pilot):
         titles = [command.title for command in app.get_system_commands(app.screen)]
         assert "Keys (?)" in titles and "Explain (F1)" in titles and not any("question_mark" in t for t in titles)
         assert app.main.chat.border_subtitle == "greedy · generation_config"     # SmolLM2's, and the fake's

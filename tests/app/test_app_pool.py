@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until
+from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until, window
 
 from kvscope.app.load.presets import PRESETS, PresetContext, build, fit_reply
 from kvscope.app.widgets.event_line import narrate
@@ -32,6 +32,19 @@ def test_every_preset_request_fits_the_pool_it_runs_on(key, num_blocks, max_mode
         engine.add_request(item.prompt, item.params)     # RequestError would fail the test
 
 
+@pytest.mark.parametrize("key", list(PRESETS))
+def test_a_preset_applies_the_chat_template_once_per_request(key, monkeypatch):
+    """A preset sizes each reply from the templated prompt and queues that very prompt: no second template."""
+    engine = fake_engine(EngineConfig(num_blocks=96, max_model_len=2048, max_num_batched_tokens=64))
+    calls = []
+    template = engine.tokenizer.apply_chat_template
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or template(*a, **k))
+    planned = build(key, PRESETS[key].default_count, PresetContext.from_engine(engine))
+    for item in planned:
+        engine.add_request(item.prompt, item.params)
+    assert len(calls) == len(planned)
+
+
 def test_a_contiguous_pool_smaller_than_one_row_refuses_the_preset_once_and_says_what_would_fit():
     engine = fake_engine(EngineConfig(num_blocks=64, max_model_len=2048, allocator="contiguous"))
     context = PresetContext.from_engine(engine)
@@ -43,10 +56,11 @@ def test_the_chat_reply_shrinks_to_what_max_model_len_leaves():
     engine = fake_engine(EngineConfig(num_blocks=64, max_model_len=256))
     context = PresetContext.from_engine(engine)
     messages = [{"role": "user", "content": "Hello"}]
-    max_tokens = fit_reply(context, messages, 256)
+    prompt, num_tokens = context.chat_prompt(messages)
+    max_tokens = fit_reply(context, num_tokens, 256)
     # The templated prompt as the engine counts it (a transformers 5 BatchEncoding's len() is its 2 keys).
-    assert context.chat_tokens(messages) == len(engine.prompt_token_ids(messages)) > 2
-    assert max_tokens == 256 - context.chat_tokens(messages)
+    assert num_tokens == len(engine.prompt_token_ids(messages)) > 2
+    assert max_tokens == 256 - num_tokens
     with pytest.raises(RequestError):
         engine.add_request(messages, SamplingParams(max_tokens=256))
     engine.add_request(messages, SamplingParams(max_tokens=max_tokens))
@@ -185,9 +199,7 @@ def test_the_rate_window_averages_over_ten_seconds_of_steps():
 
 
 async def test_launched_requests_show_as_waiting_at_once_even_while_paused():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48)) as (app, pilot):
         app.worker.send(LaunchPreset("burst", 4))
         table = app.main.query_one(QueuesTable)
         await until(pilot, lambda: len(table.rows) == 4)

@@ -6,7 +6,7 @@ import inspect
 
 import numpy as np
 import pytest
-from app_harness import FakeEngines, history_on, make_app, started, until
+from app_harness import FakeEngines, history_on, make_app, started, until, window
 
 from kvscope.app.attach.window.replay_view import VllmReplayView
 from kvscope.app.load.presets import PresetContext, build
@@ -113,9 +113,7 @@ async def test_after_a_jump_the_recently_finished_rows_are_the_ones_the_live_win
             engine.step()
     reader = RunLogReader(path)
     ended = {row["request_id"]: row for row in reader.rows("requests", logger.run_id)}
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48)) as (app, pilot):
         replay = ReplayScreen(reader, logger.run_id)
         await app.push_screen(replay)
         await pilot.press("end")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, until
+from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, until, window
 
 from kvscope.app import cli
 from kvscope.app.engine_controls import RATE_CAPS
@@ -37,9 +37,7 @@ async def test_throughput_falls_to_zero_once_nothing_is_left_to_run():
 
 
 async def test_the_block_map_draws_the_empty_pool_before_the_first_request():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36)) as (app, pilot):
         await pilot.pause()
         block_map = app.main.view.block_map
         assert app.main.latest is None                       # no step has run
@@ -49,9 +47,7 @@ async def test_the_block_map_draws_the_empty_pool_before_the_first_request():
 
 
 async def test_enter_in_the_queues_selects_the_first_row_never_a_request_that_is_gone():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(160, 48)) as pilot:
-        await started(pilot)
+    async with window((160, 48)) as (app, pilot):
         await burst_steps(pilot, 4, 2)
         table = app.main.view.queues
         table.focus()
@@ -79,9 +75,7 @@ async def test_enter_in_the_queues_selects_the_first_row_never_a_request_that_is
 
 
 async def test_queue_select_with_no_live_row_selects_nothing():
-    app = make_app(FakeEngines())
-    async with app.run_test(size=(120, 36)) as pilot:
-        await started(pilot)
+    async with window((120, 36)) as (app, pilot):
         selected: list[str | None] = []
         app.main.view.select_request = selected.append
         app.main.query_one(QueuesTable).focus()

@@ -5,6 +5,7 @@ Imported as a plain module (tests/ is on sys.path through conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from kvscope.app.app import KVScopeApp
@@ -97,6 +98,15 @@ def make_app(engines: FakeEngines | None = None, *, config: EngineConfig | None 
     kwargs.setdefault("paused", True)
     kwargs.setdefault("system_sampler", FixedSampler())
     return KVScopeApp(config, engine_factory=engines or FakeEngines(), **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def window(size: tuple[int, int] = (160, 48), engines: FakeEngines | None = None, **kwargs):
+    """The window on a fake engine, opened at ``size`` and started: ``async with window() as (app, pilot)``."""
+    app = make_app(engines or FakeEngines(), **kwargs)
+    async with app.run_test(size=size) as pilot:
+        await started(pilot)
+        yield app, pilot
 
 
 async def until(pilot, condition, timeout: float = 15.0) -> None:

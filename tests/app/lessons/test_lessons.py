@@ -142,8 +142,9 @@ def test_teach_picks_the_pool_unless_a_flag_says_otherwise(monkeypatch):
 def test_a_beat_that_builds_a_new_engine_lets_the_old_one_finish_its_requests_first():
     """Rebuilding under requests in flight would abort them: the lesson's runs would end 'interrupted' and its
     figures miss their last steps. The runner runs the old engine until all done, then rebuilds."""
+    from kvscope.app.lessons.cues import after_steps
     from kvscope.app.lessons.runner import LessonRunner
-    from kvscope.app.lessons.script import Beat, Lesson, after_steps
+    from kvscope.app.lessons.script import Beat, Lesson
     from kvscope.app.worker.commands import LaunchPlan, Rebuild, RunUntil
     from kvscope.engine.fake_runner import fake_engine
 

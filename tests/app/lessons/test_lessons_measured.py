@@ -153,7 +153,7 @@ def test_the_latency_conclusion_says_only_what_its_own_figures_show():
 
 
 def test_throughputs_ratio_is_told_as_a_gain_only_above_the_noise():
-    from kvscope.app.lessons.script import NOISE, compared
+    from kvscope.app.lessons.words import NOISE, compared
 
     assert compared(200.0, 342.9) == 1
     assert compared(200.0, 200.0 * (1 + NOISE / 2)) == 0 and compared(200.0, 150.0) == -1

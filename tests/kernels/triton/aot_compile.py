@@ -38,9 +38,11 @@ def signature(kernel, constants: dict, dtype: torch.dtype) -> dict[str, str]:
             return "*i32"
         if name in INT64_POINTERS:
             return "*i64"
+        if name == "sinks_ptr":
+            return "*fp32"
         if name.endswith("_ptr"):
             return "*" + TRITON_DTYPE[dtype]
-        return "fp32" if name == "scale_log2e" else "i32"
+        return "fp32" if name in ("scale_log2e", "softcap_log2e") else "i32"
 
     return {name: arg_type(name) for name in kernel.arg_names}
 
@@ -67,15 +69,19 @@ def build(kernel, meta: dict, dtype: torch.dtype, capability: int) -> dict:
 
 
 def builds(head_dims: list[int]) -> list[tuple[str, object, dict, torch.dtype]]:
-    """(name, kernel, meta, cache dtype) for each kernel at the parameters its wrapper launches with."""
+    """(name, kernel, meta, cache dtype) for each kernel at the parameters its wrapper launches with: attention
+    plain, and with soft-capping and sinks both compiled in."""
     ops = triton_ops
+    plain, variants = ops._variant_meta(None, None), ops._variant_meta(30.0, torch.zeros(1))
     result = []
     for dtype in (torch.float32, torch.bfloat16):
         for head_dim in head_dims:
             result += [
-                ("decode", ops._paged_decode_kernel, ops.decode_meta(dtype, 4, head_dim, 16), dtype),
-                ("decode", ops._paged_decode_kernel, ops.decode_meta(dtype, 3, head_dim, 1), dtype),
-                ("prefill", ops._paged_prefill_kernel, ops.prefill_meta(dtype, 3, head_dim, 32), dtype),
+                ("decode", ops._paged_decode_kernel, {**ops.decode_meta(dtype, 4, head_dim, 16), **plain}, dtype),
+                ("decode", ops._paged_decode_kernel, {**ops.decode_meta(dtype, 3, head_dim, 1), **variants}, dtype),
+                ("prefill", ops._paged_prefill_kernel, {**ops.prefill_meta(dtype, 3, head_dim, 32), **plain}, dtype),
+                ("prefill", ops._paged_prefill_kernel, {**ops.prefill_meta(dtype, 3, head_dim, 32), **variants},
+                 dtype),
                 ("store_kv", ops._store_kv_kernel, ops.store_kv_meta(3, head_dim, 16), dtype),
             ]
         result.append(("copy_blocks", ops._copy_blocks_kernel, ops.copy_blocks_meta(16 * 3 * 64), dtype))

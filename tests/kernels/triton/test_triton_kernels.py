@@ -18,7 +18,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kvscope.kernels import reference, triton_ops  # noqa: E402
-from kvscope.kernels.testing import random_layout  # noqa: E402
+from kvscope.kernels.testing import poison_out_of_window, random_layout  # noqa: E402
 
 # triton.language's own jit functions (tl.zeros) are interpreted only if triton itself was first imported under
 # TRITON_INTERPRET=1: a test module collected earlier that imports triton would break every kernel here.
@@ -90,6 +90,61 @@ def test_prefill_matches_reference(group, head_dim, block_size, dtype, chunks, p
     max_query_len = max(query_lens) if pass_max_query_len else None
     assert_matches(triton_ops.paged_prefill_attention(query, *args, max_query_len),
                    reference.paged_prefill_attention(query, *args))
+
+
+# (group, num_kv_heads, block_size, dtype, context_lens or chunks, sliding_window, softcap, sinks): windows that cut
+# into tiles and blocks (1, 5, 24), Gemma 2's soft-cap, gpt-oss's sinks, and all three at once.
+VARIANT_DECODE_CASES = [
+    (1, 2, 8, FP32, [1, 9, 70], 24, None, False),
+    (3, 1, 4, FP32, [16, 33, 100], 5, 20.0, True),
+    (4, 1, 16, BF16, [17, 100], 24, None, True),
+    (1, 1, 8, FP32, [40, 3], None, 5.0, False),
+    (3, 1, 8, FP32, [50], 1, None, False),
+]
+VARIANT_PREFILL_CASES = [
+    (1, 1, 8, FP32, [(0, 40), (13, 7), (40, 1)], 24, None, False),
+    (3, 2, 4, FP32, [(0, 33), (50, 10)], 5, 20.0, True),
+    (4, 1, 16, BF16, [(70, 30), (0, 1)], 24, None, True),
+    (1, 1, 8, FP32, [(20, 20)], None, 5.0, False),
+]
+
+
+def _sinks(wanted: bool, num_q_heads: int, gen: torch.Generator) -> torch.Tensor | None:
+    return torch.randn(num_q_heads, generator=gen) * 4 if wanted else None
+
+
+@pytest.mark.parametrize("group, num_kv_heads, block_size, dtype, context_lens, window, softcap, sinks",
+                         VARIANT_DECODE_CASES)
+def test_decode_with_variants_matches_reference(group, num_kv_heads, block_size, dtype, context_lens, window,
+                                                softcap, sinks):
+    """Block-table entries before each window point far outside the pool: neither kernel may read them."""
+    gen = torch.Generator().manual_seed(len(context_lens) * 100 + block_size + group)
+    layout = random_layout(context_lens, block_size, num_kv_heads, 64, dtype, gen)
+    if window is not None:
+        poison_out_of_window(layout, [length - 1 for length in context_lens], window)
+    query = make_query(len(context_lens), num_kv_heads * group, 64, dtype, gen)
+    variant = dict(sliding_window=window, softcap=softcap, sinks=_sinks(sinks, num_kv_heads * group, gen))
+    args = (layout.kv_layer, layout.block_tables, layout.context_lens, 0.125)
+    assert_matches(triton_ops.paged_decode_attention(query, *args, **variant),
+                   reference.paged_decode_attention(query, *args, **variant))
+
+
+@pytest.mark.parametrize("group, num_kv_heads, block_size, dtype, chunks, window, softcap, sinks",
+                         VARIANT_PREFILL_CASES)
+def test_chunked_prefill_with_variants_matches_reference(group, num_kv_heads, block_size, dtype, chunks, window,
+                                                         softcap, sinks):
+    gen = torch.Generator().manual_seed(block_size * 10 + group)
+    context_lens = [prefix + length for prefix, length in chunks]
+    layout = random_layout(context_lens, block_size, num_kv_heads, 64, dtype, gen)
+    if window is not None:
+        poison_out_of_window(layout, [prefix for prefix, _ in chunks], window)
+    query_lens = [length for _, length in chunks]
+    query = make_query(sum(query_lens), num_kv_heads * group, 64, dtype, gen)
+    cu_seqlens = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    variant = dict(sliding_window=window, softcap=softcap, sinks=_sinks(sinks, num_kv_heads * group, gen))
+    args = (layout.kv_layer, layout.block_tables, cu_seqlens, layout.context_lens, 0.125)
+    assert_matches(triton_ops.paged_prefill_attention(query, *args, max(query_lens), **variant),
+                   reference.paged_prefill_attention(query, *args, **variant))
 
 
 @pytest.mark.parametrize("num_kv_heads, head_dim, block_size, dtype", [(2, 64, 8, FP32), (3, 128, 16, BF16)])
