@@ -130,3 +130,17 @@ def test_unknown_fields_are_ignored_with_one_warning_naming_them(api, caplog):
     assert reply.choices[0].finish_reason in ("length", "stop")
     warnings = [r.getMessage() for r in caplog.records if "unknown fields" in r.getMessage()]
     assert warnings == ["/v1/completions: ignored the request's unknown fields: another_one, custom_field"]
+
+
+def test_streamed_chat_logprobs_and_streamed_echo_are_the_whole_bodys(api):
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+                logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = api.chat.completions.create(**chat).choices[0].logprobs.content
+    streamed = [entry for chunk in api.chat.completions.create(**chat, stream=True) for choice in chunk.choices
+                if choice.logprobs for entry in choice.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole]
+    echo = dict(model="tiny", prompt=PROMPT_IDS, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    body = api.completions.create(**echo).choices[0]
+    chunks = [c for chunk in api.completions.create(**echo, stream=True) for c in chunk.choices]
+    assert "".join(c.text for c in chunks) == body.text
+    assert [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs] == body.logprobs.token_logprobs
