@@ -189,4 +189,4 @@ def _sample_output(seq: Sequence) -> SampleOutput:
 def _detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingParams):
     if tokenizer is None or not params.detokenize:
         return None
-    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop, params.min_tokens)
