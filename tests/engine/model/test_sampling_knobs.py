@@ -197,3 +197,17 @@ def test_a_bad_knob_is_refused_by_name_and_the_engine_goes_on(knob, value):
     assert refused.value.param == knob and knob in str(refused.value)
     (output,) = run(engine, [[1, 2, 3]], [greedy(4)])
     assert len(output.token_ids) == 4
+
+
+def test_every_sample_of_n_has_its_own_penalty_counts():
+    """n > 1: the samples fork from one prompt row, then each is penalised by its own output only; greedy samples
+    therefore agree with each other and with a single request's answer, and sampled ones (seeded) reproduce."""
+    prompt = [(13 * j) % 2500 + 70 for j in range(25)]
+    knobs = dict(frequency_penalty=1.2, repetition_penalty=1.3)
+    engine = engine_for(*tiny_model(seed=2))
+    (single,) = run(engine, [prompt], [greedy(16, **knobs)])
+    (forked,) = run(engine, [prompt], [greedy(16, n=3, **knobs)])
+    assert all(sample.token_ids == single.token_ids for sample in forked.samples)
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=11, n=3, ignore_eos=True, **knobs)
+    first, again = run(engine, [prompt, prompt], [sampled, sampled])
+    assert [s.token_ids for s in first.samples] == [s.token_ids for s in again.samples]
