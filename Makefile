@@ -22,7 +22,7 @@ LM_EVAL_VENV := .venv-lm-eval
 LM_EVAL_STAMP := $(LM_EVAL_VENV)/.lm-eval-installed
 LATEST_VENV := .venv-latest
 
-.PHONY: run test test-latest test-vllm lock model lint screenshots bench bench-host bench-vllm bench-serve gpu-check clean
+.PHONY: run test test-latest test-vllm lock model lint screenshots bench bench-host bench-vllm bench-serve gpu-wheels gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -127,16 +127,31 @@ bench-serve: model $(VLLM_STAMP)
 	$(BIN)/kvscope bench serve --rates 1,4 --requests 32 --input-len 256 --output-len 64 \
 		--vllm-python $(CURDIR)/$(VLLM_VENV)/bin/python
 
-# On a machine with an NVIDIA GPU, once: PyPI's Linux torch wheel (it bundles CUDA) in its own venv, then the
-# compiled Triton kernels against the torch oracle, exact tokens on cuda, the pool sized from
-# --gpu-memory-utilization, and short kernel and workload benches; one table at the end (tests/gpu/gpu_check.py).
-GPU_VENV := .venv-gpu
+# The GPU check on a machine with an NVIDIA GPU, also an offline one (a lab or cluster node: no network, a Python
+# that already has torch, triton and transformers, no model weights). Beforehand, where the package index is
+# reachable, `make gpu-wheels PYVER=3.12` fetches into .gpu-wheels/ the wheels of everything else kvscope runs on,
+# for that Python, at the lock's versions (tests/gpu/gpu_wheels.py says which and why). There, `make gpu-check
+# GPU_PYTHON=python3` installs them with --no-deps into .gpu-site/, a private folder put on PYTHONPATH, so nothing
+# of that Python changes, and runs tests/gpu/gpu_check.py: one table, under 8 minutes (docs/testing.md).
+PYVER ?= 3.12
+GPU_PYTHON ?= python3
+GPU_WHEELS := .gpu-wheels
+GPU_SITE := .gpu-site
+gpu-wheels: $(STAMP)
+	$(BIN)/python tests/gpu/gpu_wheels.py --python-version $(PYVER) --dest $(GPU_WHEELS)
+
+# GPU_CHECK_ARGS="--quick" runs tiny stand-ins (the check's plumbing in a minute; with --device cpu, anywhere).
+# Without .gpu-wheels/, GPU_PYTHON's own packages are used (a CUDA venv with kvscope's dependencies). kvscope itself
+# is the checkout, linked into .gpu-site/ (no build, no install); the script runs from its own folder, so the
+# checkout root, whose kernels/ would shadow Hugging Face's, is not on its path.
 gpu-check:
-	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
-	$(GPU_VENV)/bin/python -m pip install --quiet torch triton
-	$(GPU_VENV)/bin/python -m pip install --quiet -e '.[test]'
-	$(GPU_VENV)/bin/kvscope fetch-model
-	cd tests && timeout 600 ../$(GPU_VENV)/bin/python gpu/gpu_check.py $(CURDIR)/$(GPU_VENV)/bin/kvscope
+	rm -rf $(GPU_SITE) && mkdir -p $(GPU_SITE)
+	if [ -f $(GPU_WHEELS)/requirements.txt ]; then \
+		$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+			--find-links $(GPU_WHEELS) --target $(GPU_SITE) -r $(GPU_WHEELS)/requirements.txt; \
+	else echo "gpu-check: no $(GPU_WHEELS)/ (make gpu-wheels); using $(GPU_PYTHON)'s own packages"; fi
+	ln -s $(CURDIR) $(GPU_SITE)/kvscope
+	PYTHONPATH=$(CURDIR)/$(GPU_SITE) timeout 480 $(GPU_PYTHON) tests/gpu/gpu_check.py --site $(GPU_SITE) $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) $(GPU_VENV) $(LM_EVAL_VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) $(GPU_SITE) $(LM_EVAL_VENV) .pytest_cache

@@ -1,4 +1,9 @@
-"""The `kvscope` command line: the one place every subcommand is registered (SUBCOMMANDS)."""
+"""The `kvscope` command line: the one place every subcommand is registered (SUBCOMMANDS).
+
+A subcommand's module is imported only when the command line names it (or for `kvscope --help`, which lists them
+all): an engine command such as `kvscope bench throughput` never imports the window's, the server's, the run log's
+or attach's packages, so it runs on a machine that has only torch, triton and transformers.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +15,9 @@ import os
 import sys
 
 from kvscope import __version__
-from kvscope.app import screenshots
 from kvscope.app.arguments import CommandLine, FlagRefused
-from kvscope.app.attach import cli as attach_cli
-from kvscope.app.bench import cli as bench_cli
 from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args, first_engine
-from kvscope.app.runlog import cli as runs_cli
 from kvscope.app.safe_text import clean
-from kvscope.app.serve import cli as serve_cli
 from kvscope.engine.config import ConfigError, EngineConfig, RequestError
 from kvscope.engine.model.loader import ModelError
 from kvscope.engine.runner import pool_warning
@@ -29,9 +29,10 @@ TEACH_HELP = ("a pool for teaching: 64 blocks of 16 tokens (one map cell each, e
               "visible), max_model_len 256; flags given explicitly still win")
 
 
-def build_parser() -> CommandLine:
-    """The whole command line. Its top-level flags may also be typed after a subcommand that takes them, and a
-    subcommand that does not take one refuses it in one line wherever it is typed (app/arguments.py)."""
+def build_parser(argv: list[str] | None = None) -> CommandLine:
+    """The command line: every subcommand, or with ``argv`` those it names (all when it names none). Its top-level
+    flags may also be typed after a subcommand that takes them, and a subcommand that does not take one refuses it
+    in one line wherever it is typed (app/arguments.py)."""
     parser = CommandLine(
         prog="kvscope",
         description="Watch a real paged-attention LLM engine work. With no subcommand, opens the app. The flags "
@@ -45,9 +46,16 @@ def build_parser() -> CommandLine:
     parser.flags_unset_until_typed()
     parser.set_defaults(func=_open_app)
     sub = parser.add_subparsers(title="subcommands", metavar="COMMAND")
-    for register in SUBCOMMANDS:
+    for register in named_subcommands(argv):
         register(sub)
     return parser
+
+
+def named_subcommands(argv: list[str] | None) -> list:
+    """The registrations ``argv`` needs: those of each subcommand name it holds (a flag's value that happens to
+    be one only adds a subcommand), or all when it holds none (the app opens, or `kvscope --help` lists them)."""
+    named = [register for name, register in SUBCOMMANDS.items() if argv is not None and name in argv]
+    return named or list(SUBCOMMANDS.values())
 
 
 def _register_fetch_model(subparsers) -> None:
@@ -102,37 +110,88 @@ class LessonNames:
         return name in list(self)
 
 
-# Every subcommand, each added by one `register(subparsers)`: the App's own here, every other one in its
-# feature's room. This is the one list of them.
-SUBCOMMANDS = (
-    _register_fetch_model,
-    _register_chat,
-    _register_lesson,
-    bench_cli.register,          # kvscope bench
-    runs_cli.register,           # kvscope runs
-    screenshots.register,        # kvscope screenshots
-    attach_cli.register,         # kvscope attach
-    serve_cli.register,          # kvscope serve
-)
+def _register_bench(subparsers) -> None:
+    from kvscope.app.bench import cli
+
+    cli.register(subparsers)
+
+
+def _register_runs(subparsers) -> None:
+    from kvscope.app.runlog import cli
+
+    cli.register(subparsers)
+
+
+def _register_screenshots(subparsers) -> None:
+    from kvscope.app import screenshots
+
+    screenshots.register(subparsers)
+
+
+def _register_attach(subparsers) -> None:
+    from kvscope.app.attach import cli
+
+    cli.register(subparsers)
+
+
+def _register_serve(subparsers) -> None:
+    from kvscope.app.serve import cli
+
+    cli.register(subparsers)
+
+
+# Every subcommand by the name typed, each added by one `register(subparsers)`: the App's own here, every other one
+# in its feature's room, whose module is imported by its registration alone. This is the one list of them.
+SUBCOMMANDS = {
+    "fetch-model": _register_fetch_model,
+    "chat": _register_chat,
+    "lesson": _register_lesson,
+    "bench": _register_bench,
+    "runs": _register_runs,
+    "screenshots": _register_screenshots,
+    "attach": _register_attach,
+    "serve": _register_serve,
+}
 
 
 def add_serve_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--serve", type=serve_cli.parse_address, default=None, metavar="[HOST:]PORT",
-                        help="also serve the engine as `kvscope serve` does (OpenAI API, /metrics, KV-cache events) "
-                             "on PORT, loopback unless HOST says otherwise; its requests show in the window as "
-                             f"http-N; the API key, if any, from ${serve_cli.API_KEY_ENV}")
+    """--serve, whose parsing and help come from `kvscope serve`'s module when they are needed: typed, or help
+    printed (argparse fills %(api_key_env)s from the flag's own attributes as it prints)."""
+    flag = parser.add_argument(
+        "--serve", type=serve_address, default=None, metavar="[HOST:]PORT",
+        help="also serve the engine as `kvscope serve` does (OpenAI API, /metrics, KV-cache events) on PORT, "
+             "loopback unless HOST says otherwise; its requests show in the window as http-N; the API key, if "
+             "any, from $%(api_key_env)s")
+    flag.api_key_env = _ServeApiKeyEnv()
+
+
+def serve_address(text: str) -> tuple[str, int]:
+    """--serve [HOST:]PORT, read as `kvscope serve` reads its address."""
+    from kvscope.app.serve import cli
+
+    return cli.parse_address(text)
+
+
+class _ServeApiKeyEnv:
+    """The name of `kvscope serve`'s API-key variable, looked up when --serve's help is printed."""
+
+    def __str__(self) -> str:
+        from kvscope.app.serve import cli
+
+        return cli.API_KEY_ENV
 
 
 def _hosted_serve(args: argparse.Namespace):
     """The server for --serve, listening before the model loads (a taken port is one line); None without it."""
     if args.serve is None:
         return None
+    from kvscope.app.serve.cli import API_KEY_ENV
     from kvscope.app.serve.hosted import HostedServe
     from kvscope.app.serve.server import ServeError, ServeOptions
 
     host, port = args.serve
     try:
-        return HostedServe(ServeOptions(host=host, port=port, api_key=os.environ.get(serve_cli.API_KEY_ENV) or None))
+        return HostedServe(ServeOptions(host=host, port=port, api_key=os.environ.get(API_KEY_ENV) or None))
     except ServeError as exc:
         raise ConfigError(f"--serve: {exc}") from None
 
@@ -236,7 +295,8 @@ def silence_stdout() -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line read as `kvscope` reads it; FlagRefused for a flag the subcommand does not take."""
-    return build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    return build_parser(argv).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ budget (left alone it sizes itself from free memory: 60% of RAM on a CPU).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from time import perf_counter
 
@@ -35,6 +36,19 @@ def num_pages(kv_cache_tokens: int, page_size: int) -> int:
     return max(1, -(-kv_cache_tokens // page_size))
 
 
+def continuous_batching_config(settings: ContinuousSettings, pages: int) -> ContinuousBatchingConfig:
+    """The manager's config in the installed transformers' words: before page_size, the page was its block_size
+    (5.17, where a GPU machine's transformers may still be), and flash attention was never switched on by itself;
+    since auto_switch_to_flash exists it is off, so every system runs the same attention."""
+    fields = {spec.name for spec in dataclasses.fields(ContinuousBatchingConfig)}
+    chosen = asdict(settings) | {"num_blocks": pages, "seed": 0}
+    if "page_size" not in fields:
+        chosen["block_size"] = chosen.pop("page_size")
+    if "auto_switch_to_flash" in fields:
+        chosen["auto_switch_to_flash"] = False
+    return ContinuousBatchingConfig(**chosen)
+
+
 class ContinuousBatchRun(TransformersRun):
     """One pass of a workload through a fresh manager."""
 
@@ -46,8 +60,7 @@ class ContinuousBatchRun(TransformersRun):
         pages = num_pages(workload.kv_cache_tokens, self.settings.page_size)
         manager = self.model.init_continuous_batching(
             generation_config=self._generation_config(workload, samples.pop()),
-            continuous_batching_config=ContinuousBatchingConfig(
-                **asdict(self.settings), num_blocks=pages, auto_switch_to_flash=False, seed=0),
+            continuous_batching_config=continuous_batching_config(self.settings, pages),
         )
         manager.start()
         try:

@@ -1,6 +1,6 @@
-"""On a CUDA GPU: the compiled Triton kernels against the torch oracle, exact tokens against transformers' generate,
-and the KV pool sized from --gpu-memory-utilization. `make gpu-check` runs these; without a GPU they skip (the
-Triton kernels' logic is still tested on CPU under the interpreter, tests/triton/)."""
+"""On a CUDA GPU, under pytest: the GPU check's correctness parts (tests/gpu/cuda_checks.py) and exact tokens on the
+tiny architectures. `make gpu-check` runs the same parts as a script (docs/testing.md); without a GPU these skip
+(the Triton kernels' logic is still tested on CPU under the interpreter, tests/kernels/triton/)."""
 
 from __future__ import annotations
 
@@ -8,38 +8,24 @@ import random
 
 import pytest
 import torch
-from models import reference_generate, tiny_model
-
-from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
-from kvscope.kernels import dispatch as kernels
-from kvscope.kernels import reference
-from kvscope.kernels.testing import make_query, random_layout
 
 if not torch.cuda.is_available():
     # Skip before triton is imported: triton.jit picks compile or interpret once, at import, and on CPU
-    # tests/triton/ needs the interpreter (its conftest sets TRITON_INTERPRET=1 before importing it).
+    # tests/kernels/triton/ needs the interpreter (its conftest sets TRITON_INTERPRET=1 before importing it).
     pytest.skip("no CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton")
 
+import cuda_checks  # noqa: E402  (after the skip: it imports the kernels)
+import random_models  # noqa: E402
+from models import reference_generate, tiny_model  # noqa: E402
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_compiled_decode_and_prefill_match_the_torch_oracle(dtype, block_size):
-    gen = torch.Generator().manual_seed(block_size)
-    lens = [1, 17, 64, 300]
-    layout = random_layout(lens, block_size, 2, 64, dtype, gen, poison_unused=False)
-    kv, tables, context = layout.kv_layer.cuda(), layout.block_tables.cuda(), layout.context_lens.cuda()
-    query = make_query(len(lens), 8, 64, dtype, gen).cuda()
-    out = kernels.paged_decode_attention(query, kv, tables, context, 0.125)
-    expected = reference.paged_decode_attention(query, kv, tables, context, 0.125)
-    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-4,
-                               rtol=0)
-    cu_seqlens = torch.tensor([0, 1, 9, 9 + 40, 9 + 40 + 100], dtype=torch.int32, device="cuda")
-    prefill_query = make_query(149, 8, 64, dtype, gen).cuda()
-    out = kernels.paged_prefill_attention(prefill_query, kv, tables, cu_seqlens, context, 0.125, 100)
-    expected = reference.paged_prefill_attention(prefill_query, kv, tables, cu_seqlens, context, 0.125, 100)
-    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-4,
-                               rtol=0)
+from kvscope.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from kvscope.engine.model.loader import load_model  # noqa: E402
+
+
+def test_compiled_decode_and_prefill_match_the_torch_oracle():
+    outcome = cuda_checks.kernels_against_oracle()
+    assert outcome.passed, outcome.text
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -55,13 +41,19 @@ def test_generation_on_cuda_is_token_identical_to_transformers(arch):
     assert [list(o.token_ids) for o in outputs] == expected
 
 
-def test_the_pool_grows_with_gpu_memory_utilization():
-    sizes = []
-    for utilisation in (0.3, 0.6):
-        model, tok = tiny_model("llama")
-        engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", gpu_memory_utilization=utilisation,
-                                        max_model_len=256), model=model, tokenizer=tok)
-        sizes.append(engine.num_blocks)
-        del engine
-        torch.cuda.empty_cache()
-    assert 0 < sizes[0] < sizes[1]
+@pytest.fixture(scope="module")
+def smollm2_shape(tmp_path_factory):
+    shape = random_models.SMOLLM2_135M
+    return str(random_models.build(shape, tmp_path_factory.mktemp("smollm2"), device="cuda"))
+
+
+def test_the_smollm2_shape_on_cuda_is_token_identical_to_transformers(smollm2_shape):
+    model, tokenizer = load_model(smollm2_shape, torch.float32, "cuda")
+    outcome = cuda_checks.exact_tokens(model, tokenizer)
+    assert outcome.passed, outcome.text
+
+
+def test_the_pool_grows_with_gpu_memory_utilization(smollm2_shape):
+    model, tokenizer = load_model(smollm2_shape, torch.bfloat16, "cuda")
+    outcome = cuda_checks.pool_sizing(model, tokenizer)
+    assert outcome.passed, outcome.text
