@@ -56,7 +56,7 @@ class CompletionJob(Job):
                                                                                    self.token_text))
 
     def delta_choices(self, index: int, output: RequestOutput, new: StreamDelta) -> list[CompletionChoice]:
-        if new.text is None and not new.first:
+        if new.text is None and not (new.first and self.request.echo):
             return []
         echo = self._echo(index, output) if new.first else ""
         logprobs = None
