@@ -18,6 +18,8 @@ LOCK_PLATFORM := --python-version 3.11 --python-platform x86_64-manylinux_2_28
 
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+LM_EVAL_VENV := .venv-lm-eval
+LM_EVAL_STAMP := $(LM_EVAL_VENV)/.lm-eval-installed
 LATEST_VENV := .venv-latest
 
 .PHONY: run test test-latest test-vllm lock model lint screenshots bench bench-host bench-vllm bench-serve gpu-wheels gpu-check clean
@@ -45,6 +47,8 @@ lock: | $(BIN)/python
 		lock/model.in -o lock/model.txt
 	$(BIN)/uv pip compile --quiet --upgrade $(LOCK_PLATFORM) $(TORCH_SOURCE) --custom-compile-command "make lock" \
 		lock/vllm.in --override lock/vllm-overrides.txt -o lock/vllm.txt
+	$(BIN)/uv pip compile --quiet --upgrade $(LOCK_PLATFORM) $(TORCH_SOURCE) --custom-compile-command "make lock" \
+		lock/lm-eval.in -c lock/kvscope.txt -o lock/lm-eval.txt
 
 model: $(STAMP)
 	$(BIN)/kvscope fetch-model
@@ -52,11 +56,18 @@ model: $(STAMP)
 run: model
 	$(BIN)/kvscope
 
+# lm-evaluation-harness in its own venv (it pulls datasets, pandas and scikit-learn), at the versions of
+# lock/lm-eval.txt, which shares kvscope's pins: tests/app/serve/test_lm_eval.py scores a local task with it.
+$(LM_EVAL_STAMP): lock/lm-eval.txt $(STAMP)
+	test -x $(LM_EVAL_VENV)/bin/python || $(PYTHON) -m venv $(LM_EVAL_VENV)
+	$(BIN)/uv pip sync --quiet --compile-bytecode --python $(LM_EVAL_VENV)/bin/python $(TORCH_SOURCE) lock/lm-eval.txt
+	touch $@
+
 # lint-imports checks the layers in pyproject.toml's [tool.importlinter] (kernels, engine, app, widgets).
-test: model
+test: model $(LM_EVAL_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup
+	KVSCOPE_LM_EVAL_PYTHON=$(CURDIR)/$(LM_EVAL_VENV)/bin/python $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 # The whole suite on the newest versions pyproject.toml's ranges allow, to find drift on purpose before a user
 # does. torch stays the lock's CPU build: PyPI's newer Linux wheels bundle CUDA (several GB).
@@ -143,4 +154,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR)/$(GPU_SITE) timeout 480 $(GPU_PYTHON) tests/gpu/gpu_check.py --site $(GPU_SITE) $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) $(GPU_SITE) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LATEST_VENV) $(GPU_SITE) $(LM_EVAL_VENV) .pytest_cache

@@ -8,6 +8,23 @@ from typing import NamedTuple
 from kvscope.engine.config import SamplingParams
 
 
+@dataclass(slots=True, eq=False, weakref_slot=True)
+class SamplingContext:
+    """What the sampler reads, beyond a row's logits, for a request whose params.reads_more_than_logits: its
+    samples' token lists (the live lists, prompt then output, never copied), the stop tokens min_tokens holds back,
+    the bad words as token ids, a compiled grammar, and whatever the runner keeps for the request between steps
+    (``runner_state``: device rows of token counts, grammar matchers), which goes when the request goes. A request
+    without such knobs has none, and its rows skip all of that."""
+
+    params: SamplingParams
+    token_lists: list[list[int]]
+    num_prompt_tokens: int
+    stop_token_ids: frozenset[int]
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    grammar: object = None
+    runner_state: object = None
+
+
 class BatchItem(NamedTuple):
     """One sequence's share of a step: a prefill chunk or a single decode token.
 
@@ -26,6 +43,7 @@ class BatchItem(NamedTuple):
     params: SamplingParams
     # With KV-cache groups: each group's table (Sequence.group_tables), and block_table is every block held.
     group_tables: tuple[tuple[int, ...], ...] = ()
+    sampling: SamplingContext | None = None    # None: the row's logits are all its sampling reads
 
     @property
     def context_len(self) -> int:

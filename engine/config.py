@@ -14,7 +14,7 @@ import numbers
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
@@ -188,6 +188,24 @@ class SamplingParams:
     # False skips turning tokens into text (outputs carry token ids only), as vLLM's option of the same
     # name does: for callers that only want ids, like the bench with its synthetic prompts.
     detokenize: bool = True
+    min_p: float = 0.0              # drop tokens under this share of the most likely one's probability
+    # transformers' repetition penalty: a token already in the prompt or the output has a positive logit divided
+    # by it, a negative one multiplied by it (1.0: off).
+    repetition_penalty: float = 1.0
+    # OpenAI's: subtracted from a token's logit once if it is in the output, and per time it is there.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None   # token id -> added to its logit, -100 .. 100
+    min_tokens: int = 0             # stop tokens (EOS, stop_token_ids) are forbidden before this many
+    bad_words: Sequence[str] | None = ()    # words never generated (as vLLM tokenizes them: with and without a space)
+    # Log-probabilities of each sampled token and of the N most likely (0: the sampled one only; None: none),
+    # and of each prompt token (costs the LM head over the whole prompt; the prompt then skips the prefix cache).
+    # They come from the model's own distribution, before penalties, bias and temperature, as vLLM's do.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Constrained decoding: a grammar engine's spec (engine/structured.py), e.g. ("json_object", None) or
+    # ("json_schema", schema); the sampler masks every token the grammar does not allow next.
+    structured_output: tuple[str, object] | None = None
 
     def validate(self) -> None:
         """Raise RequestError naming the first bad field; change nothing."""
@@ -221,7 +239,7 @@ class SamplingParams:
         return dataclasses.replace(
             self, n=int(self.n), max_tokens=max_tokens, top_k=int(self.top_k), seed=seed,
             temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature, top_p=top_p,
-            stop=stop, stop_token_ids=self._stop_token_ids())
+            stop=stop, stop_token_ids=self._stop_token_ids(), **_checked_knobs(self))
 
     def _stop_strings(self) -> tuple[str, ...]:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -249,6 +267,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def reads_more_than_logits(self) -> bool:
+        """True when sampling needs the request's own state (its tokens, a grammar) or reports log-probabilities:
+        only such requests take the sampler's slower path; everyone else skips it."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words)
+                or self.logprobs is not None or self.prompt_logprobs is not None
+                or self.structured_output is not None)
+
 
 def max_request_tokens(n: int, num_blocks: int, block_size: int, max_model_len: int, contiguous: bool) -> int:
     """The longest prompt plus reply one request of ``n`` samples may have on this pool, capped at
@@ -267,3 +294,72 @@ def model_sampling(defaults: tuple[tuple[str, float | int], ...] = (), **fields)
     """SamplingParams from a model's own defaults (RunnerInfo.sampling_defaults): greedy where the model asks
     for no sampling, as transformers' generate decodes it; ``fields`` win over both."""
     return SamplingParams(**({"temperature": 0.0} | dict(defaults) | fields))
+
+
+MAX_LOGPROBS = 20       # top log-probabilities per token, as vLLM's default max_logprobs and OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 300    # entries, as OpenAI allows
+
+
+def _checked_knobs(params: SamplingParams) -> dict:
+    """The penalties, bias, bans, log-probability counts and grammar, checked; RequestError names the first bad
+    one. Values that change nothing come back as the defaults, so a neutral request stays on the fast path."""
+    def number(name: str, low: float, high: float) -> float:
+        value = _checked(name, getattr(params, name), float, RequestError)
+        if not low <= value <= high:
+            raise RequestError(f"{name} must be in [{low:g}, {high:g}], got {getattr(params, name)!r}", name)
+        return value
+
+    repetition = _checked("repetition_penalty", params.repetition_penalty, float, RequestError)
+    if not 0.0 < repetition < math.inf:
+        raise RequestError(f"repetition_penalty must be a finite number > 0 (1: off), got "
+                           f"{params.repetition_penalty!r}", "repetition_penalty")
+
+    min_tokens = _checked("min_tokens", params.min_tokens, int, RequestError)
+    if min_tokens < 0 or (params.max_tokens is not None and min_tokens > params.max_tokens):
+        raise RequestError(f"min_tokens must be between 0 and max_tokens, got {params.min_tokens!r}", "min_tokens")
+    counts = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        value = _checked(name, getattr(params, name), int | None, RequestError)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise RequestError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}", name)
+        counts[name] = value
+    return {"min_p": number("min_p", 0.0, 1.0), "repetition_penalty": repetition,
+            "presence_penalty": number("presence_penalty", -2.0, 2.0),
+            "frequency_penalty": number("frequency_penalty", -2.0, 2.0), "min_tokens": min_tokens,
+            "logit_bias": _logit_bias(params.logit_bias), "bad_words": _bad_words(params.bad_words),
+            "structured_output": _structured_output(params.structured_output), **counts}
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    if not bias:
+        return None
+    if not isinstance(bias, Mapping) or len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers, got {bias!r:.80}",
+                           "logit_bias")
+    checked = {}
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise RequestError(f"logit_bias: {token!r} is not a token id (an integer >= 0)", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -100.0 <= value <= 100.0:
+            raise RequestError(f"logit_bias: the bias of token {token} must be a number in [-100, 100], got "
+                               f"{value!r}", "logit_bias")
+        checked[int(token)] = float(value)
+    return checked
+
+
+def _bad_words(words) -> tuple[str, ...]:
+    if words is None:
+        return ()
+    words = (words,) if isinstance(words, str) else words
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise RequestError(f"bad_words must be a list of non-empty strings, got {words!r:.80}", "bad_words")
+    return tuple(words)
+
+
+def _structured_output(spec):
+    if spec is None:
+        return None
+    if not (isinstance(spec, tuple) and len(spec) == 2 and spec[0] in ("json_object", "json_schema", "regex")):
+        raise RequestError(f"structured_output must be ('json_object', None), ('json_schema', schema) or "
+                           f"('regex', pattern), got {spec!r:.80}", "structured_output")
+    return spec

@@ -96,17 +96,24 @@ def _text_stream(tokenizer, prompt_token_ids):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids, stop=()) -> None:
+    def __init__(self, tokenizer, prompt_token_ids, stop=(), min_tokens: int = 0) -> None:
         self._stream = _text_stream(tokenizer, prompt_token_ids)
         self.stop = tuple(stop)
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""          # decoded output text, cut at a stop string
         self.released = 0       # text[:released] has been handed out
         self._taken = 0         # text[:_taken] has been returned by take_delta
+        self._tokens_before_stops = min_tokens     # stop strings count from the min_tokens-th token on (vLLM's rule)
 
     def add_token(self, token_id: int) -> bool:
         """Decode one more token. True when a stop string matched (the text is cut before it)."""
         new_text = self._stream.step(token_id)
+        if self._tokens_before_stops > 0:
+            self._tokens_before_stops -= 1
+            if self._tokens_before_stops > 0:    # no match yet, but what may start one is still held back
+                self.text += new_text
+                self.released = len(self.text) - (self._stop_prefix_len() if self.stop else 0)
+                return False
         return self._append_text(new_text) if new_text else False
 
     def _append_text(self, new_text: str) -> bool:

@@ -24,7 +24,8 @@ from kvscope.engine.observer import EngineObserver
 from kvscope.engine.outputs import CacheSnapshot, RequestOutput, StepResult
 from kvscope.engine.prompt import PromptTokenizer, TokenizedPrompt
 from kvscope.engine.request import Request
-from kvscope.engine.runner import Runner, RunnerInfo, RunnerOutput
+from kvscope.engine.request_knobs import bad_word_token_ids, check_vocabulary
+from kvscope.engine.runner import Runner, RunnerInfo, RunnerOutput, SampledWithLogprobs
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.snapshot import PhaseTimes, build_snapshot, build_stats
 
@@ -136,10 +137,22 @@ class LLMEngine:
             params = self._resolve_max_tokens(len(token_ids), params)
         self._check_fits(len(token_ids), params)
         stop_token_ids = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.info.eos_token_ids)
+        knobs = {}
+        if params.reads_more_than_logits:
+            check_vocabulary(params, self.info.vocab_size)
+            knobs = {"bad_words": bad_word_token_ids(self.tokenizer, params.bad_words),
+                     "grammar": self._grammar(params)}
         return Request(request_id if request_id is not None else self._new_request_id(), token_ids, params,
                        next(self._arrivals), time.time(), tokenizer=self.tokenizer, prompt_preview=prompt.preview,
                        stop_token_ids=stop_token_ids,
-                       max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len))
+                       max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len), **knobs)
+
+    def _grammar(self, params: SamplingParams):
+        """The compiled grammar of a constrained request (engine/structured.py), or None."""
+        if params.structured_output is None:
+            return None
+        from kvscope.engine import structured  # the grammar engine loads only when a request needs it
+        return structured.compile_grammar(self.tokenizer, self.info.vocab_size, params.structured_output)
 
     def _resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
         room = self.reply_room(num_prompt_tokens, params.n)
@@ -283,6 +296,9 @@ class LLMEngine:
             scheduled = time.perf_counter()
             runner_output = self._execute(output.batch)
             executed = time.perf_counter()
+            if isinstance(runner_output, SampledWithLogprobs):     # before the tokens they go with are appended
+                for index, found in runner_output.logprobs.items():
+                    output.scheduled[index][0].record_logprobs(output.batch.items[index].sample_indices, found)
             update = scheduler.update_from_output(output, runner_output)
             updated = time.perf_counter()
             cache = scheduler.cache_state()

@@ -62,7 +62,8 @@ class RequestMetrics(NamedTuple):
 class TokenIds(Sequence):
     """A sample's output token ids as they stood when an output was made: a window on the sample's own token
     list, which only ever grows at its end, so building one costs the same after 4,000 tokens as after one.
-    It reads as a tuple (compares equal to one, slices into one); tuple(ids) copies it out."""
+    It reads as a tuple (compares equal to one, slices into one); tuple(ids) copies it out. Log-probabilities,
+    which grow the same way, use the same window."""
 
     __slots__ = ("_ids", "_start", "_stop")
 
@@ -100,11 +101,23 @@ class TokenIds(Sequence):
         return repr(tuple(self))
 
 
+class TokenLogprob(NamedTuple):
+    """One token's log-probability under the model (fp32 log-softmax of the logits the sampler decided on,
+    before penalties, bias and temperature), its rank there (1: the most likely), and the ``top`` most likely
+    tokens with theirs, best first: as many as the request asked for."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class SampleOutput(NamedTuple):
     index: int
     token_ids: TokenIds                 # the whole output so far
     text: str
     finish_reason: FinishReason | None
+    logprobs: Sequence[TokenLogprob] | None = None    # one per output token, when SamplingParams.logprobs asks
 
 
 class RequestOutput(NamedTuple):
@@ -121,6 +134,8 @@ class RequestOutput(NamedTuple):
     metrics: RequestMetrics
     samples: tuple[SampleOutput, ...]
     error: str | None = None            # set when finish_reason == "error"
+    # When SamplingParams.prompt_logprobs asks: one per prompt token computed so far, None for the first.
+    prompt_logprobs: Sequence[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

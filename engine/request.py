@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+from kvscope.engine.batch import SamplingContext
 from kvscope.engine.config import SamplingParams
 from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.engine.outputs import (
@@ -19,6 +20,7 @@ from kvscope.engine.outputs import (
     RequestView,
     SampleOutput,
     TokenIds,
+    TokenLogprob,
 )
 
 __all__ = ["Request", "RequestStatus", "Sequence"]
@@ -33,7 +35,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_table",
                  "host_block_table", "group_tables", "host_group_tables", "block_hashes", "finish_reason",
-                 "detokenizer")
+                 "detokenizer", "logprobs")
 
     def __init__(self, index: int, prompt_token_ids: list[int], detokenizer: IncrementalDetokenizer | None):
         self.seq_id = next(_seq_ids)
@@ -53,6 +55,7 @@ class Sequence:
         self.block_hashes: list[int] = []   # prefix-cache hash of each full block, as far as computed
         self.finish_reason: FinishReason | None = None
         self.detokenizer = detokenizer
+        self.logprobs: list[TokenLogprob] | None = None   # one per output token, when the request asks
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +77,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int, arrival_time: float, tokenizer=None, prompt_preview: str = "",
-                 stop_token_ids: frozenset[int] = frozenset(), max_num_tokens: int | None = None):
+                 stop_token_ids: frozenset[int] = frozenset(), max_num_tokens: int | None = None,
+                 bad_words: tuple[tuple[int, ...], ...] = (), grammar=None):
         self.request_id = request_id
         # The stop rules, resolved once: a sample stops on any of these tokens, or at this length.
         self.stop_token_ids = stop_token_ids
@@ -82,11 +86,23 @@ class Request:
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.params = params
         self.arrival_index = arrival_index
-        self.prompt_preview = prompt_preview
+        # The window's queues show a constrained request as such, ahead of its prompt.
+        self.prompt_preview = prompt_preview if params.structured_output is None else \
+            f"{{{params.structured_output[0].replace('_', ' ')}}} {prompt_preview}"
         self.status = RequestStatus.WAITING
         self.seqs = [Sequence(k, prompt_token_ids, _detokenizer(tokenizer, prompt_token_ids, params))
                      for k in range(params.n)]
         self.forked = params.n == 1     # samples 1..n-1 exist only after the prompt completes
+        self.sampling: SamplingContext | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.reads_prefix_cache = params.prompt_logprobs is None    # a cached prefix would have no logits
+        if params.reads_more_than_logits:
+            self.sampling = SamplingContext(params, [seq.token_ids for seq in self.seqs], len(prompt_token_ids),
+                                            stop_token_ids, bad_words, grammar)
+            for seq in self.seqs if params.logprobs is not None else ():
+                seq.logprobs = []
+            if params.prompt_logprobs is not None:
+                self.prompt_logprobs = [None]   # the first token has nothing before it
         self.num_preemptions = 0
         self.num_cached_tokens = 0
         self.admitted = False           # first admission done (num_cached_tokens is final)
@@ -133,6 +149,17 @@ class Request:
             return False
         return True
 
+    def record_logprobs(self, sample_indices: tuple[int, ...], found) -> None:
+        """Keep a step's log-probabilities (engine.runner.ItemLogprobs), before its tokens are appended: a
+        sampled token's go with its sample; prompt ones a recompute after preemption computes again are known."""
+        for sample_index, logprob in zip(sample_indices, found.sampled):
+            self.seqs[sample_index].logprobs.append(logprob)
+        known = self.prompt_logprobs
+        if known is not None:
+            skip = len(known) - found.prompt_start
+            if skip >= 0:
+                known.extend(found.prompt[skip:])
+
     def output(self, new_token_ids: tuple[int, ...]) -> RequestOutput:
         """What the request reports after a step that gave sample 0 ``new_token_ids``; takes the text delta."""
         seqs = self.seqs
@@ -144,7 +171,8 @@ class Request:
             self.request_id, self.prompt_token_ids, new_token_ids,
             detokenizer.take_delta() if detokenizer else "", first.token_ids, first.text,
             self.status is _FINISHED, first.finish_reason, self.num_cached_tokens,
-            self.num_preemptions, self.metrics(), samples, self.error)
+            self.num_preemptions, self.metrics(), samples, self.error,
+            None if self.prompt_logprobs is None else TokenIds(self.prompt_logprobs, 0))
 
     def metrics(self) -> RequestMetrics:
         cached = self._metrics
@@ -158,11 +186,13 @@ class Request:
 
 def _sample_output(seq: Sequence) -> SampleOutput:
     detokenizer = seq.detokenizer
+    logprobs = seq.logprobs
     return SampleOutput(seq.index, TokenIds(seq.token_ids, seq.num_prompt_tokens),
-                        detokenizer.output_text if detokenizer else "", seq.finish_reason)
+                        detokenizer.output_text if detokenizer else "", seq.finish_reason,
+                        None if logprobs is None else TokenIds(logprobs, 0))
 
 
 def _detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingParams):
     if tokenizer is None or not params.detokenize:
         return None
-    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params.stop, params.min_tokens)

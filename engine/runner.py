@@ -9,15 +9,33 @@ bench) both implement it; anything else that does can stand in for them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from kvscope.engine.batch import ScheduledBatch
 from kvscope.engine.kv_cache_groups import KVCacheGroup, max_concurrency, pool_tokens
-from kvscope.engine.outputs import KVLayout
+from kvscope.engine.outputs import KVLayout, TokenLogprob
 
 # One entry per BatchItem: the token drawn for each of its sample_indices, or None when the item failed
 # (non-finite logits), which finishes that request with an error and lets the rest of the batch go on.
 RunnerOutput = list[list[int] | None]
+
+
+class ItemLogprobs(NamedTuple):
+    """The log-probabilities one batch item asked for: of each token it drew (one per sample index), and of the
+    prompt tokens its chunk computed, the first of them at prompt position ``prompt_start``."""
+
+    sampled: tuple[TokenLogprob, ...] = ()
+    prompt_start: int = 0
+    prompt: tuple[TokenLogprob, ...] = ()
+
+
+class SampledWithLogprobs(list):
+    """A RunnerOutput that also carries log-probabilities: ``logprobs`` maps a batch item's index to its
+    ItemLogprobs. A runner returns a plain list where no item asked, so most steps carry nothing extra."""
+
+    def __init__(self, tokens: RunnerOutput, logprobs: dict[int, ItemLogprobs]) -> None:
+        super().__init__(tokens)
+        self.logprobs = logprobs
 
 
 @dataclass(frozen=True)

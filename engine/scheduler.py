@@ -182,7 +182,7 @@ class Scheduler:
         self._scheduled.append((request, seq, 1))
         # Positional, and built here rather than in a second pass: this runs for every request every step.
         self._items.append(BatchItem(seq.seq_id, request.request_id, (token_ids[start],), start, seq.block_table,
-                                     _FIRST_SAMPLE, request.params, seq.group_tables))
+                                     _FIRST_SAMPLE, request.params, seq.group_tables, request.sampling))
         if start >= seq.num_prompt_tokens:
             self._num_decode_tokens += 1
         else:
@@ -207,7 +207,8 @@ class Scheduler:
         bs = self.block_size
         while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._current = self.waiting[0]
-            hits = {seq.index: self.kv.find_cached_prefix(seq) for seq in request.schedulable_seqs()}
+            hits = {seq.index: self.kv.find_cached_prefix(seq) if request.reads_prefix_cache else []
+                    for seq in request.schedulable_seqs()}
             plan: Plan = []
             budget = self._budget
             for seq in request.schedulable_seqs():
@@ -262,7 +263,7 @@ class Scheduler:
         else:
             self._num_prefill_tokens += num_new
         return BatchItem(seq.seq_id, request.request_id, tuple(seq.token_ids[start:end]), start, seq.block_table,
-                         samples, request.params, seq.group_tables)
+                         samples, request.params, seq.group_tables, request.sampling)
 
     def _record_cache_events(self, request: Request | None, cache_events) -> None:
         """Report what the KV cache manager did: its KV-cache events as they are, and as events the blocks

@@ -11,8 +11,9 @@ from typing import Literal
 from pydantic import BaseModel
 
 from kvscope.app.serve import protocol
-from kvscope.app.serve.generation import EngineFacts, Job
-from kvscope.engine.outputs import SampleOutput
+from kvscope.app.serve.generation import EngineFacts, Job, StreamDelta
+from kvscope.app.serve.logprobs import ChatLogprobs, PromptLogprob, chat_logprobs, prompt_logprobs
+from kvscope.engine.outputs import RequestOutput, SampleOutput
 
 
 class ChatMessage(BaseModel):
@@ -22,11 +23,13 @@ class ChatMessage(BaseModel):
 
 class ChatChoice(protocol.Choice):
     message: ChatMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(protocol.Envelope):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None   # vLLM's, of the first prompt
 
 
 class Delta(BaseModel):
@@ -36,6 +39,7 @@ class Delta(BaseModel):
 
 class DeltaChoice(protocol.Choice):
     delta: Delta
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(protocol.Envelope):
@@ -45,7 +49,10 @@ class ChatCompletionChunk(protocol.Envelope):
 
 class ChatJob(Job):
     prompt_field = "messages"
+    logprobs_field = "top_logprobs"
     id_prefix = "chatcmpl"
+    response_type = ChatCompletion
+    chunk_type = ChatCompletionChunk
     request: protocol.ChatCompletionRequest
 
     def make_prompts(self, facts: EngineFacts) -> list:
@@ -54,20 +61,22 @@ class ChatJob(Job):
     def max_tokens(self) -> int | None:
         return self.request.requested_max_tokens    # None: the engine gives what is left after the prompt
 
-    def body(self, choices: list[tuple[int, SampleOutput]], usage: protocol.Usage) -> ChatCompletion:
-        return ChatCompletion(**self.envelope, usage=usage, choices=[
-            ChatChoice(index=index, message=ChatMessage(content=sample.text), finish_reason=sample.finish_reason)
-            for index, sample in choices])
+    def body(self, choices, usage: protocol.Usage) -> ChatCompletion:
+        body = super().body(choices, usage)
+        body.prompt_logprobs = prompt_logprobs(choices[0][2].prompt_logprobs, self.token_text) if choices else None
+        return body
 
-    def chunks(self, index: int, first: bool, delta: str | None, finish: str | None) -> list[ChatCompletionChunk]:
+    def choice(self, index: int, sample: SampleOutput, output: RequestOutput) -> ChatChoice:
+        return ChatChoice(index=index, message=ChatMessage(content=sample.text), finish_reason=sample.finish_reason,
+                          logprobs=self._logprobs(sample.logprobs))
+
+    def delta_choices(self, index: int, output: RequestOutput, new: StreamDelta) -> list[DeltaChoice]:
         deltas = [DeltaChoice(index=index, delta=Delta(role="assistant", content=""), finish_reason=None)] \
-            if first else []
-        if delta is not None:
-            deltas.append(DeltaChoice(index=index, delta=Delta(content=delta), finish_reason=finish))
-        return [self._chunk([choice]) for choice in deltas]
+            if new.first else []
+        if new.text is not None:
+            deltas.append(DeltaChoice(index=index, delta=Delta(content=new.text), finish_reason=new.finish_reason,
+                                      logprobs=self._logprobs(new.logprobs)))
+        return deltas
 
-    def usage_chunk(self, usage: protocol.Usage) -> ChatCompletionChunk:
-        return self._chunk([], usage)
-
-    def _chunk(self, choices: list[DeltaChoice], usage: protocol.Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(**self.envelope, choices=choices, usage=usage)
+    def _logprobs(self, entries) -> ChatLogprobs | None:
+        return None if entries is None or not self.request.logprobs else chat_logprobs(entries, self.token_text)

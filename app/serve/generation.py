@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from fastapi.sse import format_sse_event
 from pydantic import BaseModel
@@ -23,8 +24,9 @@ from pydantic import BaseModel
 from kvscope.app.serve import protocol
 from kvscope.app.serve.bridge import EngineBridge, RequestStream
 from kvscope.app.serve.errors import APIError, ErrorBody, bad_request
+from kvscope.app.serve.logprobs import TokenText
 from kvscope.engine.config import RequestError, SamplingParams, model_sampling
-from kvscope.engine.outputs import RequestOutput, SampleOutput
+from kvscope.engine.outputs import RequestOutput, SampleOutput, TokenLogprob
 from kvscope.engine.runner import RunnerInfo
 
 DISCONNECT_POLL_S = 0.5
@@ -37,13 +39,19 @@ class EngineFacts:
     model_name: str
     model_root: str
     runner: RunnerInfo
+    tokenizer: object = None      # for the text of the tokens that log-probabilities name
 
 
 class Job:
-    """One HTTP generation request. Subclasses: chat.ChatJob, completions.CompletionJob."""
+    """One HTTP generation request. Subclasses (chat.ChatJob, completions.CompletionJob) name their prompt field,
+    id prefix, response and chunk types, and say what their prompts, reply length and choices are; the rest of a
+    response's shape is here, once."""
 
     prompt_field = "prompt"     # the request field a refusal of the prompt names
+    logprobs_field = "logprobs"     # the one a refusal of the engine's logprobs names
     id_prefix = "cmpl"
+    response_type: type[BaseModel]
+    chunk_type: type[BaseModel]
 
     def __init__(self, request: protocol.GenerationRequest, facts: EngineFacts, number: int) -> None:
         protocol.check_model(request.model, facts.model_name)
@@ -54,6 +62,7 @@ class Job:
         self.created = int(time.time())
         self.response_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.prompts = self.make_prompts(facts)
+        self.token_text = TokenText(facts.tokenizer)
 
     # --- what an endpoint says ---------------------------------------------------------------------------
 
@@ -64,14 +73,12 @@ class Job:
         """The reply length asked for, or the endpoint's default (None: what is left after the prompt)."""
         raise NotImplementedError
 
-    def body(self, choices: list[tuple[int, SampleOutput]], usage: protocol.Usage) -> BaseModel:
+    def choice(self, index: int, sample: SampleOutput, output: RequestOutput) -> BaseModel:
+        """One choice of the whole body."""
         raise NotImplementedError
 
-    def chunks(self, index: int, first: bool, delta: str | None, finish: str | None) -> list[BaseModel]:
-        """The chunks for one choice's new output: ``delta`` None when it gave no token this time."""
-        raise NotImplementedError
-
-    def usage_chunk(self, usage: protocol.Usage) -> BaseModel:
+    def delta_choices(self, index: int, output: RequestOutput, new: StreamDelta) -> list[BaseModel]:
+        """The choices (one per chunk) for one choice's new output."""
         raise NotImplementedError
 
     # --- shared ------------------------------------------------------------------------------------------
@@ -85,6 +92,17 @@ class Job:
     def n(self) -> int:
         return self.request.n
 
+    def body(self, choices: list[tuple[int, SampleOutput, RequestOutput]], usage: protocol.Usage) -> BaseModel:
+        return self.response_type(**self.envelope, usage=usage,
+                                  choices=[self.choice(index, sample, output) for index, sample, output in choices])
+
+    def chunks(self, index: int, output: RequestOutput, new: StreamDelta) -> list[BaseModel]:
+        return [self.chunk_type(**self.envelope, choices=[choice])
+                for choice in self.delta_choices(index, output, new)]
+
+    def usage_chunk(self, usage: protocol.Usage) -> BaseModel:
+        return self.chunk_type(**self.envelope, choices=[], usage=usage)
+
     def request_ids(self) -> list[str]:
         """The engine's ids: where the request came from (HTTP) and its number, as the window's queues and
         the run log show them beside chat turns ("chat-3") and presets; a batch's prompts are .0, .1 …"""
@@ -97,15 +115,22 @@ class Job:
         fields = {"n": request.n, "max_tokens": self.max_tokens(), "ignore_eos": request.ignore_eos,
                   "stop": request.stop if request.stop is not None else (),
                   "stop_token_ids": request.stop_token_ids or ()}
-        for name in ("temperature", "top_p", "top_k", "seed"):
-            if getattr(request, name) is not None:
-                fields[name] = getattr(request, name)
-        return model_sampling(defaults, **fields)
+        return model_sampling(defaults, **fields, **request.knobs())
 
     def refusal(self, exc: RequestError) -> APIError:
         """The engine's refusal as a 400 naming the request field it is about (the engine names its own)."""
-        param = self.prompt_field if exc.param == "prompt" else exc.param
+        param = {"prompt": self.prompt_field, "structured_output": "response_format",
+                 "logprobs": self.logprobs_field}.get(exc.param, exc.param)
         return bad_request(str(exc), param)
+
+
+class StreamDelta(NamedTuple):
+    """What one choice gained since its last chunk: ``text`` None when it gained no token."""
+
+    first: bool
+    text: str | None
+    logprobs: Sequence[TokenLogprob]
+    finish_reason: str | None
 
 
 async def start(job: Job, bridge: EngineBridge, facts: EngineFacts, admit: Callable[[int], Callable[[], None]]
@@ -158,7 +183,7 @@ async def collect(job: Job, stream: RequestStream, is_disconnected) -> BaseModel
     failed = _failed(ordered)
     if failed is not None:
         raise APIError(500, f"The engine failed this request: {failed.error}")
-    choices = [(prompt_index * job.n + sample.index, sample)
+    choices = [(prompt_index * job.n + sample.index, sample, output)
                for prompt_index, output in enumerate(ordered) for sample in output.samples]
     return job.body(choices, _usage(ordered))
 
@@ -188,14 +213,14 @@ async def events(job: Job, stream: RequestStream) -> AsyncIterator[bytes]:
                 finals[output.request_id] = output
             for sample in output.samples:
                 index = request_index[output.request_id] * job.n + sample.index
-                for chunk in _chunks(job, index, sample, sent, finished_choices):
+                for chunk in _chunks(job, index, sample, output, sent, finished_choices):
                     yield event(chunk)
     if job.request.include_usage:
         yield event(job.usage_chunk(_usage([finals[request_id] for request_id in stream.request_ids])))
     yield done()
 
 
-def _chunks(job: Job, index: int, sample: SampleOutput, sent: dict[int, tuple[int, int]],
+def _chunks(job: Job, index: int, sample: SampleOutput, output: RequestOutput, sent: dict[int, tuple[int, int]],
             finished_choices: set[int]) -> list[BaseModel]:
     if index in finished_choices:
         return []
@@ -206,7 +231,9 @@ def _chunks(job: Job, index: int, sample: SampleOutput, sent: dict[int, tuple[in
     if finish is not None:
         finished_choices.add(index)
     moved = len(sample.token_ids) > num_tokens or finish is not None
-    return job.chunks(index, first, sample.text[num_chars:] if moved else None, finish)
+    logprobs = sample.logprobs[num_tokens:] if sample.logprobs is not None else ()
+    return job.chunks(index, output, StreamDelta(first, sample.text[num_chars:] if moved else None, logprobs,
+                                                 finish))
 
 
 def event(body: BaseModel) -> bytes:

@@ -1,10 +1,10 @@
 """The OpenAI request bodies kvscope accepts, checked by pydantic, and the response bodies it sends.
 
-Field names and defaults are OpenAI's and vLLM's (vLLM's extensions: top_k, ignore_eos, stop_token_ids).
-Models are strict (a string is not a number) and forbid fields they do not name, so a typo or a parameter
-nobody implements is refused by name instead of ignored. Parameters kvscope cannot honour are accepted only
-at the value that changes nothing (``logprobs: null``, ``presence_penalty: 0``, ``repetition_penalty: 1``, as
-vLLM's own benchmark client sends them); any other value is refused with the reason.
+Field names and defaults are OpenAI's and vLLM's (vLLM's extensions: top_k, min_p, repetition_penalty,
+min_tokens, bad_words, ignore_eos, stop_token_ids, prompt_logprobs). Models are strict (a string is not a
+number). A field nobody here knows is ignored, as vLLM ignores it, and the server logs one warning line naming
+it (clients send extras of their own). A parameter kvscope knows but cannot honour (tool calling, best_of) is
+accepted only at the value that changes nothing; any other value is refused by name, with the reason.
 """
 
 from __future__ import annotations
@@ -14,29 +14,20 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvscope.app.serve.errors import APIError, bad_request
+from kvscope.engine.config import MAX_LOGPROBS
 
 MAX_N = 32              # samples per prompt; the engine also checks that they fit the pool
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64        # prompts in one batched /v1/completions request
 MAX_INT = 2**31 - 1     # the largest count or seed taken: a 4,000-digit number is refused, not carried along
+MAX_COMPLETION_LOGPROBS = 5     # OpenAI's limit for /v1/completions' logprobs
 
 # name -> (values that change nothing, why kvscope cannot do anything else)
 NEUTRAL = {
-    "logprobs": ((None, False), "kvscope's engine does not return log-probabilities"),
-    "top_logprobs": ((None, 0), "kvscope's engine does not return log-probabilities"),
-    "prompt_logprobs": ((None,), "kvscope's engine does not return log-probabilities"),
-    "echo": ((None, False), "kvscope does not echo the prompt"),
     "suffix": ((None, ""), "kvscope does not do fill-in-the-middle"),
     "best_of": ((None, 1), "kvscope returns every sample it draws; use n"),
-    "presence_penalty": ((None, 0, 0.0), "kvscope's sampler has no presence penalty"),
-    "frequency_penalty": ((None, 0, 0.0), "kvscope's sampler has no frequency penalty"),
-    "repetition_penalty": ((None, 1, 1.0), "kvscope's sampler has no repetition penalty"),
-    "min_p": ((None, 0, 0.0), "kvscope's sampler has no min_p"),
-    "min_tokens": ((None, 0), "kvscope's sampler cannot forbid an early stop"),
-    "logit_bias": ((None, {}), "kvscope's sampler has no logit bias"),
     "tools": ((None, []), "kvscope serves plain text generation, without tool calling"),
     "tool_choice": ((None, "none"), "kvscope serves plain text generation, without tool calling"),
-    "response_format": ((None, {"type": "text"}), "kvscope has no guided decoding"),
     "include_stop_str_in_output": ((None, False), "kvscope always cuts the stop string"),
     "skip_special_tokens": ((None, True), "kvscope always skips special tokens in text"),
 }
@@ -46,17 +37,54 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class _Body(BaseModel):
+    """A request body: strict, and what it does not name is kept aside (``model_extra``) to be warned of."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: Literal[False] = False
 
 
-class GenerationRequest(_Strict):
+class JSONSchema(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+    def structured_output(self) -> tuple[str, object] | None:
+        """The engine's SamplingParams.structured_output for this format."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return ("json_object", None)
+        if self.json_schema is None:
+            raise bad_request("response_format of type json_schema needs a json_schema", "response_format")
+        return ("json_schema", self.json_schema.json_schema or {})
+
+
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+class GenerationRequest(_Body):
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=MAX_INT)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None     # any 64-bit seed
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
@@ -65,14 +93,15 @@ class GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None     # an end-user id for the caller's own records; it changes nothing here
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_INT)] = 0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
     # Accepted only at a value that changes nothing; see NEUTRAL.
-    presence_penalty: object = None
-    frequency_penalty: object = None
-    repetition_penalty: object = None
-    min_p: object = None
-    min_tokens: object = None
-    logit_bias: object = None
-    logprobs: object = None
     include_stop_str_in_output: object = None
     skip_special_tokens: object = None
 
@@ -89,14 +118,47 @@ class GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def top_logprob_count(self) -> int | None:
+        """How many top log-probabilities each sampled token reports (0: its own only); None: none asked."""
+        raise NotImplementedError
+
+    def knobs(self) -> dict:
+        """The SamplingParams fields this request sets beyond the endpoint's own."""
+        fields = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "seed", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "bad_words", "prompt_logprobs") if getattr(self, name) is not None}
+        if self.logit_bias:
+            fields["logit_bias"] = {_token_id(key): value for key, value in self.logit_bias.items()}
+        if self.response_format is not None:
+            fields["structured_output"] = self.response_format.structured_output()
+        return fields | {"min_tokens": self.min_tokens, "logprobs": self.top_logprob_count}
+
+
+def _token_id(key: str) -> int:
+    if not key.isascii() or not key.isdigit():
+        raise bad_request(f"logit_bias: {key!r} is not a token id", "logit_bias")
+    return int(key)
+
 
 class CompletionRequest(GenerationRequest):
     prompt: str | Annotated[list[int], Field(min_length=1)] | \
         Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | \
         Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
-    echo: object = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
     suffix: object = None
     best_of: object = None
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def knobs(self) -> dict:
+        fields = super().knobs()
+        if self.echo and self.logprobs is not None:     # the echoed prompt's tokens get theirs too
+            fields["prompt_logprobs"] = max(self.prompt_logprobs or 0, self.logprobs)
+        return fields
 
     def prompts(self) -> list:
         """One engine prompt per entry: a string, or a list of token ids."""
@@ -134,11 +196,17 @@ class Message(_Strict):
 class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
-    top_logprobs: object = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: object = None
     tool_choice: object = None
-    response_format: object = None
     parallel_tool_calls: bool | None = None    # only means something with tools, which are refused
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat(self, max_messages: int) -> list[dict]:
         """The conversation as the engine's chat template takes it."""
@@ -177,10 +245,10 @@ class Usage(BaseModel):
 
 
 class Choice(BaseModel):
-    """What every choice of every response and chunk has; the endpoints add their text, message or delta."""
+    """What every choice of every response and chunk has; the endpoints add their text, message or delta, and
+    their shape of log-probabilities."""
 
     index: int
-    logprobs: None = None
     finish_reason: str | None
     stop_reason: None = None
 

@@ -1,16 +1,17 @@
 """The ASGI app: vLLM's routes over kvscope's engine.
 
-``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` are the OpenAI API (the key, when set, is
-checked on every ``/v1`` route); ``/health``, ``/version``, ``/metrics`` and ``/kv_event_sources`` answer as
-vLLM's do, so ``kvscope attach`` and vLLM's tooling find what they look for. Bodies are read and checked
-here (not by FastAPI's own validation) so that every refusal, a malformed body included, has the OpenAI
-error shape.
+``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions`` are the OpenAI API; ``/tokenize`` and
+``/detokenize`` are vLLM's (the key, when set, is checked on all of these); ``/health``, ``/version``,
+``/metrics`` and ``/kv_event_sources`` answer as vLLM's do, so ``kvscope attach`` and vLLM's tooling find what
+they look for. Bodies are read and checked here (not by FastAPI's own validation) so that every refusal, a
+malformed body included, has the OpenAI error shape.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvscope import __version__
-from kvscope.app.serve import generation, protocol
+from kvscope.app.serve import generation, protocol, tokenization
 from kvscope.app.serve.bridge import EngineBridge
 from kvscope.app.serve.chat import ChatJob
 from kvscope.app.serve.completions import CompletionJob
@@ -31,6 +32,7 @@ from kvscope.app.serve.generation import EngineFacts, Job
 from kvscope.app.serve.limits import BODY_READ_DEADLINE_S, BodyLimit, ConcurrencyLimit, PromptTokenBudget, check_api_key
 
 CLIENT_CLOSED_REQUEST = 499
+log = logging.getLogger("kvscope.serve")
 
 
 @dataclass
@@ -78,6 +80,18 @@ def build_app(state: ServeState, max_body_bytes: int, body_read_deadline_s: floa
                 raise APIError(409, "The prefix cache cannot be reset while requests hold blocks; retry when idle")
             return Response(status_code=200)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        check_api_key(state.api_key, request.headers.get("authorization"))
+        parsed = _parse(await request.body(), tokenization.TokenizeRequest, request.url.path)
+        return (await tokenization.tokenize(parsed, state.facts)).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        check_api_key(state.api_key, request.headers.get("authorization"))
+        parsed = _parse(await request.body(), tokenization.DetokenizeRequest, request.url.path)
+        return (await tokenization.detokenize(parsed, state.facts)).model_dump()
+
     app.include_router(_v1(state))
     return app
 
@@ -106,14 +120,18 @@ def _v1(state: ServeState) -> APIRouter:
     return router
 
 
-def _parse(body: bytes, model):
+def _parse(body: bytes, model, path: str):
+    """The body as ``model``; its fields nobody here knows are ignored, as vLLM ignores them, with one warning."""
     try:
-        return model.model_validate_json(body)
+        parsed = model.model_validate_json(body)
     except ValidationError as exc:
         error = from_validation_error(exc)
         if exc.errors()[0]["type"] == "json_invalid" and _python_reads(body):
             error = lone_surrogate()    # the one JSON text Python reads and pydantic refuses
         raise error from None
+    if parsed.unknown_fields:
+        log.warning("%s: ignored the request's unknown fields: %s", path, ", ".join(parsed.unknown_fields)[:300])
+    return parsed
 
 
 def _python_reads(body: bytes) -> bool:
@@ -125,7 +143,7 @@ def _python_reads(body: bytes) -> bool:
 
 
 async def _generate(state: ServeState, request: Request, model, make_job: type[Job]) -> Response:
-    parsed = _parse(await request.body(), model)
+    parsed = _parse(await request.body(), model, request.url.path)
     job = make_job(parsed, state.facts, next(state.numbers))
     if not state.bridge.accepting:
         raise APIError(503, "The server is shutting down")

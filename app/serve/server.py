@@ -144,7 +144,7 @@ class ServeApp:
         self.engine = engine
         info, options = engine.info, self.options
         self.facts = EngineFacts(options.served_model_name or info.model_name,
-                                 options.model_root or engine.config.model, info)
+                                 options.model_root or engine.config.model, info, engine.tokenizer)
         self.bridge = EngineBridge(engine, on_call=self.on_call)
         self.metrics = ServeMetrics(self.facts.model_name, info.max_model_len, self._cache_config())
         self._detachers = [engine.add_observer(observer)

@@ -18,11 +18,12 @@ from kvscope.engine.kv_cache_groups import KVCacheGroup, group_layers, layers_pe
 from kvscope.engine.model import patches, threads
 from kvscope.engine.model.layer_kinds import layer_attention_kinds
 from kvscope.engine.model.loader import load_model
+from kvscope.engine.model.logits_processing import ContextRow, prompt_logprobs
 from kvscope.engine.model.memory import size_pool
 from kvscope.engine.model.sampler import Sampler, SampleRow
 from kvscope.engine.model.step_inputs import StepInputs
 from kvscope.engine.outputs import KVLayout
-from kvscope.engine.runner import RunnerInfo, RunnerOutput, format_banner
+from kvscope.engine.runner import ItemLogprobs, RunnerInfo, RunnerOutput, SampledWithLogprobs, format_banner
 from kvscope.kernels import dispatch as kernels
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -162,13 +163,36 @@ class ModelRunner:
         order = prefill + decode
         items = [batch.items[i] for i in order]
         ctx, input_ids, positions, logit_rows = self._prepare(items, len(prefill), kv_cache)
+        num_sampled_rows = logit_rows.shape[0]
+        prompt_spans = _prompt_logprob_spans(items[:len(prefill)])
+        if prompt_spans:    # the LM head over those prompts too, only because they asked
+            logit_rows = torch.cat([logit_rows, torch.cat([torch.arange(start, start + len(item.token_ids))
+                                                           for _, start, item in prompt_spans]).to(self.device)])
         hidden_logits = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logit_rows,
                                    kvscope_ctx=ctx, use_cache=False).logits[0]
-        per_item = self._sample(items, hidden_logits)
+        logprobs: dict[int, ItemLogprobs] = {}
+        if prompt_spans:
+            logprobs = self._prompt_logprobs(hidden_logits[num_sampled_rows:], prompt_spans)
+            hidden_logits = hidden_logits[:num_sampled_rows]
+        per_item = self._sample(items, hidden_logits, logprobs)
         results: list[list[int] | None] = [None] * len(order)
         for slot, index in enumerate(order):
             results[index] = per_item[slot]
-        return results
+        if not logprobs:
+            return results
+        return SampledWithLogprobs(results, {order[slot]: found for slot, found in logprobs.items()})
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, spans) -> dict[int, ItemLogprobs]:
+        found = {}
+        offset = 0
+        for slot, _, item in spans:
+            rows = logits[offset:offset + len(item.token_ids)]
+            offset += len(item.token_ids)
+            start, entries = prompt_logprobs(rows, item.token_ids, item.start_pos, item.sampling,
+                                             item.params.prompt_logprobs)
+            found[slot] = ItemLogprobs(prompt_start=start, prompt=entries)
+        return found
 
     def _move_blocks(self, batch: ScheduledBatch) -> None:
         if batch.blocks_to_swap_out:
@@ -187,22 +211,40 @@ class ModelRunner:
     def _prepare(self, items: list[BatchItem], num_prefill: int, kv_cache: torch.Tensor):
         return self.inputs.prepare(items, num_prefill, kv_cache)
 
-    def _sample(self, items: list[BatchItem], logits: torch.Tensor) -> list[list[int] | None]:
-        rows, owners = [], []
+    def _sample(self, items: list[BatchItem], logits: torch.Tensor,
+                logprobs: dict[int, ItemLogprobs]) -> list[list[int] | None]:
+        """A token per sample index of each item; the log-probabilities of the sampled tokens of the items that
+        ask go into ``logprobs`` (by item slot)."""
+        rows, owners, contexts = [], [], []
         for slot, item in enumerate(i for i in items if i.sample_indices):
             for sample_index in item.sample_indices:
+                if item.sampling is not None:
+                    contexts.append(ContextRow(len(rows), item.sampling, sample_index))
                 rows.append(SampleRow(item.params, sample_index, item.context_len - 1))
                 owners.append(slot)
         if len(owners) > logits.shape[0]:   # an n > 1 prompt completed: its samples draw from one row
             logits = logits[torch.tensor(owners, dtype=torch.int64, device=logits.device)]
-        tokens = self.sampler.sample(logits, rows) if rows else []
+        tokens, sampled_logprobs = self.sampler.sample_rows(logits, rows, contexts) if rows else ([], {})
         grouped: list[list[int] | None] = []
         cursor = 0
-        for item in items:
+        for slot, item in enumerate(items):
             drawn = tokens[cursor:cursor + len(item.sample_indices)]
+            if sampled_logprobs and item.sample_indices and cursor in sampled_logprobs:
+                found = tuple(sampled_logprobs[row] for row in range(cursor, cursor + len(drawn)))
+                logprobs[slot] = logprobs.get(slot, ItemLogprobs())._replace(sampled=found)
             cursor += len(item.sample_indices)
             grouped.append(None if any(t is None for t in drawn) else list(drawn))
         return grouped
+
+
+def _prompt_logprob_spans(prefill: list[BatchItem]) -> list[tuple[int, int, BatchItem]]:
+    """(slot, first flattened token, item) of the prefill chunks whose request asks for prompt log-probabilities."""
+    spans, start = [], 0
+    for slot, item in enumerate(prefill):
+        if item.sampling is not None and item.params.prompt_logprobs is not None:
+            spans.append((slot, start, item))
+        start += len(item.token_ids)
+    return spans
 
 
 def _freeze_heap() -> None:

@@ -14,6 +14,9 @@ tensor op over the batch, and the vocabulary is read in chunks so the costly pas
   again. Accepted draws follow the nucleus distribution exactly. A row still rejected after a few rounds is
   finished with a sort of its own row only.
 
+Rows of requests with penalties, a logit bias, bans, a grammar or log-probabilities pass through
+engine/model/logits_processing.py first; the other rows never do.
+
 Each row's uniforms come from a counter-based hash of (seed, sample index, position, round), so a seeded row
 draws the same tokens whatever shares its batch, and after a preemption recomputes it. Rows without a seed
 take their key from the sampler's generator.
@@ -28,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.engine.config import SamplingParams
+from kvscope.engine.model.logits_processing import ContextRow, LogitsProcessor, token_logprobs
+from kvscope.engine.outputs import TokenLogprob
 
 CHUNK = 1024            # tokens per chunk of the vocabulary
 REJECTION_ROUNDS = 4    # top-p draws before a row falls back to sorting its own row
@@ -86,10 +91,35 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self._scratch: torch.Tensor | None = None   # reused: a fresh [batch, vocab] buffer costs page faults
+        self.processor: LogitsProcessor | None = None   # made when a row first needs it
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int | None]:
         """logits: [len(rows), vocab] on any device. Returns a token per row, or None where the logits hold NaN."""
+        return self.sample_rows(logits, rows, ())[0]
+
+    def sample_rows(self, logits: torch.Tensor, rows: list[SampleRow], contexts: list[ContextRow]
+                    ) -> tuple[list[int | None], dict[int, TokenLogprob]]:
+        """As ``sample``, with the rows in ``contexts`` processed first (their logits change in place); also the
+        log-probabilities of the rows that ask, by row."""
         logits = logits.float().contiguous()
+        if not contexts:
+            return self._sample(logits, rows), {}
+        if self.processor is None:
+            self.processor = LogitsProcessor(logits.shape[1])
+        asking = [c for c in contexts if c.context.params.logprobs is not None]
+        if asking:
+            index = torch.tensor([c.row for c in asking], dtype=torch.int64, device=logits.device)
+            raw = torch.log_softmax(logits[index], dim=-1)
+        self.processor.apply(logits, contexts)
+        tokens = self._sample(logits, rows)
+        self.processor.advance_grammars(contexts, tokens)
+        if not asking:
+            return tokens, {}
+        chosen = torch.tensor([max(tokens[c.row] or 0, 0) for c in asking], dtype=torch.int64, device=logits.device)
+        found = token_logprobs(raw, chosen, [c.context.params.logprobs for c in asking])
+        return tokens, {c.row: logprob for c, logprob in zip(asking, found)}
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int | None]:
         tokens, row_max = first_argmax(logits)
         bad = torch.isnan(row_max)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -130,7 +160,7 @@ class Sampler:
         temperatures = np.fromiter((p.temperature for p in params), dtype=np.float64, count=count)
         top_ks = np.fromiter((p.top_k for p in params), dtype=np.int64, count=count)
         top_ps = np.fromiter((p.top_p for p in params), dtype=np.float64, count=count)
-        min_ps = np.fromiter((getattr(p, "min_p", 0.0) or 0.0 for p in params), dtype=np.float64, count=count)
+        min_ps = np.fromiter((p.min_p for p in params), dtype=np.float64, count=count)
         uniforms = torch.from_numpy(row_uniforms(
             self._keys(params), np.fromiter((r.position for r in rows), dtype=np.int64, count=count),
             np.fromiter((r.sample_index for r in rows), dtype=np.int64, count=count),

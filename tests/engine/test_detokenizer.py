@@ -10,9 +10,9 @@ from kvscope.engine.fake_runner import FakeTokenizer
 TOKENIZER = FakeTokenizer()     # byte-level: multi-byte characters span several tokens
 
 
-def stream(text: str, stop=(), prompt="Q: "):
+def stream(text: str, stop=(), prompt="Q: ", min_tokens: int = 0):
     """Feed ``text`` byte by byte; returns (deltas, stopped, final text)."""
-    detok = IncrementalDetokenizer(TOKENIZER, TOKENIZER.encode(prompt), stop)
+    detok = IncrementalDetokenizer(TOKENIZER, TOKENIZER.encode(prompt), stop, min_tokens)
     deltas = []
     stopped = False
     for token in TOKENIZER.encode(text):
@@ -46,6 +46,14 @@ def test_stop_string_is_cut_with_everything_after_it():
     assert stopped
     assert final == "hello "
     assert "".join(deltas) == "hello "
+
+
+def test_stop_strings_count_only_from_min_tokens_on():
+    """vLLM's rule: a stop string ends the sample only at or after the min_tokens-th token (one completed by
+    that token counts); one completed earlier is text like any other."""
+    assert stream("STOPx STOP end", stop=["STOP"], min_tokens=5)[1:] == (True, "STOPx ")
+    assert stream("STOP STOP end", stop=["STOP"], min_tokens=4)[1:] == (True, "")
+    assert stream("STOP STOP end", stop=["STOP"], min_tokens=20)[1:] == (False, "STOP STOP end")
 
 
 def test_partial_stop_string_is_held_back_then_released():

@@ -15,18 +15,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server() as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def api(server):
-    with client(server) as openai_client:
-        yield openai_client
-
-
 def streamed_text(chunks, chat: bool) -> tuple[dict[int, str], dict[int, str], list]:
     texts, reasons, usages = {}, {}, []
     for chunk in chunks:

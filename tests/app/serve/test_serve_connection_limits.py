@@ -26,12 +26,6 @@ def read_all(sock: socket.socket) -> bytes:
     return data
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server() as running:
-        yield running
-
-
 def test_a_head_that_never_completes_is_cut_at_the_deadline(server, monkeypatch):
     monkeypatch.setattr(DeadlineProtocol, "head_deadline_s", 0.5)
     with socket.create_connection(("127.0.0.1", server.port)) as trickler:

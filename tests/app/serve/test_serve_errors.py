@@ -13,12 +13,6 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_t
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server() as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server.url, timeout=30) as session:
         yield session
@@ -56,11 +50,17 @@ BAD_COMPLETIONS = {
     "prompt plus max_tokens too long": ({"max_tokens": 255}, "prompt", "max_model_len"),
     "empty prompt": ({"prompt": ""}, "prompt", "prompt is empty"),
     "token id outside the vocabulary": ({"prompt": [1, 2, 10**9]}, "prompt", "vocab_size"),
-    "unsupported: logprobs": ({"logprobs": 5}, "logprobs", "log-probabilities"),
-    "unsupported: presence_penalty": ({"presence_penalty": 0.5}, "presence_penalty", "presence penalty"),
+    "out of range: logprobs": ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
+    "out of range: presence_penalty": ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    "out of range: repetition_penalty": ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    "out of range: min_p": ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
+    "out of range: logit_bias": ({"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
+    "not a token id: logit_bias": ({"logit_bias": {"five": 1}}, "logit_bias", "not a token id"),
+    "outside the vocabulary: logit_bias": ({"logit_bias": {"99999999": 1}}, "logit_bias", "out of the vocabulary"),
+    "min_tokens above max_tokens": ({"min_tokens": 5}, "min_tokens", "max_tokens"),
+    "wrong type: bad_words": ({"bad_words": "word"}, "bad_words", "valid array"),
+    "wrong type: echo": ({"echo": "yes"}, "echo", "valid boolean"),
     "unsupported: best_of": ({"best_of": 3}, "best_of", "use n"),
-    "unsupported: echo": ({"echo": True}, "echo", "echo"),
-    "unknown parameter": ({"temprature": 0.5}, "temprature", "Unrecognized request argument supplied: temprature"),
     "stream_options without stream": ({"stream_options": {"include_usage": True}}, "stream_options", "stream"),
 }
 
@@ -79,7 +79,11 @@ BAD_CHATS = {
     "content not text": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                          "messages", "text-only"),
     "unsupported: tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
-    "unsupported: response_format": ({"response_format": {"type": "json_object"}}, "response_format", "guided"),
+    "unsupported schema": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "frob"}}}}, "response_format", "not supported"),
+    "unknown response_format": ({"response_format": {"type": "yaml"}}, "response_format.type", "'json_object'"),
+    "top_logprobs without logprobs": ({"top_logprobs": 3}, "top_logprobs", "logprobs set to true"),
+    "out of range: top_logprobs": ({"logprobs": True, "top_logprobs": 30}, "top_logprobs", "less than or equal"),
     "conversation longer than max_model_len": ({"messages": [{"role": "user", "content": "word " * 400}]},
                                                "messages", "max_model_len"),
 }
