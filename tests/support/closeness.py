@@ -32,18 +32,18 @@ def greedy_with_logits(engine, prompts: list[list[int]], tokens: int):
     decoding never uses, so the sampler's rows can be told apart."""
     params = [SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, seed=i) for i in range(len(prompts))]
     captured: list[dict[int, torch.Tensor]] = [{} for _ in prompts]
-    sample = engine.runner.sampler.sample
+    sample = engine.runner.sampler.sample_rows
 
-    def spy(logits, rows):
+    def spy(logits, rows, contexts):
         for logit, row in zip(logits, rows, strict=True):
             captured[row.params.seed][row.position] = logit.float().cpu()
-        return sample(logits, rows)
+        return sample(logits, rows, contexts)
 
-    engine.runner.sampler.sample = spy
+    engine.runner.sampler.sample_rows = spy
     try:
         outputs = engine.generate(prompts, params)
     finally:
-        engine.runner.sampler.sample = sample
+        engine.runner.sampler.sample_rows = sample
     return outputs, [torch.stack([steps[p] for p in sorted(steps)]) for steps in captured]
 
 

@@ -30,15 +30,15 @@ NUM_TOKENS = 10
 def sampled_logits(engine: LLMEngine, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens for ``prompt`` and the logits each was drawn from, [NUM_TOKENS, vocab] in fp32."""
     captured = []
-    sample = engine.runner.sampler.sample
+    sample = engine.runner.sampler.sample_rows
 
-    def spy(logits, rows):
+    def spy(logits, rows, contexts):
         captured.append(logits.float().cpu().clone())
-        return sample(logits, rows)
+        return sample(logits, rows, contexts)
 
-    engine.runner.sampler.sample = spy
+    engine.runner.sampler.sample_rows = spy
     [output] = engine.generate([prompt], SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))
-    engine.runner.sampler.sample = sample
+    engine.runner.sampler.sample_rows = sample
     return list(output.token_ids), torch.cat(captured)
 
 

@@ -37,13 +37,13 @@ def test_layernorm_family_generates_in_bf16_as_close_to_fp32_as_transformers_bf1
     engine = LLMEngine(EngineConfig(dtype="bfloat16", num_blocks=32, max_model_len=128),
                        model=tiny(family, torch.float32)[0], tokenizer=tok)
     captured = []
-    sample = engine.runner.sampler.sample
+    sample = engine.runner.sampler.sample_rows
 
-    def spy(logits, rows):
+    def spy(logits, rows, contexts):
         captured.append(logits.float().clone())
-        return sample(logits, rows)
+        return sample(logits, rows, contexts)
 
-    engine.runner.sampler.sample = spy
+    engine.runner.sampler.sample_rows = spy
     prompt = tok.encode("The capital of France is")
     [output] = engine.generate([prompt], SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))
     tokens = list(output.token_ids)
