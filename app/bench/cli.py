@@ -16,6 +16,7 @@ BENCHES = (
     systems_cli.register_throughput,    # kvscope against transformers and vLLM, offline
     systems_cli.register_serve,         # kvscope serve against vLLM's server
     systems_cli.register_logging,       # the run log's cost
+    systems_cli.register_logprobs,      # what log-probabilities cost
     parts_cli.register_host,            # the host's work per step, by phase
     parts_cli.register_ui,              # the window's
     parts_cli.register_hybrid,          # a hybrid KV cache against every layer full

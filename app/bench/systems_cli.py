@@ -1,8 +1,9 @@
-"""`kvscope bench throughput | logging | serve`: whole systems on the real model, side by side.
+"""`kvscope bench throughput | logging | logprobs | serve`: whole systems on the real model, side by side.
 
 ``throughput`` runs kvscope, transformers and vLLM through the same workloads in one process (same model,
-dtype, threads, prompts and output lengths); ``logging`` runs kvscope with its run log off and on; ``serve``
-puts kvscope serve and vLLM's server under the same client at the same request rates. Each registers its own
+dtype, threads, prompts and output lengths); ``logging`` runs kvscope with its run log off and on; ``logprobs``
+with log-probabilities asked for none, the sampled tokens or the prompt too; ``serve`` puts kvscope serve and
+vLLM's server under the same client at the same request rates. Each registers its own
 flags; everything heavy is imported when it runs.
 """
 
@@ -78,6 +79,22 @@ def register_logging(subparsers) -> None:
     _add_workload_flags(parser)
     add_repeats_flag(parser, "off/on/on/off rounds", 1)
     parser.set_defaults(func=run_logging)
+
+
+def register_logprobs(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "logprobs", help="what log-probabilities cost: none, the sampled tokens', the prompt's too",
+        description="The same greedy requests on one engine three ways, with the prompt log-probabilities "
+                    "checked against transformers' log-softmax in the same run.")
+    parser.add_argument("--requests", type=positive_int, default=16, help="requests per side (default 16)")
+    parser.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (default 256)")
+    parser.add_argument("--output-len", type=positive_int, default=32, help="output tokens (default 32)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed")
+    add_dtype_flag(parser, "float32", many=False)
+    add_repeats_flag(parser, "none/sampled/prompt/prompt/sampled/none rounds", 1)
+    add_json_flag(parser)
+    add_model_flags(parser)
+    parser.set_defaults(func=run_logprobs)
 
 
 def register_serve(subparsers) -> None:
@@ -278,3 +295,33 @@ def run_logging(args: argparse.Namespace) -> int:
         result.db_path = "a temporary database, now removed"
     print(json.dumps(result.as_json()) if args.json else result.text())
     return 0
+
+
+def run_logprobs(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvscope.app.bench.harness import environment_line
+    from kvscope.app.bench.logprobs_bench import random_prompts, run_logprobs_bench
+    from kvscope.engine import EngineConfig, LLMEngine
+    from kvscope.engine.model.loader import resolve_model_path
+
+    dtype = parse_dtypes(args.dtype)[0]
+    device = setup_torch(args)
+    print(f"kvscope bench logprobs: {environment_line()}", file=sys.stderr)
+    model, tokenizer = _load(args, dtype, device)
+    config = EngineConfig(model=args.model, device=device, dtype=dtype, enable_prefix_caching=False,
+                          max_model_len=args.input_len + args.output_len)
+    engine = LLMEngine(config, model=model, tokenizer=tokenizer)
+    prompts = random_prompts(args.requests, args.input_len, len(tokenizer), args.seed)
+    reference_model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32)
+
+    def reference(prompt_ids: list[int]) -> list[list[float]]:
+        with torch.inference_mode():
+            logits = reference_model(torch.tensor([prompt_ids])).logits[0].float()
+        return torch.log_softmax(logits, dim=-1).tolist()
+
+    result = run_logprobs_bench(engine, prompts, args.output_len, dtype=dtype, repeats=args.repeats,
+                                reference=reference, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps(result.as_json()) if args.json else result.text())
+    return 0 if all(side.same_tokens for side in result.sides) else 1
