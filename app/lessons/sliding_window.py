@@ -76,42 +76,37 @@ def _left(moment: Moment) -> tuple[int, ...]:
 
 def _layers(snapshot: CacheSnapshot) -> str:
     groups = snapshot.kv_cache_groups
-    full, sliding = _kinds(snapshot)
     count = sum(len(g.layers) for g in groups)
-    sliding_layers = sum(len(groups[g].layers) for g in sliding)
-    return (f"{count} layers: {sliding_layers} attend only to the last {_window(groups)} positions, a [b]sliding "
-            f"window[/b], and {count - sliding_layers} see everything")
+    sliding = sum(len(groups[g].layers) for g in _kinds(snapshot)[1])
+    return (f"{count} layers: {sliding} see only the last {_window(groups)} positions (a [b]sliding window[/b]), "
+            f"{count - sliding} see all")
 
 
 def say_window(moment: Moment) -> str:
     snapshot, view = moment.snapshot, moment.view(REQUEST)
     groups = snapshot.kv_cache_groups
     full, sliding = _kinds(snapshot)
-    per_block = len(groups[0].layers)
-    tables = _tables(snapshot)
-    return (f"{moment.info.runner.model_name} has {_layers(snapshot)}. The engine groups them by kind, as vLLM's "
-            f"hybrid KV cache does: [b]{plural(len(groups), 'KV-cache group')}[/b] of {plural(per_block, 'layer')}, "
-            f"{len(full)} full and {len(sliding)} sliding, sharing one pool; a block holds one group's layers for "
-            f"{snapshot.block_size} tokens, and {REQUEST} has [b]one block table per group[/b]. Its "
-            f"{view.num_prompt_tokens}-token prompt is computed {moment.info.config.max_num_batched_tokens} tokens "
-            f"a step. After {plural(len(moment.run_steps()), 'step')}, {view.num_computed_tokens} tokens: the whole "
-            f"window, and every table holds the same {plural(len(tables[0]), 'block')}.")
+    return (f"{moment.info.runner.model_name} has {_layers(snapshot)}. As in vLLM's hybrid KV cache they form "
+            f"[b]{plural(len(groups), 'KV-cache group')}[/b] of {plural(len(groups[0].layers), 'layer')} "
+            f"({len(full)} full, {len(sliding)} sliding) in one pool: {REQUEST} has [b]a block table per group[/b], "
+            f"a block holding {snapshot.block_size} tokens of one group's layers. Its {view.num_prompt_tokens}-token "
+            f"prompt runs {moment.info.config.max_num_batched_tokens} tokens a step; after "
+            f"{plural(len(moment.run_steps()), 'step')} the window is full ({view.num_computed_tokens} tokens) and "
+            f"all {len(groups)} tables hold the same {plural(len(_tables(snapshot)[0]), 'block')}.")
 
 
 def say_left(moment: Moment) -> str:
     snapshot, view = moment.snapshot, moment.view(REQUEST)
-    window = _window(snapshot.kv_cache_groups)
     full, sliding = _kinds(snapshot)
     tables = _tables(snapshot)
     gone = sum(1 for block in tables[sliding[0]] if block == NULL_BLOCK)
     start = view.num_computed_tokens - moment.stats.num_prefill_tokens
-    return (f"This step's chunk starts at position {start}. A query at position p sees p−{window - 1}…p, so no "
-            f"query from here on sees a position before {start - window + 1}: the first "
-            f"{plural(gone, 'block')} of each sliding table held only those. They [b]left the window[/b]: "
-            f"{len(sliding)} × {gone} = {plural(len(sliding) * gone, 'block')} (marked) went back to the front of "
-            "the free queue, and this very step's new blocks came from there. The full group's table keeps every "
-            f"block: {len(tables[full[0]]) if full else 0}; each sliding table now holds "
-            f"{_held(tables[sliding[0]])} of its {len(tables[sliding[0]])} entries.")
+    return (f"The chunk starting at position {start} sees back only to {start - _window(snapshot.kv_cache_groups) + 1}"
+            f". The first {plural(gone, 'block')} of each sliding table hold positions before that: they [b]left "
+            f"the window[/b]. {len(sliding)} × {gone} = {plural(len(sliding) * gone, 'block')} (marked) went back "
+            "to the free queue's front, and this step's new blocks came from there. The full table keeps all "
+            f"{len(tables[full[0]])}; each sliding table holds {_held(tables[sliding[0]])} of its "
+            f"{len(tables[sliding[0]])} entries.")
 
 
 def _bound(snapshot: CacheSnapshot, chunk: int) -> int:
@@ -135,13 +130,12 @@ def say_advanced(moment: Moment) -> str:
     chunk = info.config.max_num_batched_tokens
     held, kept_full = _saving(snapshot)
     pool = info.runner.num_device_blocks
-    return (f"{REQUEST}'s whole prompt is in. The full group's table [b]grew to {len(tables[full[0]])} blocks[/b] "
-            f"(marked); each sliding table holds {_held(tables[sliding[0]])}, however long the prompt: at most "
-            f"{_bound(snapshot, chunk)} while a {chunk}-token chunk is computed, "
-            f"[b]{_bound(snapshot, 1)}[/b] (ceil(W/B) + 1) while it decodes a token a step. {REQUEST} holds "
-            f"{plural(held, 'block')}; with every layer kept full it would hold {len(tables)} × "
-            f"{len(tables[full[0]])} = {kept_full}" +
-            (f", more than this {pool}-block pool has." if kept_full > pool else "."))
+    return (f"{REQUEST}'s prompt is in. The full table grew to [b]{len(tables[full[0]])} blocks[/b], marked; each "
+            f"sliding one holds {_held(tables[sliding[0]])}, however long the prompt: at most "
+            f"{_bound(snapshot, chunk)} while a {chunk}-token chunk runs, {_bound(snapshot, 1)} = ceil(W/B) + 1 "
+            f"while it decodes. {REQUEST} holds [b]{plural(held, 'block')}[/b]; with every layer kept full, "
+            f"{len(tables)} × {len(tables[full[0]])} = {kept_full}" +
+            (f": more than this {pool}-block pool." if kept_full > pool else "."))
 
 
 def _all_full(groups: tuple[KVCacheGroup, ...]) -> tuple[KVCacheGroup, ...]:
@@ -161,12 +155,10 @@ def say_figures(moment: Moment) -> str:
     return figures([(f"blocks {REQUEST} held, hybrid", str(held)), ("every layer kept full", str(kept_full)),
                     ("given back by the window", f"{freed} ({percent(freed / kept_full)})"),
                     ("concurrency, hybrid", concurrency(groups)),
-                    ("concurrency, kept full", concurrency(_all_full(groups))),
-                    ("steps", str(len(moment.run_steps())))],
-                   f"Concurrency: requests of max_model_len ({length:,} tokens) this {runner.num_device_blocks}-block "
-                   "pool holds at once, as vLLM's \"Maximum concurrency\" line counts them. A sliding layer never "
-                   "reads a block behind its window, so the hybrid cache lets it go: the pool carries every token "
-                   "only for the full layers, the window's tokens for the rest.")
+                    ("concurrency, kept full", concurrency(_all_full(groups)))],
+                   f"Concurrency: requests of {length:,} tokens (max_model_len) the {runner.num_device_blocks}-block "
+                   "pool holds at once, counted as vLLM's \"Maximum concurrency\" line. A sliding layer never reads "
+                   "behind its window, so only the full layers keep every token.")
 
 
 LESSON = Lesson(
