@@ -14,9 +14,9 @@ window. Prefix caching is off, so a block the window frees is plainly free.
 
 from __future__ import annotations
 
-from kvscope.app.lessons.cues import all_done, prefilled
+from kvscope.app.lessons.cues import prefilled
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, closing, select
 from kvscope.app.lessons.words import figures, percent, plural
 from kvscope.engine.block_pool import NULL_BLOCK
 from kvscope.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence
@@ -170,11 +170,11 @@ LESSON = Lesson(
             "max_num_batched_tokens": 128, "enable_prefix_caching": False},
     beats=(
         Beat("window", "One block table per KV-cache group", say_window, until=window_full, load=load,
-             point=lambda m: Highlight(REQUEST)),
+             point=select(REQUEST)),
         Beat("left", "Blocks leave the window", say_left, until=left_window,
              point=lambda m: Highlight(REQUEST, _left(m))),
         Beat("advanced", "The full table grows, the window does not", say_advanced, until=prefilled(REQUEST),
              point=lambda m: Highlight(REQUEST, _tables(m.snapshot)[_kinds(m.snapshot)[0][0]])),
-        Beat("figures", "What the hybrid cache saved", say_figures, until=all_done),
+        closing("What the hybrid cache saved", say_figures),
     ),
 )
