@@ -9,7 +9,9 @@ group's table grows with every chunk, while each sliding group gives back the
 blocks no query can see any more and stays at the window's blocks. Everything
 the lesson says is read from the engine it runs on (its groups, window, block
 size, chunk and pool), so a test can play it on a tiny model with a short
-window. Prefix caching is off, so a block the window frees is plainly free.
+window. The allocator is paged whatever the app's is (the contiguous one keeps
+every layer in one group), and prefix caching is off, so a block the window
+frees is plainly free.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ LESSON = Lesson(
     title="Sliding window: blocks that leave, memory a hybrid cache saves",
     summary="Gemma 3's sliding-window layers give their blocks back as a request advances; the full layers keep "
             "theirs. Blocks held against every layer kept full, measured.",
-    config={"model": MODEL, "block_size": 64, "num_blocks": 80, "max_model_len": 1024,
+    config={"model": MODEL, "allocator": "paged", "block_size": 64, "num_blocks": 80, "max_model_len": 1024,
             "max_num_batched_tokens": 128, "enable_prefix_caching": False},
     beats=(
         Beat("window", "One block table per KV-cache group", say_window, until=window_full, load=load,
