@@ -8,7 +8,7 @@ import dataclasses
 import types
 
 import pytest
-from app_harness import make_app, started, until
+from app_harness import FakeEngines, make_app, started, until
 from models import WINDOW, tiny_model
 
 from kvscope.app import cli
@@ -67,6 +67,21 @@ async def test_the_lesson_plays_on_a_tiny_gemma3_and_its_window_gives_blocks_bac
     assert engines.built[-1].scheduler.kv.num_window_freed_blocks > 0
     # Every block went back when r1 finished: the lesson leaks none.
     assert engines.built[-1].scheduler.kv.block_pool.num_free_blocks == engines.built[-1].info.num_device_blocks
+
+
+async def test_backspace_replays_a_beat_with_its_group_tables_from_the_run_log():
+    """On fake engines shaped like Gemma 3 270M (app_harness.MODEL_GROUPS): the beat where blocks left the window
+    comes back from the run log with the request's tables per group, their freed entries still freed."""
+    app = make_app(FakeEngines(fixed_clock=True))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await started(pilot)
+        await play(pilot, "sliding-window", stop_at=2, beat_timeout=60)
+        screen = app.lesson_screen
+        await pilot.press("backspace")
+        await until(pilot, lambda: "replayed from the run log" in str(screen.panel.render()))
+        assert screen.runner.showing == 1
+        view = next(v for v in screen.view.block_map.snapshot.requests if v.request_id == "r1")
+        assert len(view.group_block_tables[0]) == 6 and NULL_BLOCK in view.group_block_tables[0][1]
 
 
 async def test_choosing_the_lesson_without_gemma3_fetched_says_how_to_fetch_it_in_one_line():
