@@ -55,6 +55,7 @@ from kvscope.app.worker.commands import AddChatTurn, LaunchPreset, RunOnEngine, 
 from kvscope.app.worker.factory import build_engine, first_engine_then_build
 from kvscope.app.worker.thread import EngineWorker
 from kvscope.engine.config import EngineConfig, model_sampling
+from kvscope.engine.model.packaged import fetch_hint
 from kvscope.settings import settings
 from kvscope.themes import THEME_CSS_PATHS
 
@@ -85,9 +86,13 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
                  paused: bool = False, steps_per_s_cap: float | None = None,
                  screenshot_dir: str | Path | None = None, chat_max_tokens: int = DEFAULT_MAX_TOKENS,
                  first_lesson: str | None = None, serve=None,
-                 chat_sampling: tuple[tuple[str, float | int], ...] = ()) -> None:
+                 chat_sampling: tuple[tuple[str, float | int], ...] = (),
+                 fetch_hint: Callable[[str], str | None] = fetch_hint) -> None:
         super().__init__()
         self.config = config
+        # How to fetch a model offered by name that a lesson runs on, when it is not in the cache yet: the
+        # window never fetches one itself. Given with engine_factory by whatever stands in for model loading.
+        self.fetch_hint = fetch_hint
         self.log_enabled = log_enabled
         self.db_path = (Path(db_path) if db_path else settings().db_path) if log_enabled else None
         self.screenshot_dir = Path(screenshot_dir or os.getcwd())

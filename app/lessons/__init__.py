@@ -17,11 +17,12 @@ from kvscope.app.lessons import (
     preemption,
     prefix_sharing,
     sizing,
+    sliding_window,
     throughput,
 )
 from kvscope.app.lessons.script import Lesson
 
 LESSONS: dict[str, Lesson] = {module.LESSON.name: module.LESSON for module in (
     fragmentation, block_tables, prefix_sharing, copy_on_write, preemption, chunked_prefill, latency,
-    continuous_batching, throughput, sizing,
+    continuous_batching, throughput, sizing, sliding_window,
 )}

@@ -9,9 +9,9 @@ caching is off here, so a freed block is plainly free and handed out first.
 
 from __future__ import annotations
 
-from kvscope.app.lessons.cues import after_steps, all_done, is_running
+from kvscope.app.lessons.cues import after_steps, is_running
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, closing, select
 from kvscope.app.lessons.words import arrows, figures, plural
 
 # name, prompt tokens, tokens to generate
@@ -91,7 +91,7 @@ LESSON = Lesson(
         Beat("grew", "A request grows into the next free block", say_grew, until=grew_apart,
              point=lambda m: Highlight("r1", m.table("r1")[-1:])),
         Beat("late", "A late request gets the holes", say_late, until=is_running(LATE[0]), load=load_late,
-             point=lambda m: Highlight(LATE[0])),
-        Beat("figures", "Where the blocks went", say_figures, until=all_done),
+             point=select(LATE[0])),
+        closing("Where the blocks went", say_figures),
     ),
 )

@@ -9,9 +9,9 @@ the decodes never stall behind it.
 
 from __future__ import annotations
 
-from kvscope.app.lessons.cues import after_steps, all_done, prefilled
+from kvscope.app.lessons.cues import after_steps, prefilled
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.script import Beat, Lesson, Moment, closing, select
 from kvscope.app.lessons.words import figures, plural
 
 BUDGET = 32
@@ -79,10 +79,10 @@ LESSON = Lesson(
     config={"max_num_batched_tokens": BUDGET},
     beats=(
         Beat("decoding", "Two requests decoding", say_decoding, until=after_steps(2), load=load,
-             point=lambda m: Highlight("r1")),
-        Beat("chunk", "A long prompt arrives", say_chunk, until=chunk_started, point=lambda m: Highlight(LONG)),
+             point=select("r1")),
+        Beat("chunk", "A long prompt arrives", say_chunk, until=chunk_started, point=select(LONG)),
         Beat("prefilled", "The last chunk lands", say_prefilled, until=prefilled(LONG),
-             point=lambda m: Highlight(LONG)),
-        Beat("figures", "What chunking bought", say_figures, until=all_done),
+             point=select(LONG)),
+        closing("What chunking bought", say_figures),
     ),
 )

@@ -9,9 +9,9 @@ have taken with the same requests.
 
 from __future__ import annotations
 
-from kvscope.app.lessons.cues import after_steps, all_done, has_finished, is_running
+from kvscope.app.lessons.cues import after_steps, has_finished, is_running
 from kvscope.app.lessons.load import ask, question
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.script import Beat, Lesson, Moment, closing, select
 from kvscope.app.lessons.words import figures, plural
 
 BATCH = 4
@@ -73,9 +73,9 @@ LESSON = Lesson(
     summary="Requests joining and leaving the batch every step, against what a static batch would wait for.",
     config={"max_num_seqs": BATCH},
     beats=(
-        Beat("full", "A full batch", say_full, until=after_steps(2), load=load, point=lambda m: Highlight("r5")),
+        Beat("full", "A full batch", say_full, until=after_steps(2), load=load, point=select("r5")),
         Beat("left", "One request leaves", say_left, until=has_finished("r2")),
-        Beat("joined", "Another joins at once", say_joined, until=is_running("r5"), point=lambda m: Highlight("r5")),
-        Beat("figures", "Against static batches", say_figures, until=all_done),
+        Beat("joined", "Another joins at once", say_joined, until=is_running("r5"), point=select("r5")),
+        closing("Against static batches", say_figures),
     ),
 )

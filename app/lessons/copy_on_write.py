@@ -9,9 +9,9 @@ copy of it (copy-on-write), the last one keeps the original.
 
 from __future__ import annotations
 
-from kvscope.app.lessons.cues import all_done, prefilled
+from kvscope.app.lessons.cues import prefilled
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, closing
 from kvscope.app.lessons.words import arrows, figures, plural
 
 NAME = "r1"
@@ -88,6 +88,6 @@ LESSON = Lesson(
              point=lambda m: Highlight(NAME, m.table(NAME))),
         Beat("copied", "The first write to a shared block", say_copied, until=copied,
              point=lambda m: Highlight(NAME, _copied_blocks(m))),
-        Beat("figures", "What sharing saved", say_figures, until=all_done),
+        closing("What sharing saved", say_figures),
     ),
 )

@@ -13,9 +13,9 @@ because the one partial block is a larger share of them.
 
 from __future__ import annotations
 
-from kvscope.app.lessons.cues import after_steps, all_done, is_running
+from kvscope.app.lessons.cues import after_steps, is_running
 from kvscope.app.lessons.load import ask, question, read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.script import Beat, Lesson, Moment, closing, select
 from kvscope.app.lessons.words import compared, percent, plural, spark
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
 
@@ -125,13 +125,13 @@ LESSON = Lesson(
     config={"allocator": "contiguous"},
     beats=(
         Beat("contiguous", "Every request reserves max_model_len", say_contiguous, until=after_steps(LOOK_AT_STEP),
-             load=load, point=lambda m: Highlight("r1")),
+             load=load, point=select("r1")),
         Beat("waiting", "Waiting for a run of blocks", say_waiting, until=is_running("r5"),
-             point=lambda m: Highlight("r5")),
+             point=select("r5")),
         Beat("paged", "The same requests, paged", say_paged, until=after_steps(LOOK_AT_STEP),
-             config={"allocator": "paged"}, load=load, point=lambda m: Highlight("r1")),
+             config={"allocator": "paged"}, load=load, point=select("r1")),
         Beat("long", "Longer requests: about 4%", say_long, until=after_steps(LONG_LOOK_AT_STEP),
-             config={"allocator": "paged"}, load=load_long, point=lambda m: Highlight("long1")),
-        Beat("figures", "What paging saved", say_figures, until=all_done),
+             config={"allocator": "paged"}, load=load_long, point=select("long1")),
+        closing("What paging saved", say_figures),
     ),
 )

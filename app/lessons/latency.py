@@ -12,9 +12,9 @@ long pause for everyone decoding beside it. The times are the engine's own
 
 from __future__ import annotations
 
-from kvscope.app.lessons.cues import all_done, prefilled
+from kvscope.app.lessons.cues import prefilled
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, StepRecord
+from kvscope.app.lessons.script import Beat, Lesson, Moment, StepRecord, closing, select
 from kvscope.app.lessons.words import bars, compared, plural, spark
 
 BUDGETS = (32, 96, 256)
@@ -131,7 +131,7 @@ def out_of_order(runs: list[tuple[str, dict]]) -> str:
 
 def _beat(budget: int, first: bool) -> Beat:
     return Beat(f"budget-{budget}", f"Budget {budget}", say_run, until=prefilled(LONG), load=load,
-                config=None if first else {"max_num_batched_tokens": budget}, point=lambda m: Highlight(LONG))
+                config=None if first else {"max_num_batched_tokens": budget}, point=select(LONG))
 
 
 LESSON = Lesson(
@@ -141,5 +141,5 @@ LESSON = Lesson(
             "latency measured and plotted side by side.",
     config={"max_num_batched_tokens": BUDGETS[0]},
     beats=(*(_beat(budget, i == 0) for i, budget in enumerate(BUDGETS)),
-           Beat("figures", "Side by side", say_figures, until=all_done)),
+           closing("Side by side", say_figures)),
 )

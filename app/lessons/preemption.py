@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from kvscope.app.lessons.cues import all_done, has_event
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, closing, select
 from kvscope.app.lessons.words import arrows
 from kvscope.engine.outputs import EventKind
 
@@ -138,13 +138,13 @@ LESSON = Lesson(
         Beat("preempt", "Out of blocks: the latest arrival goes", say_preempt, until=has_event(EventKind.PREEMPT),
              load=load, point=_pointing_at(EventKind.PREEMPT)),
         Beat("back", "Back, and computed again", say_back, until=back_from_recompute,
-             point=lambda m: Highlight(VICTIM)),
+             point=select(VICTIM)),
         Beat("recompute-done", "Recompute mode: all done", say_done, until=all_done),
         Beat("swapped", "Swap mode: out to the host pool", say_swapped, until=has_event(EventKind.SWAP_OUT),
              config={"num_blocks": POOL_BLOCKS, "preemption_mode": "swap"}, load=load,
              point=_pointing_at(EventKind.SWAP_OUT, with_blocks=False)),
         Beat("swapped-in", "And back in", say_swapped_in, until=has_event(EventKind.SWAP_IN),
              point=_pointing_at(EventKind.SWAP_IN)),
-        Beat("figures", "Recompute against swap", say_figures, until=all_done),
+        closing("Recompute against swap", say_figures),
     ),
 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from kvscope.app.lessons.cues import all_done, every, has_event, is_running, prefilled
 from kvscope.app.lessons.load import ask, question, read, system_prompt
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, closing, select
 from kvscope.app.lessons.words import figures, percent, plural
 from kvscope.engine.outputs import BLOCK_CACHED, EventKind
 
@@ -141,7 +141,7 @@ LESSON = Lesson(
         Beat("evicted", "The pool needs room: LRU eviction", say_evicted, until=has_event(EventKind.EVICT),
              load=load_long, point=lambda m: Highlight(blocks=_evicted(m))),
         Beat("again", "What a later request still finds", say_again, until=is_running("r8"), load=load_again,
-             point=lambda m: Highlight("r8")),
-        Beat("figures", "What sharing saved", say_figures, until=all_done),
+             point=select("r8")),
+        closing("What sharing saved", say_figures),
     ),
 )

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvscope.app.lessons.cues import Condition
+from kvscope.app.lessons.cues import Condition, all_done
 from kvscope.app.load.presets import PlannedRequest, PresetContext
 from kvscope.app.messages import EngineInfo
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, RequestView, StepResult, StepStats
@@ -123,3 +123,14 @@ class Lesson:
     summary: str                        # one sentence: what the class will see
     beats: tuple[Beat, ...]
     config: dict[str, Any] = field(default_factory=dict)   # EngineConfig changes on top of the teaching pool
+
+
+def select(request_id: str) -> Callable[[Moment], Highlight]:
+    """A beat's ``point`` that selects one request: its blocks stand out and its block table shows."""
+    return lambda moment: Highlight(request_id)
+
+
+def closing(title: str, say: Callable[[Moment], str]) -> Beat:
+    """A lesson's last beat: its figures, said once every request of its last engine has finished, so they count
+    every step of the run."""
+    return Beat("figures", title, say, until=all_done)

@@ -13,9 +13,9 @@ budget, the block size and the dtype each change in turn.
 
 from __future__ import annotations
 
-from kvscope.app.lessons.cues import after_steps, all_done
+from kvscope.app.lessons.cues import after_steps
 from kvscope.app.lessons.load import read
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, closing, select
 from kvscope.app.lessons.words import plural
 from kvscope.app.widgets.formatting import mebibytes
 
@@ -157,7 +157,7 @@ LESSON = Lesson(
     config={"num_blocks": None, "kv_cache_memory": BUDGET, "max_model_len": MAX_MODEL_LEN, "dtype": "float32"},
     beats=(
         Beat("token", "What one token costs", say_token, until=after_steps(1), load=probe,
-             point=lambda m: Highlight(PROBE)),
+             point=select(PROBE)),
         Beat("budget", "A budget makes the pool", say_budget, until=at_full_length, load=long_requests,
              point=_longest),
         Beat("more-budget", "Twice the budget", say_more_budget, until=at_full_length,
@@ -166,6 +166,6 @@ LESSON = Lesson(
              load=long_requests, point=_longest),
         Beat("dtype", "Half the bytes", say_dtype, until=at_full_length, config={"dtype": "bfloat16"},
              load=long_requests, point=_longest),
-        Beat("figures", "What sizes a pool", say_figures, until=all_done),
+        closing("What sizes a pool", say_figures),
     ),
 )

@@ -14,9 +14,9 @@ so the freed batch comes closer to being throughput.
 from __future__ import annotations
 
 from kvscope.app.lessons import words
-from kvscope.app.lessons.cues import after_steps, all_done
+from kvscope.app.lessons.cues import after_steps
 from kvscope.app.lessons.load import ask, question
-from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment
+from kvscope.app.lessons.script import Beat, Lesson, Moment, closing, select
 from kvscope.app.lessons.words import bars, plural
 
 NUM_REQUESTS = 12
@@ -103,9 +103,9 @@ LESSON = Lesson(
     config={"allocator": "contiguous"},
     beats=(
         Beat("contiguous", "Contiguous: four rows", say_contiguous, until=after_steps(LOOK_AT_STEP), load=load,
-             point=lambda m: Highlight("r1")),
+             point=select("r1")),
         Beat("paged", "Paged: everyone at once", say_paged, until=after_steps(LOOK_AT_STEP),
-             config={"allocator": "paged"}, load=load, point=lambda m: Highlight("r1")),
-        Beat("figures", "Tokens a second, side by side", say_figures, until=all_done),
+             config={"allocator": "paged"}, load=load, point=select("r1")),
+        closing("Tokens a second, side by side", say_figures),
     ),
 )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvscope.engine.config import SamplingParams, max_request_tokens
+from kvscope.engine.outputs import KVCacheGroup  # the type of CacheSnapshot.kv_cache_groups
 
 PROMPTS_DIR = Path(__file__).with_name("prompts")
 CHAT_TEMPLATE_MARGIN = 48  # tokens a chat template adds around the messages, with room to spare
@@ -43,6 +44,7 @@ class PresetContext:
     count_tokens: Callable[[str], int]
     tokenize_chat: Callable[[list[dict]], Any] | None = None   # the engine's own: a TokenizedPrompt
     allocator: str = "paged"
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()   # the engine's layers by attention kind; empty: all full
 
     @property
     def pool_tokens(self) -> int:
@@ -81,7 +83,7 @@ class PresetContext:
         info = engine.info
         return cls(info.block_size, info.num_device_blocks, info.max_model_len,
                    engine.config.max_num_batched_tokens, count, engine.tokenize if tokenizer is not None else None,
-                   engine.config.allocator)
+                   engine.config.allocator, info.kv_cache_groups)
 
 
 def suggest_max_model_len(num_blocks: int, block_size: int) -> int:

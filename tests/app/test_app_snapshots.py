@@ -124,7 +124,8 @@ def test_replay_screen(snap_compare, tmp_path):
 LESSON_BEATS = [("fragmentation", 0), ("fragmentation", 3), ("fragmentation", 4), ("block-tables", 2),
                 ("prefix-sharing", 1), ("prefix-sharing", 3), ("copy-on-write", 1), ("preemption", 0),
                 ("preemption", 3), ("chunked-prefill", 1), ("latency", 0), ("latency", 3), ("continuous-batching", 2),
-                ("throughput", 1), ("throughput", 2), ("sizing", 0), ("sizing", 1), ("sizing", 5)]
+                ("throughput", 1), ("throughput", 2), ("sizing", 0), ("sizing", 1), ("sizing", 5),
+                ("sliding-window", 1), ("sliding-window", 2)]
 # And every lesson's last beat, where its conclusion is (issue 38): visible at 120x40, or cued on the panel's edge.
 LESSON_BEATS += [(name, len(lesson.beats) - 1) for name, lesson in LESSONS.items()
                  if (name, len(lesson.beats) - 1) not in LESSON_BEATS]

@@ -16,9 +16,13 @@ from kvscope.app.widgets.system import SystemSample
 from kvscope.app.worker.commands import LaunchPreset
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import fake_engine
+from kvscope.engine.kv_cache_groups import group_layers
 from kvscope.engine.model.loader import ModelError
 
 STEP_SECONDS = 0.02
+# A fake engine's layers for a config naming a model offered by name, so a lesson that runs on one plays on fakes:
+# Gemma 3 270M's 18 layers, five of 512-token windows per full one.
+MODEL_GROUPS = {"gemma3-270m": group_layers(([512] * 5 + [None]) * 3)}
 
 
 def replace(record, **changes):
@@ -66,7 +70,8 @@ class FakeEngines:
             self.fail_builds -= 1
             raise ModelError(f"model path {config.model} does not exist; check the path")
         wrapper = FixedClockEngine if self.fixed_clock else RecordingEngine
-        engine = wrapper(fake_engine(config, **self.runner_kwargs))
+        shape = {"kv_cache_groups": MODEL_GROUPS.get(config.model, ())}
+        engine = wrapper(fake_engine(config, **(shape | self.runner_kwargs)))
         if self.fail_steps:
             engine = FailingEngine(engine, self.fail_steps)
         self.built.append(engine)
@@ -97,6 +102,7 @@ def make_app(engines: FakeEngines | None = None, *, config: EngineConfig | None 
     kwargs.setdefault("log_enabled", False)
     kwargs.setdefault("paused", True)
     kwargs.setdefault("system_sampler", FixedSampler())
+    kwargs.setdefault("fetch_hint", lambda model: None)     # fake engines load no model: every one is there
     return KVScopeApp(config, engine_factory=engines or FakeEngines(), **kwargs)
 
 
