@@ -41,8 +41,9 @@ def describe_stats(stats: StepStats, width: int | None = None) -> str:
 
 
 class Counters(LinePanel):
-    PLACEHOLDER = "waiting for the first step…"
-    stats: StepStats | None = None
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__("waiting for the first step…", id=id, classes=classes)
+        self.stats: StepStats | None = None
 
     def show_stats(self, stats: StepStats) -> None:
         if stats != self.stats:
