@@ -64,10 +64,12 @@ $(LM_EVAL_STAMP): lock/lm-eval.txt $(STAMP)
 	touch $@
 
 # lint-imports checks the layers in pyproject.toml's [tool.importlinter] (kernels, engine, app, widgets).
+# --durations=25 lists the slowest tests in every log, so where the suite's time goes is seen in CI.
 test: model $(LM_EVAL_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	KVSCOPE_LM_EVAL_PYTHON=$(CURDIR)/$(LM_EVAL_VENV)/bin/python $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup
+	KVSCOPE_LM_EVAL_PYTHON=$(CURDIR)/$(LM_EVAL_VENV)/bin/python $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup \
+		--durations=25
 
 # The whole suite on the newest versions pyproject.toml's ranges allow, to find drift on purpose before a user
 # does. torch stays the lock's CPU build: PyPI's newer Linux wheels bundle CUDA (several GB).

@@ -57,21 +57,11 @@ class LLMEngine:
         # Told of every accepted request and every step, e.g. a run log (app.runlog.record_run).
         self.observers: list[EngineObserver] = []
 
-    @property
-    def banner(self) -> str:
-        return self.info.banner
-
-    @property
-    def block_size(self) -> int:
-        return self.info.block_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def num_blocks(self) -> int:
-        return self.info.num_device_blocks
+    # The runner decides these (RunnerInfo); the engine only reads them out, so they cannot disagree.
+    banner = property(lambda self: self.info.banner)
+    block_size = property(lambda self: self.info.block_size)
+    max_model_len = property(lambda self: self.info.max_model_len)
+    num_blocks = property(lambda self: self.info.num_device_blocks)
 
     # ---- requests -------------------------------------------------------------------------------
 

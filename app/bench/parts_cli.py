@@ -48,15 +48,23 @@ def _settings(settings: type, args: argparse.Namespace, **more):
     return settings(**flags, **more)
 
 
+def _add_settings_bench(subparsers, name: str, settings: type, run, *, help: str,
+                        description: str) -> argparse.ArgumentParser:
+    """The subcommand ``name``: a flag per field of ``settings`` that has help text, and --json; ``run`` runs it."""
+    parser = subparsers.add_parser(name, help=help, description=description)
+    _add_setting_flags(parser, settings)
+    add_json_flag(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
 def register_hybrid(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "hybrid", help="a hybrid KV cache against every layer kept full, at the same memory",
+    _add_settings_bench(
+        subparsers, "hybrid", HybridSettings, run_hybrid,
+        help="a hybrid KV cache against every layer kept full, at the same memory",
         description="On an engine with no model and a sliding-window model's shape: the KV a request holds, "
                     "the requests that run at once and vLLM's concurrency figure, with the layers grouped by "
                     "attention kind and with every layer kept full, from the same pool memory.")
-    _add_setting_flags(parser, HybridSettings)
-    add_json_flag(parser)
-    parser.set_defaults(func=run_hybrid)
 
 
 def run_hybrid(args: argparse.Namespace) -> int:
@@ -69,14 +77,12 @@ def run_hybrid(args: argparse.Namespace) -> int:
 
 
 def register_host(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "host", help="the host's work in one engine step, by phase, without the forward",
+    _add_settings_bench(
+        subparsers, "host", HostSettings, run_host,
+        help="the host's work in one engine step, by phase, without the forward",
         description="Thread CPU time of each phase of a decode step (schedule, prepare, update, snapshot, "
                     "events, run-log encode) on an engine with no model, for every pool, batch and context "
                     "asked for, and the sampler at each batch over the default model's vocabulary.")
-    _add_setting_flags(parser, HostSettings)
-    add_json_flag(parser)
-    parser.set_defaults(func=run_host)
 
 
 def run_host(args: argparse.Namespace) -> int:
@@ -102,16 +108,14 @@ def _window_size(text: str) -> tuple[int, int]:
 
 
 def register_ui(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "ui", help="a block-map frame at a big pool, and the open window's cost to engine throughput",
+    parser = _add_settings_bench(
+        subparsers, "ui", UiSettings, run_ui,
+        help="a block-map frame at a big pool, and the open window's cost to engine throughput",
         description="On an engine with no model whose pool is mostly in use: the block map's frame time "
                     "(UI-thread CPU), and engine steps per CPU second headless and with the app open.")
-    _add_setting_flags(parser, UiSettings)
     size = UiSettings().size
     parser.add_argument("--size", type=_window_size, default=size, metavar="WxH",
                         help=f"the window's size in cells (default {size[0]}x{size[1]})")
-    add_json_flag(parser)
-    parser.set_defaults(func=run_ui)
 
 
 def run_ui(args: argparse.Namespace) -> int:

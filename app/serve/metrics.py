@@ -171,17 +171,12 @@ class ServeMetrics:
         times = output.metrics
         arrival, scheduled, first, done = (times.arrival_time, times.first_scheduled_time, times.first_token_time,
                                            times.finished_time)
-        if done is not None:
-            self.e2e.observe(done - arrival)
-        if scheduled is not None:
-            self.queue.observe(scheduled - arrival)
-            if done is not None:
-                self.inference.observe(done - scheduled)
-        if first is not None:
-            self.ttft.observe(first - arrival)
-            if scheduled is not None:
-                self.prefill.observe(first - scheduled)
-            if done is not None:
-                self.decode.observe(done - first)
-                if len(output.token_ids) > 1:
-                    self.tpot.observe((done - first) / (len(output.token_ids) - 1))
+        # Each span between two moments of the request's life, observed when both happened (an aborted request
+        # may never have been scheduled or have made a token).
+        spans = ((self.e2e, arrival, done), (self.queue, arrival, scheduled), (self.inference, scheduled, done),
+                 (self.ttft, arrival, first), (self.prefill, scheduled, first), (self.decode, first, done))
+        for histogram, start, end in spans:
+            if start is not None and end is not None:
+                histogram.observe(end - start)
+        if first is not None and done is not None and len(output.token_ids) > 1:
+            self.tpot.observe((done - first) / (len(output.token_ids) - 1))

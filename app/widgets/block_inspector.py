@@ -6,7 +6,7 @@ from collections import Counter
 
 from textual.content import Content
 
-from kvscope.app.widgets.line_panel import LinePanel
+from kvscope.app.widgets.line_panel import SnapshotPanel
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_USED, CacheSnapshot
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
@@ -66,18 +66,12 @@ def _owners(snapshot: CacheSnapshot, block: int, width: int | None) -> Content:
     return line + Content(f", +{len(entries) - shown} more") if shown < len(entries) else line
 
 
-class BlockInspector(LinePanel):
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__(HINT, id=id, classes=classes)
-        self.cell: tuple[int, int] | None = None
-        self._snapshot: CacheSnapshot | None = None
+class BlockInspector(SnapshotPanel):
+    PLACEHOLDER = HINT
+    cell: tuple[int, int] | None = None
 
     def inspect(self, first: int, last: int) -> None:
         self.cell = (first, last)
-        self._redraw()
-
-    def show_snapshot(self, snapshot: CacheSnapshot) -> None:
-        self._snapshot = snapshot
         self._redraw()
 
     def _redraw(self) -> None:

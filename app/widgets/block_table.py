@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.markup import escape
 
-from kvscope.app.widgets.line_panel import LinePanel
+from kvscope.app.widgets.line_panel import SnapshotPanel
 from kvscope.engine.outputs import CacheSnapshot, RequestView
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
@@ -53,18 +53,12 @@ def describe_request(view: RequestView, snapshot: CacheSnapshot) -> str:
     return "\n".join(lines)
 
 
-class BlockTable(LinePanel, can_focus=True):
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__(HINT, id=id, classes=classes)
-        self.request_id: str | None = None
-        self._snapshot: CacheSnapshot | None = None
+class BlockTable(SnapshotPanel, can_focus=True):
+    PLACEHOLDER = HINT
+    request_id: str | None = None
 
     def select(self, request_id: str | None) -> None:
         self.request_id = request_id
-        self._redraw()
-
-    def show_snapshot(self, snapshot: CacheSnapshot) -> None:
-        self._snapshot = snapshot
         self._redraw()
 
     def _redraw(self) -> None:

@@ -114,8 +114,7 @@ def narrate(stats: StepStats, events: tuple[EngineEvent, ...], snapshot: CacheSn
 class EventLine(LinePanel):
     """One step's narration; wraps rather than cut an id, and scrolls if it must."""
 
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__(HINT, id=id, classes=classes)
+    PLACEHOLDER = HINT
 
     def show_ready(self, num_blocks: int, block_size: int) -> None:
         self.show(f"[b]ready[/b]: {_plural(num_blocks, 'block')} of {block_size} tokens, every one free")

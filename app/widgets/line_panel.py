@@ -14,6 +14,8 @@ height is its row count.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual.content import Content
 from textual.events import Resize
 from textual.geometry import Region, Size
@@ -21,17 +23,22 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.visual import RenderOptions
 
+from kvscope.engine.outputs import CacheSnapshot
+
 Line = str | Content   # a markup string, or ready-made Content
 
 
 class LinePanel(ScrollView, can_focus=False):
-    def __init__(self, text: str | Content = "", *, id: str | None = None, classes: str | None = None) -> None:
+    PLACEHOLDER: ClassVar[str] = ""     # what a panel shows before its first text
+
+    def __init__(self, text: str | Content | None = None, *, id: str | None = None,
+                 classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self._sources: list[Line] = []           # what each line was made from, to compare the next text with
         self._lines: list[Content] = []
         self._wrapped: list[list[Strip] | None] = []   # each line's rows at the current width, when drawn
         self._rows: list[tuple[int, int]] | None = None   # row -> (line, row within the line)
-        self.show(text)
+        self.show(self.PLACEHOLDER if text is None else text)
 
     def on_mount(self) -> None:
         self.app.theme_changed_signal.subscribe(self, lambda _theme: self._rewrap())
@@ -131,6 +138,20 @@ class LinePanel(ScrollView, can_focus=False):
             return Strip.blank(self._width, self.rich_style)
         index, sub = rows[y]
         return self._wrapped[index][sub]
+
+
+class SnapshotPanel(LinePanel):
+    """A panel about one part of the latest snapshot (a request's table, a block, a slot): a new snapshot or a new
+    part asked for redraws it the same way."""
+
+    _snapshot: CacheSnapshot | None = None
+
+    def show_snapshot(self, snapshot: CacheSnapshot) -> None:
+        self._snapshot = snapshot
+        self._redraw()
+
+    def _redraw(self) -> None:
+        raise NotImplementedError
 
 
 def _parse(source: Line) -> Content:

@@ -80,9 +80,8 @@ def describe_comparison(cmp: AllocationComparison, allocator: str, block_size: i
 
 
 class PagedVsContiguous(LinePanel):
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__("no live requests yet", id=id, classes=classes)
-        self.comparison: AllocationComparison | None = None
+    PLACEHOLDER = "no live requests yet"
+    comparison: AllocationComparison | None = None
 
     def show_snapshot(self, snapshot: CacheSnapshot, max_model_len: int) -> None:
         comparison = compare_allocations(snapshot, max_model_len)

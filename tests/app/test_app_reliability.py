@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
@@ -183,22 +184,24 @@ async def test_history_over_garbage_pages_shows_the_error_and_the_app_lives_on(t
         assert app.screen is app.main and app.is_running
 
 
-async def replay_from_history(pilot, path, run_id: int) -> ReplayScreen:
-    """History on ``path``, the cursor on ``run_id``, Enter: its replay."""
-    history = await open_history(pilot, path)
-    runs = history.query_one("#runs")
-    runs.move_cursor(row=runs.get_row_index(str(run_id)))
-    await pilot.press("enter")
-    await until(pilot, lambda: isinstance(pilot.app.screen, ReplayScreen))
-    return pilot.app.screen
+@asynccontextmanager
+async def replay_with_a_corrupt_step(tmp_path, step: int):
+    """A logged run whose snapshot of ``step`` is damaged, opened from the history (cursor on it, Enter) in a
+    started window: yields the app and pilot, with the replay on screen."""
+    path = tmp_path / "runs.db"
+    run_id = log_a_run(path)
+    corrupt_snapshot(path, run_id, step=step)
+    async with window((160, 48)) as (app, pilot):
+        history = await open_history(pilot, path)
+        runs = history.query_one("#runs")
+        runs.move_cursor(row=runs.get_row_index(str(run_id)))
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, ReplayScreen))
+        yield app, pilot
 
 
 async def test_replay_of_a_corrupt_snapshot_says_which_step_and_the_others_still_show(tmp_path):
-    path = tmp_path / "runs.db"
-    run_id = log_a_run(path)
-    corrupt_snapshot(path, run_id, step=6)
-    async with window((160, 48)) as (app, pilot):
-        await replay_from_history(pilot, path, run_id)
+    async with replay_with_a_corrupt_step(tmp_path, step=6) as (app, pilot):
         replay = app.screen
         for _ in range(5):
             await pilot.press("right")
@@ -214,11 +217,7 @@ async def test_replay_of_a_corrupt_snapshot_says_which_step_and_the_others_still
 
 
 async def test_replay_of_a_run_whose_first_frame_is_corrupt_opens_and_says_so(tmp_path):
-    path = tmp_path / "runs.db"
-    run_id = log_a_run(path)
-    corrupt_snapshot(path, run_id, step=1)
-    async with window((160, 48)) as (app, pilot):
-        await replay_from_history(pilot, path, run_id)
+    async with replay_with_a_corrupt_step(tmp_path, step=1) as (app, pilot):
         await pilot.pause()
         assert "cannot show step 1" in str(app.screen.query_one("#replay-status").render())
         await pilot.press("space")

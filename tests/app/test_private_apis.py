@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import subprocess
 import sys
+from contextlib import asynccontextmanager
 
 import pytest
 from textual.app import App, ComposeResult
@@ -39,10 +40,17 @@ class Probe(App):
         self.push_screen(Shown())
 
 
-async def test_the_modal_binding_chain_runs_from_the_focused_widget_up_to_the_app():
+@asynccontextmanager
+async def started_probe():
+    """A started Probe: its Shown screen on top, the input in focus."""
     app = Probe()
     async with app.run_test() as pilot:
         await pilot.pause()
+        yield app
+
+
+async def test_the_modal_binding_chain_runs_from_the_focused_widget_up_to_the_app():
+    async with started_probe() as app:
         screen = app.screen
         assert hasattr(screen, "_modal_binding_chain"), "Textual removed Screen._modal_binding_chain (key_bar.py)"
         chain = list(screen._modal_binding_chain)
@@ -54,9 +62,7 @@ async def test_the_modal_binding_chain_runs_from_the_focused_widget_up_to_the_ap
 
 
 async def test_check_action_state_asks_the_node_that_owns_the_binding():
-    app = Probe()
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with started_probe() as app:
         screen = app.screen
         assert hasattr(app, "_check_action_state"), "Textual removed App._check_action_state (key_bar.py)"
         assert app._check_action_state("hidden_action", screen) is False
@@ -67,9 +73,7 @@ async def test_check_action_state_asks_the_node_that_owns_the_binding():
 async def test_a_nodes_own_bindings_map_its_keys_to_bindings():
     """The keys panel (widgets/keys_panel.py) lists each node's own bindings, the App's first: ``_bindings``'s
     ``key_to_bindings``, which the chain's merged views would hide behind the focused input's."""
-    app = Probe()
-    async with app.run_test() as pilot:
-        await pilot.pause()
+    async with started_probe() as app:
         for node in (app, app.screen, app.screen.query_one(Input)):
             assert hasattr(node, "_bindings") and hasattr(node._bindings, "key_to_bindings"), type(node)
             for key, bound in node._bindings.key_to_bindings.items():

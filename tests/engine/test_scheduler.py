@@ -93,11 +93,18 @@ def test_recompute_victim_goes_to_the_front_of_waiting_and_nothing_is_admitted_t
     assert {i.request_id for i in batches[-1].items} == {"a", "b"}
 
 
-def test_swap_mode_moves_the_victim_to_swapped_and_brings_it_back():
+def three_in_a_swapping_pool():
+    """a, b and c (4, 3 and 3 prompt tokens, 6 to generate) in 4 device blocks and 8 host blocks: by the third
+    step c is swapped out, b later."""
     engine, batches = make_engine(num_blocks=4, num_host_blocks=8, preemption_mode="swap",
                                   max_num_batched_tokens=16)
     for name, prompt in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7]), ("c", [8, 9, 10])):
         engine.add_request(prompt, params(6), request_id=name)
+    return engine, batches
+
+
+def test_swap_mode_moves_the_victim_to_swapped_and_brings_it_back():
+    engine, batches = three_in_a_swapping_pool()
     step(engine)
     step(engine)
     result = step(engine)
@@ -132,10 +139,7 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
 
 
 def test_swapped_requests_come_back_before_waiting_ones_are_admitted():
-    engine, batches = make_engine(num_blocks=4, num_host_blocks=8, preemption_mode="swap",
-                                  max_num_batched_tokens=16)
-    for name, prompt in (("a", [1, 2, 3, 4]), ("b", [5, 6, 7]), ("c", [8, 9, 10])):
-        engine.add_request(prompt, params(6), request_id=name)
+    engine, batches = three_in_a_swapping_pool()
     step(engine)
     step(engine)
     step(engine)                # c swapped out

@@ -12,7 +12,9 @@ from kvscope.app.lessons.continuous_batching import static_steps
 from kvscope.app.lessons.load import TEACH_POOL, teach_config
 from kvscope.app.lessons.play import play
 from kvscope.app.widgets.block_cells import GLYPH_SLOTS, NUM_BASE_STYLES, OVERLAY_MARKED
+from kvscope.app.widgets.lesson_panel import MORE
 from kvscope.engine.config import EngineConfig
+from kvscope.engine.fake_runner import fake_engine
 
 pytestmark = pytest.mark.anyio
 
@@ -22,7 +24,9 @@ def lesson_app():
 
 
 @pytest.mark.parametrize("name", list(LESSONS))
-async def test_every_beat_of_the_lesson_happens_on_the_engine(name):
+async def test_every_beat_of_the_lesson_happens_on_the_engine_and_the_last_fits_the_panel(name):
+    """Each lesson played once at 120x40: every beat met with a caption, the run to its end; then the last beat's
+    table rows and bars fit the panel unwrapped, and "more below" is cued exactly when the panel scrolls."""
     app = lesson_app()
     async with app.run_test(size=(120, 40)) as pilot:
         await started(pilot)
@@ -31,8 +35,21 @@ async def test_every_beat_of_the_lesson_happens_on_the_engine(name):
         assert all(record.met for record in played.beats), [r.title for r in played.beats if not r.met]
         assert all(record.caption.strip() for record in played.beats)
         assert played.steps > 0 and not app.lesson_screen.runner.latest.snapshot.requests   # ran to the end
-        panel = str(app.lesson_screen.panel.render())
-        assert "figures" in panel.lower() or LESSONS[name].beats[-1].title in panel
+        await pilot.pause()
+        panel = app.lesson_screen.panel
+        text = str(panel.render())
+        assert "figures" in text.lower() or LESSONS[name].beats[-1].title in text
+        width = panel.scrollable_content_region.width
+        for line in text.split("\n"):
+            if "  " in line.strip() or "█" in line:       # a table row or a bar: it must not wrap
+                assert len(line) <= width, line
+        if panel.max_scroll_y:
+            assert panel.border_subtitle == MORE
+            await pilot.press("end")
+            await pilot.pause()
+            assert panel.border_subtitle == ""
+        else:
+            assert not panel.border_subtitle
 
 
 async def test_backspace_replays_the_earlier_beat_from_the_run_log_and_space_comes_back():
@@ -117,9 +134,16 @@ def test_an_unknown_lesson_or_a_missing_model_is_one_clear_error_and_no_window(m
     assert opened == []
 
 
+def open_nothing_but_the_engine_config(monkeypatch, opened: dict) -> None:
+    """The command line as a user runs it, up to the window: ``opened`` gets what run_app was given. The engine it
+    builds first runs on the FakeRunner: these tests are about the config chosen, not the model's load."""
+    monkeypatch.setattr("kvscope.app.cli.first_engine", fake_engine)
+    monkeypatch.setattr("kvscope.app.app.run_app", lambda config, **kwargs: opened.update(config=config, **kwargs))
+
+
 def test_lesson_opens_the_app_on_the_teaching_pool(monkeypatch):
     opened = {}
-    monkeypatch.setattr("kvscope.app.app.run_app", lambda config, **kwargs: opened.update(config=config, **kwargs))
+    open_nothing_but_the_engine_config(monkeypatch, opened)
     cli.main(["lesson", "preemption", "--no-log"])
     assert opened["lesson"] == "preemption" and opened["log_enabled"] is False
     assert opened["config"].num_blocks == TEACH_POOL["num_blocks"]
@@ -129,7 +153,7 @@ def test_lesson_opens_the_app_on_the_teaching_pool(monkeypatch):
 
 def test_teach_picks_the_pool_unless_a_flag_says_otherwise(monkeypatch):
     opened = {}
-    monkeypatch.setattr("kvscope.app.app.run_app", lambda config, **kwargs: opened.update(config=config))
+    open_nothing_but_the_engine_config(monkeypatch, opened)
     cli.main(["--teach"])
     assert (opened["config"].num_blocks, opened["config"].max_model_len) == (64, 256)
     cli.main(["--teach", "--num-blocks", "96"])

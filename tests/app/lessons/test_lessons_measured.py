@@ -14,7 +14,6 @@ from kvscope.app.lessons import LESSONS, fragmentation, latency, sizing, through
 from kvscope.app.lessons.latency import inter_token_latencies, time_to_first_token
 from kvscope.app.lessons.play import play
 from kvscope.app.lessons.script import Moment, StepRecord
-from kvscope.app.widgets.lesson_panel import MORE
 from kvscope.app.widgets.paged_vs_contiguous import compare_allocations
 from kvscope.engine.outputs import EventKind, KVLayout
 
@@ -155,22 +154,3 @@ def test_throughputs_ratio_is_told_as_a_gain_only_above_the_noise():
 
     assert compared(200.0, 342.9) == 1
     assert compared(200.0, 200.0 * (1 + NOISE / 2)) == 0 and compared(200.0, 150.0) == -1
-
-
-@pytest.mark.parametrize("name", list(LESSONS))
-async def test_each_lessons_last_beat_fits_the_panel_at_120x40_and_cues_what_is_below(name):
-    async with window((120, 40), FakeEngines(fixed_clock=True)) as (app, pilot):
-        await play(pilot, name, beat_timeout=60)
-        await pilot.pause()
-        panel = app.lesson_screen.panel
-        width = panel.scrollable_content_region.width
-        for line in str(panel.render()).split("\n"):
-            if "  " in line.strip() or "█" in line:       # a table row or a bar: it must not wrap
-                assert len(line) <= width, line
-        if panel.max_scroll_y:
-            assert panel.border_subtitle == MORE
-            await pilot.press("end")
-            await pilot.pause()
-            assert panel.border_subtitle == ""
-        else:
-            assert not panel.border_subtitle

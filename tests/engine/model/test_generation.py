@@ -99,11 +99,6 @@ def test_concurrent_ragged_requests(case):
     assert_matches(case, finals)
 
 
-def test_chunked_prefill(case):
-    engine = build_engine(case, max_num_batched_tokens=24)
-    assert_matches(case, run_all(engine, case, range(NUM_PROMPTS)))
-
-
 def test_prefix_cache_hit(case):
     engine = build_engine(case)
     first = run_all(engine, case, [0])
@@ -120,31 +115,30 @@ def test_preemption(case, mode):
     assert_matches(case, finals)
 
 
-@pytest.fixture
-def cpp_attention_only(monkeypatch):
-    """The torch attention path fails if reached: whatever passes then ran on the C++ kernels."""
-    if not cpu.available():
-        pytest.skip(f"C++ kernels unavailable: {cpu.status()}")
-
+def test_chunked_prefill_on_the_default_cpu_path(case, monkeypatch):
+    """Prefills chunked beside decodes, on what every test here runs on by default: where a compiler exists, the
+    C++ attention (the torch reference fails if reached), kvscope's own packed linears (the C++ ones; no oneDNN
+    packs) and the C++ RMSNorm."""
     def unreachable(*args, **kwargs):
         raise AssertionError("the torch reference attention served a step")
 
-    monkeypatch.setattr(reference, "paged_decode_attention", unreachable)
-    monkeypatch.setattr(reference, "paged_prefill_attention", unreachable)
+    if cpu.available():
+        monkeypatch.setattr(reference, "paged_decode_attention", unreachable)
+        monkeypatch.setattr(reference, "paged_prefill_attention", unreachable)
+    engine = build_engine(case, max_num_batched_tokens=24)
+    if cpu.available():
+        check_cpp_linears_and_norms(engine, case.arch)
+    assert_matches(case, run_all(engine, case, range(NUM_PROMPTS)))
 
 
-def test_the_default_cpu_path_is_the_cpp_kernels_on_packed_linears(case, cpp_attention_only):
-    """What every test above runs on by default: exact tokens from the C++ attention, kvscope's own packed linears
-    (the C++ ones; no oneDNN packs) and the C++ RMSNorm."""
-    engine = build_engine(case, max_num_batched_tokens=40)   # chunked prefills beside decodes
+def check_cpp_linears_and_norms(engine: LLMEngine, arch: str) -> None:
     for layer in engine.runner.model.model.layers:
         # gpt-oss's experts are batched parameters, not linears.
         mlp = [layer.mlp.down_proj] if hasattr(layer.mlp, "down_proj") else []
         for linear in (layer.self_attn.q_proj, layer.self_attn.v_proj, *mlp):
             assert is_packed(linear) and cpu.is_packed_linear_weight(getattr(linear, packed_linear._PACKED))
-        if not case.arch.startswith("gemma"):   # Gemma's 1 + weight norm is left to transformers
+        if not arch.startswith("gemma"):   # Gemma's 1 + weight norm is left to transformers
             assert fused_ops.is_fused(layer.input_layernorm) and fused_ops.is_fused(layer.post_attention_layernorm)
-    assert_matches(case, run_all(engine, case, range(NUM_PROMPTS)))
 
 
 def test_the_torch_attention_path_computes_the_same_variants(case, monkeypatch):

@@ -74,8 +74,7 @@ def describe_events(frame: AttachFrame) -> str:
 
 
 class EventsPanel(LinePanel):
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__("waiting for the server…", id=id, classes=classes)
+    PLACEHOLDER = "waiting for the server…"
 
     def show_frame(self, frame: AttachFrame) -> None:
         self.show(describe_events(frame))

@@ -59,9 +59,8 @@ def describe_prefixes(frame: AttachFrame, width: int = 100) -> str:
 
 
 class PrefixTrees(LinePanel):
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__("waiting for the server…", id=id, classes=classes)
-        self.frame: AttachFrame | None = None
+    PLACEHOLDER = "waiting for the server…"
+    frame: AttachFrame | None = None
 
     def show_frame(self, frame: AttachFrame) -> None:
         self.frame = frame

@@ -55,8 +55,7 @@ def describe_queues(frame: AttachFrame) -> str:
 
 
 class ServerQueues(LinePanel):
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__("waiting for the server…", id=id, classes=classes)
+    PLACEHOLDER = "waiting for the server…"
 
     def show_frame(self, frame: AttachFrame) -> None:
         if frame.queue_history:

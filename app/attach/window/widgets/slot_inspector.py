@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from textual.content import Content
 
-from kvscope.app.widgets.line_panel import LinePanel
+from kvscope.app.widgets.line_panel import SnapshotPanel
 from kvscope.engine.outputs import BLOCK_USED, CacheSnapshot
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
 
@@ -36,18 +36,12 @@ def describe_slot(snapshot: CacheSnapshot, slot: int) -> Content:
     return Content.from_markup(f"[b]Slot {slot}[/b] · free, or holding a block kvscope was never told of")
 
 
-class SlotInspector(LinePanel):
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
-        super().__init__(HINT, id=id, classes=classes)
-        self.slot: int | None = None
-        self._snapshot: CacheSnapshot | None = None
+class SlotInspector(SnapshotPanel):
+    PLACEHOLDER = HINT
+    slot: int | None = None
 
     def inspect(self, slot: int) -> None:
         self.slot = slot
-        self._redraw()
-
-    def show_snapshot(self, snapshot: CacheSnapshot) -> None:
-        self._snapshot = snapshot
         self._redraw()
 
     def _redraw(self) -> None:
