@@ -86,10 +86,7 @@ def register_logprobs(subparsers) -> None:
         "logprobs", help="what log-probabilities cost: none, the sampled tokens', the prompt's too",
         description="The same greedy requests on one engine three ways, with the prompt log-probabilities "
                     "checked against transformers' log-softmax in the same run.")
-    parser.add_argument("--requests", type=positive_int, default=16, help="requests per side (default 16)")
-    parser.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (default 256)")
-    parser.add_argument("--output-len", type=positive_int, default=32, help="output tokens (default 32)")
-    parser.add_argument("--seed", type=int, default=0, help="prompt seed")
+    _add_random_prompt_flags(parser, "side", requests=16, output_len=32)
     add_dtype_flag(parser, "float32", many=False)
     add_repeats_flag(parser, "none/sampled/prompt/prompt/sampled/none rounds", 1)
     add_json_flag(parser)
@@ -104,19 +101,26 @@ def register_serve(subparsers) -> None:
                     "`vllm bench serve` client (or kvscope's, without vLLM).")
     parser.add_argument("--rates", default="1,4",
                         help="request rates to try, requests/s, comma-separated; inf sends all at once (default 1,4)")
-    parser.add_argument("--requests", type=positive_int, default=32, help="requests per rate (default 32)")
-    parser.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (default 256)")
-    parser.add_argument("--output-len", type=positive_int, default=64, help="output tokens (default 64)")
+    _add_random_prompt_flags(parser, "rate", requests=32, output_len=64)
     parser.add_argument("--client", default="auto", choices=("auto", "vllm", "openai"),
                         help="vllm: `vllm bench serve` from the vLLM venv; openai: kvscope's own load generator "
                              "(default: vllm when the vLLM venv exists)")
     parser.add_argument("--systems", default="kvscope,vllm", help="kvscope and/or vllm (default: both)")
-    parser.add_argument("--seed", type=int, default=0, help="prompt seed")
     add_dtype_flag(parser, "bfloat16", many=False)
     add_json_flag(parser)
     add_model_flags(parser, threads=False, names=("model",))
     _add_vllm_python_flag(parser)
     parser.set_defaults(func=run_serve)
+
+
+def _add_random_prompt_flags(parser, per: str, requests: int, output_len: int) -> None:
+    """How many random prompts, how long, and how long each reply (EOS ignored)."""
+    parser.add_argument("--requests", type=positive_int, default=requests,
+                        help=f"requests per {per} (default {requests})")
+    parser.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (default 256)")
+    parser.add_argument("--output-len", type=positive_int, default=output_len,
+                        help=f"output tokens (default {output_len})")
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed")
 
 
 def _add_vllm_python_flag(parser) -> None:
