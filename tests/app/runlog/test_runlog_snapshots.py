@@ -201,6 +201,10 @@ def test_a_real_engine_run_replays_exactly(tmp_path, groups):
     for frame, result in zip(frames, results, strict=True):
         assert frame.stats == dataclasses.replace(result.stats, **unrecorded) and frame.events == result.events
         assert_same_snapshot(frame.snapshot, result.snapshot)
+    if groups:  # the counters per group came back as they went in, and say something
+        assert sum(frame.stats.window_freed_step[1] for frame in frames) == frames[-1].stats.window_freed_blocks[1] > 0
+    else:
+        assert all(frame.stats.group_held_blocks == () for frame in frames)
     run = reader.run(logger.run_id)
     assert {"preempt", "swap_out", "swap_in"} <= set(run["events"])
     assert run["num_requests"] == run["num_finished_requests"] == 12
