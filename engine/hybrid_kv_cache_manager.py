@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 from kvscope.engine.block_pool import NULL_BLOCK, BlockPool
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence, first_needed_block
+from kvscope.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence, first_needed_block, longest_sequence
 from kvscope.engine.kv_cache_manager import _HASH_MASK, KVCacheManager, KVCacheState, cdiv, fill_blocks
 from kvscope.engine.request import Request, Sequence
 
@@ -71,18 +71,11 @@ class HybridKVCacheManager(KVCacheManager):
         return n * blocks_per_sequence(self.groups, num_prompt_tokens + max_tokens - 1, self.block_size, self.chunk)
 
     def max_request_tokens(self, n: int) -> int:
-        """The inverse of max_blocks_needed, by bisection (the blocks needed grow with the tokens)."""
-        num_blocks = self.block_pool.num_blocks
-        if num_blocks // n == 0:
+        """The inverse of max_blocks_needed: each sample's tokens but the last fit in its share of the pool."""
+        share = self.block_pool.num_blocks // n
+        if share == 0:
             return 0
-        low, high = 1, self.max_model_len     # low always fits
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.max_blocks_needed(mid, 0, n) <= num_blocks:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return 1 + longest_sequence(self.groups, share, self.block_size, self.chunk, self.max_model_len - 1)
 
     # ---- prefix cache ---------------------------------------------------------------------------
 
