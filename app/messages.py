@@ -185,6 +185,14 @@ class RequestSelected(Message):
 
 
 @dataclass
+class AttentionKindShown(Message):
+    """The block map shows only the blocks of one attention kind (an index into group_kinds.attention_kinds),
+    or every kind again (None): the legend marks which."""
+
+    kind: int | None
+
+
+@dataclass
 class BlockHighlighted(Message):
     """The map's cursor or the mouse moved to a cell covering physical blocks ``first..last``."""
 

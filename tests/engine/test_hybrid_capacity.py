@@ -24,7 +24,7 @@ def engine(groups, num_blocks: int, max_model_len: int = MAX_LEN):
 
 def test_a_hybrid_pool_short_of_one_request_is_warned_about_though_its_blocks_hold_more_tokens():
     need = blocks_per_sequence(FULL_AND_SLIDING, MAX_LEN, BS, CHUNK)
-    assert need == MAX_LEN // BS + 4                 # every block of the full group, a window and a chunk's of the other
+    assert need == MAX_LEN // BS + 4    # the full group every block; the sliding one a window and a chunk
     short = engine(FULL_AND_SLIDING, need - 1)
     assert (need - 1) * BS >= MAX_LEN, "counted as one group, this pool would look big enough"
     warning = pool_warning(short.info)
