@@ -1,6 +1,7 @@
 """The pool's counters: free blocks, KV usage, token utilisation, prefix-cache hits, preemptions, swaps,
 copy-on-write copies and evictions of cached blocks; with KV-cache groups, the blocks each attention kind holds
-and those its sliding window let go of (preemptions and swaps then share a line, so the panel keeps its height)."""
+and those its sliding window let go of. The panel keeps its height then: preemptions and swaps share a line, and the
+step number, which the event line under the map also gives, makes room."""
 
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ def describe_stats(stats: StepStats, width: int | None = None, groups: Sequence[
         free_lines = [f"{free} [dim]{cached}[/]"]
     else:
         free_lines = [free, f"[dim]  of which   {stats.num_cached_free_blocks:,}{NBSP}cached[/]"]
+    grouped = bool(groups and stats.group_held_blocks)
     lines = [
-        f"step         {stats.step:,}",
+        *([] if grouped else [f"step         {stats.step:,}"]),
         *free_lines,
         f"KV usage    {percent(stats.kv_usage)} [$accent]{bar(stats.kv_usage, BAR_WIDTH)}[/]",
         f"token util. {percent(stats.kv_token_utilisation)} "
         f"[$success]{bar(stats.kv_token_utilisation, BAR_WIDTH)}[/]",
         f"prefix hits {percent(hits)} [dim]{stats.prefix_cache_hits:,}/{stats.prefix_cache_queries:,}{NBSP}tok[/]",
-        *(_group_lines(stats, groups) if groups and stats.group_held_blocks else [
+        *(_group_lines(stats, groups) if grouped else [
             f"preemptions  {stats.num_preemptions:,}",
             f"swap out/in  {stats.num_swapped_out_blocks:,} / {stats.num_swapped_in_blocks:,} blocks"]),
         # Short enough for the narrowest panel: copy-on-write copies, then cached blocks evicted.
@@ -53,9 +55,10 @@ def _group_lines(stats: StepStats, groups: Sequence[KVCacheGroup]) -> list[str]:
     return [
         f"preempt/swap {stats.num_preemptions:,} · {stats.num_swapped_out_blocks:,}/{stats.num_swapped_in_blocks:,}"
         f"{NBSP}blocks",
-        "held blocks  " + " · ".join(f"{kind_name(w, short=True).replace(' ', NBSP)}{NBSP}{n:,}"
-                                     for w, n in zip(kinds, held, strict=True)),
-        f"window freed {freed:,}{NBSP}blocks [dim](+{step:,}{NBSP}this{NBSP}step)[/]",
+        # Blocks, as every figure of the panel: "held  full 162 · sliding 512: 46", short enough for 120x40.
+        "held  " + " · ".join(f"{kind_name(w, short=True).replace(' ', NBSP)}{':' if w else ''}{NBSP}{n:,}"
+                              for w, n in zip(kinds, held, strict=True)),
+        f"window freed {freed:,} [dim](+{step:,}{NBSP}this{NBSP}step)[/]",
     ]
 
 

@@ -37,6 +37,7 @@ class GroupSelector:
         has_kinds = bool(snapshot.kv_cache_groups)
         if has_kinds != self._has_kinds:
             self._has_kinds, self.shown_kind = has_kinds, None
+            self.map_layout = None      # draws everything again, the caption too
             self.refresh_bindings()
 
     def action_next_kind(self) -> None:
