@@ -19,14 +19,23 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, AllBlocksCleared, BlockRemoved, BlockStored
+from kvscope.engine.outputs import (
+    BLOCK_CACHED,
+    BLOCK_FREE,
+    BLOCK_USED,
+    NULL_BLOCK,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+)
 
 _NO_EVENTS = ()
-# A block-table entry that holds no block: a sliding-window group's table keeps its length as the request
-# advances, and the entries of blocks that left the window (and went back to the pool) hold this. No pool
-# method takes it; the attention kernels never read such an entry (the model runner still hands them a real
-# block id in its place, so no kernel ever indexes the pool with it).
-NULL_BLOCK = -1
+# NULL_BLOCK (defined with the snapshot, which carries it): a block-table entry that holds no block. A
+# sliding-window group's table keeps its length as the request advances, and the entries of blocks that left the
+# window (and went back to the pool) hold it. No pool method takes it; the attention kernels never read such an
+# entry (the model runner still hands them a real block id in its place, so no kernel ever indexes the pool with
+# it).
+__all__ = ["NULL_BLOCK", "BlockPool"]
 
 
 class BlockPool:

@@ -25,6 +25,9 @@ from kvscope.engine.kv_cache_groups import KVCacheGroup
 BLOCK_FREE = 0      # ref count 0, holds no cached prefix
 BLOCK_USED = 1      # ref count >= 1
 BLOCK_CACHED = 2    # ref count 0 but still holds a prefix hash: reusable until evicted
+# A group table entry whose block a sliding window gave back (RequestView.group_block_tables); engine/block_pool.py
+# says what the engine does with it.
+NULL_BLOCK = -1
 
 
 class _StrEnum(str, Enum):

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 from kvscope.app.widgets.formatting import bar, percent
 from kvscope.app.widgets.group_kinds import attention_kinds, kind_name, per_kind
 from kvscope.app.widgets.line_panel import LinePanel
-from kvscope.engine.kv_cache_groups import KVCacheGroup
-from kvscope.engine.outputs import StepStats
+from kvscope.engine.outputs import KVCacheGroup, StepStats
 
 BAR_WIDTH = 8
 NBSP = "\u00a0"     # a figure and its word wrap as one: "(194 cached)", never "(194" / "cached)"

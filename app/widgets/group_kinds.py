@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvscope.engine.kv_cache_groups import KVCacheGroup
+from kvscope.engine.outputs import KVCacheGroup  # the snapshot's record of a group
 
 
 def attention_kinds(groups: Sequence[KVCacheGroup]) -> tuple[int | None, ...]:

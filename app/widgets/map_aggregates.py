@@ -24,8 +24,15 @@ import itertools
 import numpy as np
 
 from kvscope.app.widgets.group_kinds import attention_kinds, kind_of_group
-from kvscope.engine.block_pool import NULL_BLOCK
-from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, BlockArrays, CacheSnapshot, RequestView
+from kvscope.engine.outputs import (
+    BLOCK_CACHED,
+    BLOCK_FREE,
+    BLOCK_USED,
+    NULL_BLOCK,
+    BlockArrays,
+    CacheSnapshot,
+    RequestView,
+)
 
 # Cell kinds, ordered by how much they matter when one cell stands for several blocks.
 KIND_FREE, KIND_CACHED, KIND_USED, KIND_SHARED = 0, 1, 2, 3
