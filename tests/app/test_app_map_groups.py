@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from app_harness import FakeEngines, burst_steps, make_app, started, window
+from app_harness import FakeEngines, make_app, shared_and_burst_on_a_focused_map, window
 
 from kvscope.app.widgets import block_cells as cells
-from kvscope.app.worker.commands import LaunchPreset
 from kvscope.engine.block_pool import NULL_BLOCK
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.kv_cache_groups import KVCacheGroup
@@ -24,16 +23,8 @@ def _engines():
 
 
 async def _decoding(pilot):
-    """Three requests sharing a system prompt, decoding well past the 16-token window; the map focused."""
-    app = pilot.app
-    await started(pilot)
-    app.worker.send(LaunchPreset("shared", 3))
-    await burst_steps(pilot, 6, 10)
-    app.main.paint(force=True)
-    block_map = app.main.view.block_map
-    block_map.focus()
-    await pilot.pause()
-    return block_map
+    """Requests sharing a system prompt and a chat burst, decoding well past the 16-token window."""
+    return await shared_and_burst_on_a_focused_map(pilot, 6)
 
 
 def _kind_blocks(snapshot, group: int) -> set[int]:
