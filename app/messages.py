@@ -14,7 +14,7 @@ from textual.message import Message
 
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.outputs import CacheSnapshot, StepResult
-from kvscope.engine.runner import RunnerInfo
+from kvscope.engine.runner import RunnerInfo, pool_capacity
 
 
 @dataclass(frozen=True)
@@ -27,16 +27,17 @@ class EngineInfo:
 
     @property
     def num_tokens(self) -> int:
-        return self.runner.num_device_blocks * self.runner.block_size
+        return pool_capacity(self.runner)[0]
 
     @property
     def max_concurrency(self) -> float:
-        """How many max_model_len requests fit at once (contiguous: whole reserved rows)."""
+        """How many max_model_len requests fit at once (contiguous: whole reserved rows; with KV-cache groups,
+        from what each group holds of one)."""
         runner = self.runner
         if self.config.allocator == "contiguous":
             blocks_per_request = -(-runner.max_model_len // runner.block_size)
             return float(runner.num_device_blocks // blocks_per_request)
-        return self.num_tokens / runner.max_model_len
+        return pool_capacity(runner)[1]
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,14 @@ class RequestSelected(Message):
     """The user picked a request (in the queues or the map): highlight its blocks everywhere."""
 
     request_id: str | None
+
+
+@dataclass
+class AttentionKindShown(Message):
+    """The block map shows only the blocks of one attention kind (an index into group_kinds.attention_kinds),
+    or every kind again (None): the legend marks which."""
+
+    kind: int | None
 
 
 @dataclass

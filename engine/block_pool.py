@@ -19,14 +19,23 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, AllBlocksCleared, BlockRemoved, BlockStored
+from kvscope.engine.outputs import (
+    BLOCK_CACHED,
+    BLOCK_FREE,
+    BLOCK_USED,
+    NULL_BLOCK,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+)
 
 _NO_EVENTS = ()
-# A block-table entry that holds no block: a sliding-window group's table keeps its length as the request
-# advances, and the entries of blocks that left the window (and went back to the pool) hold this. No pool
-# method takes it; the attention kernels never read such an entry (the model runner still hands them a real
-# block id in its place, so no kernel ever indexes the pool with it).
-NULL_BLOCK = -1
+# NULL_BLOCK (defined with the snapshot, which carries it): a block-table entry that holds no block. A
+# sliding-window group's table keeps its length as the request advances, and the entries of blocks that left the
+# window (and went back to the pool) hold it. No pool method takes it; the attention kernels never read such an
+# entry (the model runner still hands them a real block id in its place, so no kernel ever indexes the pool with
+# it).
+__all__ = ["NULL_BLOCK", "BlockPool"]
 
 
 class BlockPool:
@@ -44,6 +53,15 @@ class BlockPool:
         self.kv_event_queue: list = []  # since the last take_events(), oldest first
         # Blocks whose arrays changed since the last take_changes(); None: every block may have.
         self.changed: list[int] | None = []
+        # With KV-cache groups (track_groups): the group each block was last taken for, and the blocks in use per
+        # group, kept as references come and go so a step's counters cost nothing per block. None: one group.
+        self.block_group: np.ndarray | None = None
+        self.group_held: list[int] | None = None
+
+    def track_groups(self, num_groups: int) -> None:
+        """Count the blocks in use per KV-cache group from now on (a new pool: every block is free)."""
+        self.block_group = np.zeros(self.num_blocks, dtype=np.int8)
+        self.group_held = [0] * num_groups
 
     @property
     def num_free_blocks(self) -> int:
@@ -54,8 +72,9 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_block_queue)
 
-    def allocate(self, count: int) -> list[int]:
-        """Take ``count`` blocks from the front of the free queue. The caller checked there are enough."""
+    def allocate(self, count: int, group: int = 0) -> list[int]:
+        """Take ``count`` blocks from the front of the free queue for a table of KV-cache group ``group``. The
+        caller checked there are enough."""
         if count > len(self.free_block_queue):
             raise RuntimeError(f"allocate({count}) with only {len(self.free_block_queue)} free blocks")
         queue = self.free_block_queue
@@ -67,7 +86,20 @@ class BlockPool:
         self.ref_counts[blocks] = 1
         self.state[blocks] = BLOCK_USED
         self.mark(blocks)
+        if self.group_held is not None:
+            self.block_group[blocks] = group
+            self.group_held[group] += count
         return blocks
+
+    def assign_group(self, blocks, group: int) -> None:
+        """Blocks in use that allocate() took for group 0 serve ``group`` instead (a swap-in takes every
+        group's blocks at once)."""
+        if self.group_held is None:
+            return
+        for block in blocks:
+            self.group_held[self.block_group[block]] -= 1
+            self.block_group[block] = group
+            self.group_held[group] += 1
 
     def _evict(self, block: int) -> None:
         block_hash = int(self.hashes[block])
@@ -85,6 +117,8 @@ class BlockPool:
                 del self.free_block_queue[block]
                 self.num_cached_free_blocks -= 1
                 self.state[block] = BLOCK_USED
+                if self.group_held is not None:     # a cached block keeps the group it was cached for
+                    self.group_held[self.block_group[block]] += 1
             self.ref_counts[block] += 1
 
     def incref(self, blocks: list[int]) -> None:
@@ -103,6 +137,8 @@ class BlockPool:
             self.ref_counts[block] = count
             if count:
                 continue
+            if self.group_held is not None:
+                self.group_held[self.block_group[block]] -= 1
             queue[block] = None
             if self.hashes[block]:
                 self.state[block] = BLOCK_CACHED
@@ -194,3 +230,6 @@ class BlockPool:
         self.free_block_queue = OrderedDict.fromkeys([b for b in order if not hashed[b]] +
                                                      [b for b in order if hashed[b]])
         self.num_cached_free_blocks = int((unreferenced & hashed).sum())
+        if self.group_held is not None:
+            held = np.bincount(self.block_group[~unreferenced], minlength=len(self.group_held))
+            self.group_held = held.tolist()

@@ -137,7 +137,9 @@ class FakeRunner:
             num_device_blocks=num_device_blocks, num_host_blocks=num_host_blocks, max_model_len=max_model_len,
             vocab_size=self.tokenizer.vocab_size, eos_token_ids=frozenset({self.tokenizer.eos_token_id}),
             kv_cache_bytes=None, kv_layout=self.kv_layout, kv_cache_groups=kv_cache_groups,
-            banner=format_banner(num_device_blocks, self.block_size, None, max_model_len) + " (fake runner)")
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            banner=format_banner(num_device_blocks, self.block_size, None, max_model_len, "cpu", kv_cache_groups,
+                                 config.max_num_batched_tokens) + " (fake runner)")
         self.pool = np.full((num_device_blocks, self.block_size), -1, dtype=np.int64)
         self.host_pool = np.full((max(num_host_blocks, 1), self.block_size), -1, dtype=np.int64)
         self._weights = np.random.default_rng(0).integers(1, 2**63, max_model_len, dtype=np.uint64)

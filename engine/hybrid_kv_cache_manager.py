@@ -27,8 +27,8 @@ from collections.abc import Iterable
 
 from kvscope.engine.block_pool import NULL_BLOCK, BlockPool
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence, first_needed_block
-from kvscope.engine.kv_cache_manager import _HASH_MASK, KVCacheManager, cdiv, fill_blocks
+from kvscope.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence, first_needed_block, longest_sequence
+from kvscope.engine.kv_cache_manager import _HASH_MASK, KVCacheManager, KVCacheState, cdiv, fill_blocks
 from kvscope.engine.request import Request, Sequence
 
 Tables = tuple[tuple[int, ...], ...]
@@ -55,7 +55,15 @@ class HybridKVCacheManager(KVCacheManager):
         self.windows = tuple(group.sliding_window for group in groups)
         self.chunk = max_num_batched_tokens
         self._hits: dict[int, Tables] = {}     # seq_id -> every group's cached prefix, found for admission
-        self.num_window_freed_blocks = 0        # cumulative: blocks sliding groups gave back as requests advanced
+        self.block_pool.track_groups(len(groups))
+        # Per group, cumulative: table entries a sliding window let go of as requests advanced; and the same at
+        # the last published step, so each step reports its own.
+        self.window_freed_blocks = [0] * len(groups)
+        self._window_freed_published = (0,) * len(groups)
+
+    @property
+    def num_window_freed_blocks(self) -> int:
+        return sum(self.window_freed_blocks)
 
     # ---- sizing ---------------------------------------------------------------------------------
 
@@ -63,18 +71,11 @@ class HybridKVCacheManager(KVCacheManager):
         return n * blocks_per_sequence(self.groups, num_prompt_tokens + max_tokens - 1, self.block_size, self.chunk)
 
     def max_request_tokens(self, n: int) -> int:
-        """The inverse of max_blocks_needed, by bisection (the blocks needed grow with the tokens)."""
-        num_blocks = self.block_pool.num_blocks
-        if num_blocks // n == 0:
+        """The inverse of max_blocks_needed: each sample's tokens but the last fit in its share of the pool."""
+        share = self.block_pool.num_blocks // n
+        if share == 0:
             return 0
-        low, high = 1, self.max_model_len     # low always fits
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.max_blocks_needed(mid, 0, n) <= num_blocks:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return 1 + longest_sequence(self.groups, share, self.block_size, self.chunk, self.max_model_len - 1)
 
     # ---- prefix cache ---------------------------------------------------------------------------
 
@@ -140,7 +141,8 @@ class HybridKVCacheManager(KVCacheManager):
             tables = found[seq.seq_id]
             num_hit = len(tables[0])
             missing = cdiv(num_hit * bs + num_new, bs) - num_hit
-            self._set_tables(seq, tuple((*table, *pool.allocate(missing)) for table in tables))
+            self._set_tables(seq, tuple((*table, *pool.allocate(missing, group))
+                                        for group, table in enumerate(tables)))
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += num_hit * bs
@@ -154,7 +156,8 @@ class HybridKVCacheManager(KVCacheManager):
         return super().allocate_slots(request, plan)
 
     def _grow(self, seq: Sequence, missing: int) -> None:
-        self._set_tables(seq, tuple((*table, *self.block_pool.allocate(missing)) for table in seq.group_tables))
+        self._set_tables(seq, tuple((*table, *self.block_pool.allocate(missing, group))
+                                    for group, table in enumerate(seq.group_tables)))
 
     def append_slot(self, seq: Sequence) -> bool:
         self._free_out_of_window(seq)
@@ -163,7 +166,8 @@ class HybridKVCacheManager(KVCacheManager):
             return True
         if len(self.block_pool.free_block_queue) < len(tables):
             return False
-        self._set_tables(seq, tuple((*table, *self.block_pool.allocate(1)) for table in tables))
+        self._set_tables(seq, tuple((*table, *self.block_pool.allocate(1, group))
+                                    for group, table in enumerate(tables)))
         return True
 
     def _free_out_of_window(self, seq: Sequence) -> None:
@@ -178,10 +182,10 @@ class HybridKVCacheManager(KVCacheManager):
             if first and table[first - 1] != NULL_BLOCK:
                 gone = [block for block in table[:first] if block != NULL_BLOCK]
                 freed.extend(reversed(gone))
+                self.window_freed_blocks[group] += len(gone)
                 tables[group] = (NULL_BLOCK,) * first + table[first:]
         if freed:
             self.block_pool.free(freed)
-            self.num_window_freed_blocks += len(freed)
             self._set_tables(seq, tuple(tables))
 
     def _set_tables(self, seq: Sequence, tables: Tables) -> None:
@@ -246,7 +250,21 @@ class HybridKVCacheManager(KVCacheManager):
                 seq.host_group_tables, seq.group_tables = new_tables, ()
             else:
                 seq.group_tables, seq.host_group_tables = new_tables, ()
+                for group, table in enumerate(new_tables[1:], start=1):    # allocate() took them for group 0
+                    dst_pool.assign_group(dict.fromkeys(b for b in table if b != NULL_BLOCK), group)
         return moved
+
+    # ---- the state copy -------------------------------------------------------------------------
+
+    def copy_state(self, advance: bool = True) -> KVCacheState:
+        """The one-group state, with each group's blocks in use and what its window let go of."""
+        state = super().copy_state(advance)
+        freed = tuple(self.window_freed_blocks)
+        step = tuple(now - before for now, before in zip(freed, self._window_freed_published, strict=True))
+        if advance:
+            self._window_freed_published = freed
+        return state._replace(group_held_blocks=tuple(self.block_pool.group_held), window_freed_blocks=freed,
+                              window_freed_step=step)
 
 
 def make_kv_cache_manager(config: EngineConfig, num_blocks: int, num_host_blocks: int, block_size: int,

@@ -67,6 +67,20 @@ def blocks_per_sequence(groups: Sequence[KVCacheGroup], num_tokens: int, block_s
     return total
 
 
+def longest_sequence(groups: Sequence[KVCacheGroup], num_blocks: int, block_size: int, chunk: int,
+                     limit: int) -> int:
+    """The most tokens, up to ``limit``, one sequence can have while holding at most ``num_blocks`` blocks across
+    all groups: the inverse of blocks_per_sequence, by bisection (the blocks held grow with the tokens)."""
+    low, high = 0, limit     # low always fits: no tokens, no blocks
+    while low < high:
+        mid = (low + high + 1) // 2
+        if blocks_per_sequence(groups, mid, block_size, chunk) <= num_blocks:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 def max_concurrency(groups: Sequence[KVCacheGroup], num_blocks: int, block_size: int, max_model_len: int,
                     chunk: int) -> float:
     """vLLM's "Maximum concurrency": how many requests of max_model_len tokens the pool holds at once, from what

@@ -65,6 +65,11 @@ class KVCacheState(NamedTuple):
     num_swapped_in_blocks: int
     num_copy_on_write_blocks: int
     num_evicted_blocks: int
+    # With KV-cache groups, per group: blocks in use, and blocks its sliding window let go of (cumulative, and
+    # since the last published step). Empty with one group.
+    group_held_blocks: tuple[int, ...] = ()
+    window_freed_blocks: tuple[int, ...] = ()
+    window_freed_step: tuple[int, ...] = ()
 
 
 class CopyOnWrite(NamedTuple):
@@ -230,7 +235,7 @@ class KVCacheManager:
         index = seq.num_computed_tokens // self.block_size
         table = self._tables(seq, False)[group]
         src = table[index]
-        dst = pool.allocate(1)[0]
+        dst = pool.allocate(1, group)[0]
         pool.fill[dst] = pool.fill[src]     # allocate() marked dst
         self._set_table(seq, group, (*table[:index], dst, *table[index + 1:]))
         pool.free([src])

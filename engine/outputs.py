@@ -25,6 +25,9 @@ from kvscope.engine.kv_cache_groups import KVCacheGroup
 BLOCK_FREE = 0      # ref count 0, holds no cached prefix
 BLOCK_USED = 1      # ref count >= 1
 BLOCK_CACHED = 2    # ref count 0 but still holds a prefix hash: reusable until evicted
+# A group table entry whose block a sliding window gave back (RequestView.group_block_tables); engine/block_pool.py
+# says what the engine does with it.
+NULL_BLOCK = -1
 
 
 class _StrEnum(str, Enum):
@@ -170,6 +173,12 @@ class StepStats:
     num_free_host_blocks: int = 0
     num_copy_on_write_blocks: int = 0   # cumulative: blocks copied before a sample wrote into a shared one
     num_evicted_blocks: int = 0         # cumulative: cached prefix blocks dropped to make room
+    # With KV-cache groups (kv_cache_groups on the snapshot), one entry per group: device blocks its tables hold,
+    # and block-table entries its sliding window let go of as requests advanced (cumulative, and this step; always
+    # 0 for a full-attention group). Empty with one group.
+    group_held_blocks: tuple[int, ...] = ()
+    window_freed_blocks: tuple[int, ...] = ()
+    window_freed_step: tuple[int, ...] = ()
 
 
 class RequestView(NamedTuple):

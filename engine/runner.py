@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from kvscope.engine.batch import ScheduledBatch
-from kvscope.engine.kv_cache_groups import KVCacheGroup, max_concurrency, pool_tokens
+from kvscope.engine.kv_cache_groups import (
+    KVCacheGroup,
+    blocks_per_sequence,
+    longest_sequence,
+    max_concurrency,
+    pool_tokens,
+)
 from kvscope.engine.outputs import KVLayout, TokenLogprob
 
 # One entry per BatchItem: the token drawn for each of its sample_indices, or None when the item failed
@@ -61,6 +67,8 @@ class RunnerInfo:
     kv_layout: KVLayout | None = None   # None for a runner that holds no real K/V and pretends no shape
     # The layers grouped by attention kind (engine/kv_cache_groups.py); empty: one group, every layer full.
     kv_cache_groups: tuple[KVCacheGroup, ...] = ()
+    # The step's token budget the pool was sized with: a sliding group holds a window plus a step's chunk.
+    max_num_batched_tokens: int = 1
 
 
 @runtime_checkable
@@ -87,15 +95,35 @@ def kv_cache_sentence(device: str, num_tokens: int, max_model_len: int, detail: 
             f"{concurrency:.2f}x")
 
 
+def pool_capacity(info: RunnerInfo) -> tuple[int, float]:
+    """vLLM's two figures for this pool: the tokens it holds (in every group at once) and its "Maximum
+    concurrency" for max_model_len, from what each group really holds of a request."""
+    groups, blocks, size = info.kv_cache_groups, info.num_device_blocks, info.block_size
+    if not groups:
+        return blocks * size, blocks * size / info.max_model_len
+    return (pool_tokens(groups, blocks, size),
+            max_concurrency(groups, blocks, size, info.max_model_len, info.max_num_batched_tokens))
+
+
+def capacity_sentence(info: RunnerInfo) -> str:
+    """kv_cache_sentence for a built runner: the server's start-up line."""
+    tokens, concurrency = pool_capacity(info)
+    return kv_cache_sentence(info.device, tokens, info.max_model_len, concurrency=concurrency)
+
+
 def pool_warning(info: RunnerInfo) -> str | None:
     """What a pool smaller than one request of max_model_len means, said at start (where vLLM refuses to start):
-    the server's log, the window's toast and `kvscope chat` all say it in these words."""
-    pool_tokens = info.num_device_blocks * info.block_size
-    if pool_tokens >= info.max_model_len:
+    the server's log, the window's toast and `kvscope chat` all say it in these words. With KV-cache groups a
+    request needs in each group what that group holds of it (a sliding group only its window's blocks)."""
+    groups, blocks, size, chunk = (info.kv_cache_groups, info.num_device_blocks, info.block_size,
+                                   info.max_num_batched_tokens)
+    if blocks_per_sequence(groups, info.max_model_len, size, chunk) <= blocks:
         return None
-    return (f"The KV pool holds {pool_tokens:,} tokens, less than one request of max_model_len "
+    fits = longest_sequence(groups, blocks, size, chunk, info.max_model_len)
+    holds = f"{fits:,} tokens of one request in its {len(groups)} KV-cache groups" if groups else f"{fits:,} tokens"
+    return (f"The KV pool holds {holds}, less than one request of max_model_len "
             f"({info.max_model_len:,} tokens): longer requests will be refused; pass --max-model-len "
-            f"{pool_tokens:,} (or less), or a larger pool with --num-blocks or --kv-cache-memory")
+            f"{fits:,} (or less), or a larger pool with --num-blocks or --kv-cache-memory")
 
 
 def format_banner(num_blocks: int, block_size: int, pool_bytes: int | None, max_model_len: int,

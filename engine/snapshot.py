@@ -93,4 +93,6 @@ def build_stats(scheduler: Scheduler, cache: KVCacheState, step: int, now: float
         forward_duration=times.executed - times.scheduled, num_host_blocks=cache.num_host_blocks,
         num_free_host_blocks=cache.num_free_host_blocks, schedule_duration=times.scheduled - times.start,
         num_copy_on_write_blocks=cache.num_copy_on_write_blocks, num_evicted_blocks=cache.num_evicted_blocks,
-        update_duration=times.updated - times.executed, snapshot_duration=times.snapshotted - times.updated)
+        update_duration=times.updated - times.executed, snapshot_duration=times.snapshotted - times.updated,
+        group_held_blocks=cache.group_held_blocks, window_freed_blocks=cache.window_freed_blocks,
+        window_freed_step=cache.window_freed_step)

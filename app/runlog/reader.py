@@ -16,7 +16,7 @@ from typing import TextIO
 import sqlite_utils
 
 from kvscope.app.runlog.liveness import process_alive
-from kvscope.app.runlog.schema import check_readable, connect
+from kvscope.app.runlog.schema import GROUP_COLUMNS, check_readable, connect
 from kvscope.app.runlog.snapshots import SnapshotDecoder
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, StepStats
 
@@ -63,7 +63,10 @@ class ReplayFrame:
 
 
 def _stats(row: dict) -> StepStats:
-    return StepStats(**{name: row[name] for name in _STATS_FIELDS if name in row})
+    fields = {name: row[name] for name in _STATS_FIELDS if name in row}
+    for name in GROUP_COLUMNS:   # JSON lists; NULL (one group, or an older log): none
+        fields[name] = tuple(json.loads(row.get(name) or "[]"))
+    return StepStats(**fields)
 
 
 def _event(row: dict) -> EngineEvent:

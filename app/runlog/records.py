@@ -9,13 +9,14 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from kvscope.app.runlog.schema import STEP_COLUMNS
+from kvscope.app.runlog.schema import GROUP_COLUMNS, STEP_COLUMNS
 from kvscope.app.runlog.snapshots import SnapshotEncoder
 from kvscope.engine.outputs import RequestOutput, StepResult, StepStats
 
 # The steps table's columns that are StepStats fields, copied as they are; the rest (run_id, the generated tokens
 # counted here, the used blocks) the builder fills itself.
-_STATS_COLUMNS = tuple(name for name in STEP_COLUMNS if name in {f.name for f in dataclasses.fields(StepStats)})
+_STATS_COLUMNS = tuple(name for name in STEP_COLUMNS if name in {f.name for f in dataclasses.fields(StepStats)}
+                       and name not in GROUP_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,9 @@ class RowBuilder:
         row = {"run_id": self.run_id, "num_generated_tokens": generated,
                "num_used_blocks": stats.num_total_blocks - stats.num_free_blocks}
         row.update((name, getattr(stats, name)) for name in _STATS_COLUMNS)
+        # Every row has every key (the writer inserts a batch with the first row's columns): NULL for one group.
+        row.update((name, json.dumps(list(getattr(stats, name))) if stats.group_held_blocks else None)
+                   for name in GROUP_COLUMNS)
         rows.steps.append(row)
         rows.events.extend(
             {"run_id": self.run_id, "step": step, "kind": e.kind, "request_id": e.request_id,

@@ -18,7 +18,7 @@ from pathlib import Path
 import sqlite_utils
 from sqlite_utils.db import ForeignKey
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 RUN_TABLES = ("runs", "requests", "steps", "events", "snapshots")
 BUSY_TIMEOUT_S = 1.0
 # How SQLite says it could not create the WAL index of a read-only connection.
@@ -43,7 +43,9 @@ _STEPS_V1 = {
     "num_host_blocks": int, "num_free_host_blocks": int,
 }
 _STEPS_V3 = ("num_copy_on_write_blocks", "num_evicted_blocks")
-STEP_COLUMNS = (*_STEPS_V1, *_STEPS_V3)   # the steps table at SCHEMA_VERSION
+# Per KV-cache group counters (StepStats' tuples), as JSON lists; NULL for a run with one group.
+GROUP_COLUMNS = ("group_held_blocks", "window_freed_blocks", "window_freed_step")
+STEP_COLUMNS = (*_STEPS_V1, *_STEPS_V3, *GROUP_COLUMNS)   # the steps table at SCHEMA_VERSION
 
 
 def _owned_by_run(table: str) -> list[ForeignKey]:
@@ -129,9 +131,16 @@ def _add_label(db: sqlite_utils.Database) -> None:
     db.create_view("run_summary", RUN_SUMMARY.replace("runs.source,", "runs.source, runs.label,"))
 
 
+def _add_group_counters(db: sqlite_utils.Database) -> None:
+    # A hybrid KV cache's counters per group; NULL for older steps and for one-group runs, read back as none.
+    for column in GROUP_COLUMNS:
+        db["steps"].add_column(column, str)
+
+
 # MIGRATIONS[v] lifts a database at version v - 1 to version v.
 MIGRATIONS: dict[int, Callable[[sqlite_utils.Database], None]] = {
-    1: _create_v1, 2: _add_status_detail, 3: _add_copy_and_eviction_counters, 4: _add_label}
+    1: _create_v1, 2: _add_status_detail, 3: _add_copy_and_eviction_counters, 4: _add_label,
+    5: _add_group_counters}
 
 
 def connect(path: str, *, read_only: bool = False, timeout: float = BUSY_TIMEOUT_S) -> sqlite_utils.Database:

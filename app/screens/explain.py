@@ -36,7 +36,10 @@ the order of its block table; the same key again, or **Esc**, shows the whole po
 Move the cursor (arrows, or the mouse) to inspect a block; **Enter** (or a click) selects its
 request: every other block dims, so the selected request's blocks stand out wherever they
 are, and the block table below lists them in order; **Esc** on the map clears it. The chat
-reply's blocks are tinted while it streams.
+reply's blocks are tinted while it streams. A model with **sliding-window** layers keeps its
+layers in KV-cache groups, one block table each: **w** shows one attention kind's blocks at a
+time (full attention, then the sliding window), the rest dimmed. A sliding window holds only
+its last few blocks of a request and gives the older ones back as the request advances.
 
 ## Block table
 The selected request's **block table**: logical block 0, 1, 2… of its sequence and the
@@ -54,7 +57,8 @@ the prefix cache, *preempt* how often the request was pushed out.
 utilisation** (slots holding a token, out of the slots handed out), the **prefix-cache hit
 rate** in tokens, **preemptions**, blocks **swapped** out and back in, and **CoW/evicted**: blocks
 copied on write (a sample about to write into a block other samples share gets its own copy)
-and cached blocks evicted to make room, least recently used first.
+and cached blocks evicted to make room, least recently used first. With KV-cache groups:
+the blocks each attention kind **holds**, and the blocks sliding windows have **freed**.
 
 ## Paged vs contiguous
 Before paging, servers reserved one contiguous region of `max_model_len` tokens for every

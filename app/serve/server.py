@@ -38,7 +38,7 @@ from kvscope.app.serve.limits import (
 from kvscope.app.serve.metrics import ServeMetrics
 from kvscope.app.serve.routes import ServeState, build_app
 from kvscope.app.serve.status_log import STATUS_INTERVAL_S, StatusLine, StatusLogger
-from kvscope.engine.runner import kv_cache_sentence, pool_warning
+from kvscope.engine.runner import capacity_sentence, pool_capacity, pool_warning
 
 log = logging.getLogger("kvscope.serve")
 GRACEFUL_SHUTDOWN_S = 30.0
@@ -181,13 +181,13 @@ class ServeApp:
     def _cache_config(self) -> dict[str, str]:
         """vllm:cache_config_info's labels: vLLM's names, kvscope's values (num_cpu_blocks is the swap pool)."""
         info, config = self.engine.info, self.engine.config
-        tokens = info.num_device_blocks * info.block_size
+        tokens, concurrency = pool_capacity(info)
         return {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_device_blocks),
                 "num_cpu_blocks": str(info.num_host_blocks or None), "cache_dtype": "auto",
                 "enable_prefix_caching": str(config.enable_prefix_caching and config.allocator == "paged"),
                 "gpu_memory_utilization": str(config.gpu_memory_utilization),
                 "kv_cache_memory_bytes": str(info.kv_cache_bytes), "kv_cache_size_tokens": str(tokens),
-                "kv_cache_max_concurrency": f"{tokens / info.max_model_len:.1f}",
+                "kv_cache_max_concurrency": f"{concurrency:.1f}",
                 "prefix_caching_hash_algo": "builtin", "sliding_window": "None"}
 
     @property
@@ -218,7 +218,7 @@ class ServeApp:
             return
         info = self.engine.info
         log.info("kvscope serve %s · model %s (%s, %s)", __version__, self.facts.model_name, info.device, info.dtype)
-        log.info(kv_cache_sentence(info.device, info.num_device_blocks * info.block_size, info.max_model_len))
+        log.info(capacity_sentence(info))
         if self.publisher is not None:
             config = self.publisher.config
             log.info("KV-cache events: ZMQ on %s, replay on %s, topic %r", config.endpoint,

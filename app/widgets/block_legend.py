@@ -2,6 +2,8 @@
 
 The items are packed into lines for the current width and a line only ever
 breaks between two items, so a swatch never ends one line with its words on the next.
+With KV-cache groups one more item names the attention kinds the map's ``w`` key
+steps through, the one shown marked.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from textual.content import Content
 from textual.events import Resize
 from textual.widgets import Static
 
+from kvscope.app.widgets.group_kinds import kind_name
 from kvscope.themes.palette import owner_variable
 
 _OWNERS = "".join(f"[${owner_variable(i)}]█[/]" for i in range(4))
@@ -26,6 +29,13 @@ ITEMS = (
     "[$block-owner-1 on $block-chat]▓[/] chat reply",
 )
 GAP = "  "
+
+
+def kinds_item(kinds: tuple[int | None, ...], shown: int | None) -> str:
+    """The legend's item for a pool with groups: "w groups: full attention · sliding window 512", the shown kind
+    in reverse."""
+    names = [f"[reverse]{kind_name(w)}[/]" if i == shown else kind_name(w) for i, w in enumerate(kinds)]
+    return "[b $accent]w[/] groups: " + " · ".join(names)
 
 
 def legend_lines(width: int, items: tuple[str, ...] = ITEMS) -> list[str]:
@@ -46,6 +56,14 @@ def legend_lines(width: int, items: tuple[str, ...] = ITEMS) -> list[str]:
 class BlockLegend(Static):
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__("\n".join(legend_lines(10_000)), id=id, classes=classes)
+        self.items = ITEMS
+
+    def show_kinds(self, kinds: tuple[int | None, ...], shown: int | None) -> None:
+        """The pool's attention kinds (none: one group, the legend as ever) and the one the map shows alone."""
+        items = (*ITEMS, kinds_item(kinds, shown)) if kinds else ITEMS
+        if items != self.items:
+            self.items = items
+            self.update("\n".join(legend_lines(self.size.width or 10_000, items)))
 
     def on_resize(self, event: Resize) -> None:
-        self.update("\n".join(legend_lines(self.size.width)))
+        self.update("\n".join(legend_lines(self.size.width, self.items)))

@@ -9,7 +9,8 @@ frame of a 340,000-block pool costs its cells, not its blocks.
 Where one cell stands for hundreds of blocks, two keys make the pool explorable: ``z`` zooms into the blocks
 around the cursor, one cell per block (the arrows scroll past the region's edges), and ``f`` shows only the
 selected request's blocks, one cell per block in the order of its block table. Esc, or the same key again,
-goes back to the whole pool.
+goes back to the whole pool. With KV-cache groups, ``w`` shows one attention kind's blocks at a time
+(map_groups.py says why a key and not a colour).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvscope.app.widgets import block_cells as cells
 from kvscope.app.widgets.cell_styles import RUN_KEY, CellStyles
 from kvscope.app.widgets.line_cache import LineCache
 from kvscope.app.widgets.map_aggregates import MapAggregates
+from kvscope.app.widgets.map_groups import GroupSelector
 from kvscope.app.widgets.theme_styled import ThemeStyled
 from kvscope.engine.outputs import BlockArrays, CacheSnapshot
 from kvscope.themes.palette import NUM_OWNER_COLOURS, owner_variable
@@ -37,7 +39,7 @@ SWAPPED_GLYPH = "▚"
 MAX_KEPT_VERSIONS = 1024   # steps' changes kept between two frames; past that, reading the pool once is cheaper
 
 
-class BlockMap(CellStyles, ThemeStyled, Widget, can_focus=True):
+class BlockMap(GroupSelector, CellStyles, ThemeStyled, Widget, can_focus=True):
     BINDINGS = [
         Binding("left", "move(-1, 0)", "Left", show=False),
         Binding("right", "move(1, 0)", "Right", show=False),
@@ -49,6 +51,8 @@ class BlockMap(CellStyles, ThemeStyled, Widget, can_focus=True):
                 "(the arrows scroll on); again, or Esc, for the whole pool"),
         Binding("f", "focus_request", "Focus", tooltip="Only the selected request's blocks (else the cursor's "
                 "owner), one cell per block in table order; again, or Esc, for the whole pool"),
+        Binding("w", "next_kind", "Groups", tooltip="One attention kind's blocks at a time (full attention, "
+                "sliding window), the rest dimmed; after the last, the whole pool. Only with KV-cache groups"),
     ]
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
@@ -76,6 +80,7 @@ class BlockMap(CellStyles, ThemeStyled, Widget, can_focus=True):
 
     def show_snapshot(self, snapshot: CacheSnapshot) -> None:
         self.snapshot = snapshot
+        self._follow_kinds(snapshot)
         self._recompute()
 
     def note_step(self, snapshot: CacheSnapshot) -> None:
@@ -130,7 +135,8 @@ class BlockMap(CellStyles, ThemeStyled, Widget, can_focus=True):
             data = cells.block_cells(aggregates, shown, layout.blocks_per_cell)
         codes = cells.codes(
             data, snapshot.block_size,
-            selected=self._cells_of(cells.request_blocks(snapshot, self.selected_request), layout),
+            selected=self._with_kind(self._cells_of(cells.request_blocks(snapshot, self.selected_request), layout),
+                                     layout),
             chat=self._cells_of(cells.request_blocks(snapshot, self.chat_request), layout),
             cursor=self.cursor_cell if self.has_focus or self.mouse_hover else None,
             marked=self._cells_of(np.array(self.marked_blocks, dtype=np.int64) if self.marked_blocks else None,
@@ -194,19 +200,6 @@ class BlockMap(CellStyles, ThemeStyled, Widget, can_focus=True):
             host_row = self.size.height - 1
             self._lines.drop(host_row)
             self.refresh(Region(0, host_row, self.size.width, 1))
-
-    def _caption(self) -> str:
-        layout, total = self.map_layout, self.snapshot.num_blocks
-        if self.focused_request is not None:
-            if not layout.num_blocks:
-                return f"{self.focused_request} holds no device blocks now · f: whole pool"
-            return f"{self.focused_request}: {layout.num_blocks:,} blocks in table order · f: whole pool"
-        if self.zoom_start is not None:
-            last = self.zoom_start + layout.num_blocks - 1
-            return f"blocks {self.zoom_start:,}-{last:,} of {total:,} · 1 cell = 1 block · z: whole pool"
-        per_cell = "1 cell = 1 block" if layout.blocks_per_cell == 1 else \
-            f"1 cell = {layout.blocks_per_cell} blocks (pool larger than the panel)"
-        return f"{layout.num_blocks:,} blocks · {per_cell}"
 
     # --- line API ------------------------------------------------------------------------
 

@@ -11,6 +11,10 @@ does not say what changed.
 A block's owner (its colour) is the earliest-arriving request holding it, whatever order the queues list
 requests in, so it can be kept from the tables' differences alone; a cell shows the owner of its first block
 in use.
+
+With KV-cache groups each held block also has an attention kind (group_kinds.py: a block serves one group, and
+keeps it while held), taken from the tables of the requests that changed, and each cell counts its held blocks
+of each kind, so the map can show one kind's blocks in O(cells) a frame.
 """
 
 from __future__ import annotations
@@ -19,7 +23,16 @@ import itertools
 
 import numpy as np
 
-from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, BlockArrays, CacheSnapshot, RequestView
+from kvscope.app.widgets.group_kinds import attention_kinds, kind_of_group
+from kvscope.engine.outputs import (
+    BLOCK_CACHED,
+    BLOCK_FREE,
+    BLOCK_USED,
+    NULL_BLOCK,
+    BlockArrays,
+    CacheSnapshot,
+    RequestView,
+)
 
 # Cell kinds, ordered by how much they matter when one cell stands for several blocks.
 KIND_FREE, KIND_CACHED, KIND_USED, KIND_SHARED = 0, 1, 2, 3
@@ -90,6 +103,13 @@ class MapAggregates:
         self._has_others = np.zeros(padded, dtype=bool)
         # id -> (arrival, tables, the blocks held: built when first needed, as most requests only grow a table)
         self._tables: dict[str, tuple[int, tuple, np.ndarray | None]] = {}
+        # With KV-cache groups: each group's kind, each block's kind (from the last tables that held it), the kind
+        # each held block is counted under (-1: not held), and per cell the held blocks of each kind.
+        self.group_kinds: tuple[int, ...] = ()
+        self.num_kinds = 0
+        self.block_kind = np.zeros(0, dtype=np.int8)
+        self.counted_kind = np.zeros(0, dtype=np.int8)
+        self.kind_counts = np.zeros((self.num_cells, 0), dtype=np.int32)
 
     # --- bringing it up to date -------------------------------------------------------------------
 
@@ -98,6 +118,7 @@ class MapAggregates:
         oldest first (the live window keeps them); without them, only the step right after still applies its
         changes, and anything further reads the whole arrays."""
         self._update_blocks(snapshot.blocks, versions)
+        self._follow_groups(snapshot)
         self._update_owners(snapshot.requests)
 
     def _update_blocks(self, blocks: BlockArrays, versions) -> None:
@@ -158,12 +179,29 @@ class MapAggregates:
             rows = self.kind.reshape(self.num_cells, width)[lost]
             self.first_used[lost] = first_in_use(rows, width)
 
+    def _follow_groups(self, snapshot: CacheSnapshot) -> None:
+        """Start counting kinds for the snapshot's groups; another engine's groups start the owners over too,
+        so every request's blocks are taken again under their kind (once, O(blocks))."""
+        kinds = kind_of_group(snapshot.kv_cache_groups)
+        if kinds == self.group_kinds:
+            return
+        padded = self.num_cells * self.blocks_per_cell
+        self.group_kinds, self.num_kinds = kinds, len(attention_kinds(snapshot.kv_cache_groups))
+        self.block_kind = np.zeros(padded, dtype=np.int8)
+        self.counted_kind = np.full(padded, -1, dtype=np.int8)
+        self.kind_counts = np.zeros((self.num_cells, self.num_kinds), dtype=np.int32)
+        self.owner[:] = -1
+        self._other_holders.clear()
+        self._has_others[:] = False
+        self._tables = {}
+
     def _update_owners(self, requests: tuple[RequestView, ...]) -> None:
         """Each request's tables against the last frame's: what it gained and lost changes who holds what. All
         that was lost is let go first, then all that was gained is taken, each in one pass over the pool."""
         tables = self._tables
         now: dict[str, tuple[int, tuple, np.ndarray | None]] = {}
         gained, lost = _Changes(), _Changes()
+        retagged: list[np.ndarray] = []
         for view in requests:
             request_id = view.request_id
             before = tables.pop(request_id, None)
@@ -171,6 +209,8 @@ class MapAggregates:
                 now[request_id] = before
                 continue
             now[request_id] = (view.arrival_index, view.block_tables, None)
+            if self.group_kinds:
+                retagged.extend(self._take_kinds(view))
             if before is None or before[0] != view.arrival_index:
                 if before is not None:
                     lost.add(_held(*before[1:]), before[0])
@@ -182,8 +222,35 @@ class MapAggregates:
         for arrival, old_tables, held in tables.values():     # requests that left the snapshot
             lost.add(_held(old_tables, held), arrival)
         self._tables = now
-        self._drop(*lost.arrays())
-        self._hold(*gained.arrays())
+        lost_blocks, gained_blocks = lost.arrays(), gained.arrays()
+        self._drop(*lost_blocks)
+        self._hold(*gained_blocks)
+        if self.group_kinds:
+            self._count_kinds(np.unique(np.concatenate([lost_blocks[0], gained_blocks[0], *retagged])))
+
+    def _take_kinds(self, view: RequestView) -> list[np.ndarray]:
+        """Each block in a changed request's group tables is of its group's kind (O(the request's blocks)); the
+        blocks whose kind this changed (a block a window let go of may come back to the same request in another
+        group between two frames, held all along as the map sees it)."""
+        retagged = []
+        for tables in view.group_block_tables:
+            for group, table in enumerate(tables):
+                blocks = np.fromiter(table, dtype=np.int64, count=len(table))
+                blocks = blocks[blocks != NULL_BLOCK]
+                kind = self.group_kinds[group]
+                retagged.append(blocks[self.block_kind[blocks] != kind])
+                self.block_kind[blocks] = kind
+        return retagged
+
+    def _count_kinds(self, blocks: np.ndarray) -> None:
+        """Recount the blocks whose holders changed: a block counts under its kind while anyone holds it."""
+        after = np.where(self.owner[blocks] >= 0, self.block_kind[blocks], -1).astype(np.int8)
+        before = self.counted_kind[blocks]
+        cells = blocks // self.blocks_per_cell
+        was, now = before >= 0, after >= 0
+        np.subtract.at(self.kind_counts, (cells[was], before[was]), 1)
+        np.add.at(self.kind_counts, (cells[now], after[now]), 1)
+        self.counted_kind[blocks] = after
 
     def _hold(self, blocks: np.ndarray, arrivals: np.ndarray) -> None:
         if not blocks.size:
@@ -242,6 +309,10 @@ class MapAggregates:
         first = np.minimum(self.first_used, width - 1)
         owners = self.owner[np.arange(self.num_cells) * width + first]
         return np.where(self.first_used < width, owners, -1)
+
+    def cells_of_kind(self, kind: int) -> np.ndarray:
+        """The cells holding blocks of this attention kind: O(cells)."""
+        return np.flatnonzero(self.kind_counts[:, kind])
 
     def cells_in_use(self) -> np.ndarray:
         return self.counts[:, KIND_USED] + self.counts[:, KIND_SHARED]

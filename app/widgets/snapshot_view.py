@@ -35,7 +35,7 @@ from textual import events
 from textual.app import ComposeResult
 from textual.widget import Widget
 
-from kvscope.app.messages import BlockHighlighted, RequestSelected
+from kvscope.app.messages import AttentionKindShown, BlockHighlighted, RequestSelected
 from kvscope.app.widgets.block_inspector import BlockInspector
 from kvscope.app.widgets.block_legend import BlockLegend
 from kvscope.app.widgets.block_map import BlockMap
@@ -43,6 +43,7 @@ from kvscope.app.widgets.block_table import BlockTable
 from kvscope.app.widgets.box import Box, titled
 from kvscope.app.widgets.counters import Counters
 from kvscope.app.widgets.event_line import EventLine
+from kvscope.app.widgets.group_kinds import attention_kinds
 from kvscope.app.widgets.paged_vs_contiguous import PagedVsContiguous
 from kvscope.app.widgets.queues import QueuesTable
 from kvscope.engine.outputs import BLOCK_FREE, CacheSnapshot, EngineEvent, StepStats
@@ -92,6 +93,7 @@ class SnapshotView(Box):
         self.block_map = titled(BlockMap(id="block-map", classes="panel"), "Block map")
         self.event_line = EventLine(id="event-line")
         self.inspector = titled(BlockInspector(id="inspector", classes="panel"), "Block")
+        self.legend = BlockLegend(id="legend")
         self.counters = titled(Counters(id="counters", classes="panel"), "Counters")
         self.paged = titled(PagedVsContiguous(id="paged", classes="panel"), "Paged vs contiguous")
         self.block_table = titled(BlockTable(id="block-table", classes="panel"), "Block table")
@@ -102,7 +104,7 @@ class SnapshotView(Box):
             with Box(id="map-column"):
                 yield self.block_map
                 yield self.event_line
-                yield BlockLegend(id="legend")
+                yield self.legend
                 yield self.inspector
             yield from self._beside_map
         with Box(id="stats", classes="row"):
@@ -156,11 +158,12 @@ class SnapshotView(Box):
         """The map and the block under its cursor: what moves from step to step."""
         self.block_map.show_snapshot(snapshot)
         self.inspector.show_snapshot(snapshot)
+        self._show_kinds()
 
     def show_figures(self, snapshot: CacheSnapshot, stats: StepStats, events: tuple[EngineEvent, ...] = (),
                      previous: CacheSnapshot | None = None) -> None:
         """The panels of numbers and rows: counters, paged vs contiguous, block table, queues, event line."""
-        self.counters.show_stats(stats)
+        self.counters.show_stats(stats, snapshot.kv_cache_groups)
         self.paged.show_snapshot(snapshot, self._contiguous_row(snapshot))
         self.block_table.show_snapshot(snapshot)
         self.queues.show_snapshot(snapshot, events)
@@ -188,6 +191,15 @@ class SnapshotView(Box):
     def on_request_selected(self, message: RequestSelected) -> None:
         message.stop()
         self.select_request(message.request_id)
+
+    def on_attention_kind_shown(self, message: AttentionKindShown) -> None:
+        message.stop()
+        self._show_kinds()
+
+    def _show_kinds(self) -> None:
+        snapshot = self.block_map.snapshot
+        kinds = attention_kinds(snapshot.kv_cache_groups) if snapshot is not None else ()
+        self.legend.show_kinds(kinds, self.block_map.shown_kind)
 
     def on_block_highlighted(self, message: BlockHighlighted) -> None:
         message.stop()

@@ -109,7 +109,7 @@ class ModelRunner:
             num_host_blocks=self.num_host_blocks, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids, kv_cache_bytes=self.kv_cache_bytes, banner=self.banner,
             sampling_defaults=sampling_defaults(self.model.generation_config), kv_layout=self.kv_layout,
-            kv_cache_groups=self.kv_cache_groups)
+            kv_cache_groups=self.kv_cache_groups, max_num_batched_tokens=config.max_num_batched_tokens)
         _freeze_heap()
 
     def _resolve_max_model_len(self, text_config) -> int:

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from app_harness import FakeEngines, burst_steps, make_app, started, window
+from app_harness import FakeEngines, make_app, shared_and_burst_on_a_focused_map, window
 
-from kvscope.app.worker.commands import LaunchPreset
 from kvscope.engine.config import EngineConfig
 
 pytestmark = pytest.mark.anyio
@@ -22,15 +21,8 @@ def _app():
 async def _busy_big_pool(pilot):
     """Three requests sharing a system prompt on a pool of 40,000 blocks, the map focused, its cursor on the
     last request's last block."""
-    app = pilot.app
-    await started(pilot)    # the snapshot tests hand over a window that has not started yet
-    app.worker.send(LaunchPreset("shared", 3))
-    await burst_steps(pilot, 4, 10)
-    app.main.paint(force=True)
-    block_map = app.main.view.block_map
-    block_map.focus()
-    await pilot.pause()
-    view = app.main.latest.snapshot.requests[-1]
+    block_map = await shared_and_burst_on_a_focused_map(pilot, 4)
+    view = pilot.app.main.latest.snapshot.requests[-1]
     block_map.move_cursor_to_block(view.block_tables[0][-1])
     await pilot.pause()
     return block_map, view

@@ -156,6 +156,20 @@ async def burst_steps(pilot, num_requests: int, steps: int) -> None:
     await single_steps(pilot, steps)
 
 
+async def shared_and_burst_on_a_focused_map(pilot, num_requests: int):
+    """Three requests sharing a system prompt, then a burst of ``num_requests`` chat prompts over 10 steps; the
+    map drawn and focused. Returns the map."""
+    app = pilot.app
+    await started(pilot)    # the snapshot tests hand over a window that has not started yet
+    app.worker.send(LaunchPreset("shared", 3))
+    await burst_steps(pilot, num_requests, 10)
+    app.main.paint(force=True)
+    block_map = app.main.view.block_map
+    block_map.focus()
+    await pilot.pause()
+    return block_map
+
+
 async def type_chat(pilot, text: str) -> None:
     chat_input = pilot.app.main.query_one("#chat-input")
     chat_input.focus()

@@ -181,6 +181,24 @@ def _check_result(engine, result) -> None:
         for table in view.block_tables:
             np.add.at(owners, list(table), 1)
     assert np.array_equal(owners, snap.ref_counts), "snapshot tables do not explain the ref counts"
+    _check_group_counters(scheduler.kv, stats, scheduler.requests.values())
+
+
+def _check_group_counters(kv, stats, requests) -> None:
+    """Per group: the blocks in use are those its tables hold, and a full group's window frees nothing."""
+    if not kv.groups:
+        assert stats.group_held_blocks == stats.window_freed_blocks == stats.window_freed_step == ()
+        return
+    tables = [seq.group_tables for r in requests for seq in r.seqs if seq.group_tables]
+    held_per_group = tuple(len({b for t in tables for b in t[group] if b != NULL_BLOCK})
+                           for group in range(len(kv.groups)))
+    assert stats.group_held_blocks == held_per_group, "blocks in use per group != the groups' tables"
+    assert sum(held_per_group) == stats.num_total_blocks - stats.num_free_blocks
+    assert len(stats.window_freed_blocks) == len(stats.window_freed_step) == len(kv.groups)
+    for group, window in enumerate(kv.windows):
+        assert 0 <= stats.window_freed_step[group] <= stats.window_freed_blocks[group]
+        if window is None:
+            assert stats.window_freed_blocks[group] == 0, "a full group's window freed blocks"
 
 
 def run_checked(engine, max_steps: int = 10_000, on_step=None) -> list:

@@ -50,11 +50,15 @@ class RemovedFields(msgspec.Struct):
 
 
 class BlockStored(StoredFields, tag_field="type", tag="BlockStored"):
-    pass
+    # vLLM 0.32 names the KV-cache group and its kind (app/attach/feed/groups.py); only the map encoding can
+    # carry them: in the tagged arrays other fields come first.
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(RemovedFields, tag_field="type", tag="BlockRemoved"):
-    pass
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):

@@ -28,6 +28,7 @@ import msgspec
 import numpy as np
 
 from kvscope.app.attach.feed.events import CLEARED, DEVICE_MEDIA, REMOVED, STORED
+from kvscope.app.attach.feed.groups import GroupTally, block_key, group_of
 
 MASK64 = (1 << 64) - 1
 PREVIEW_TOKENS = 48     # tokens kept from a tree's root block(s) for the prefix panel
@@ -133,6 +134,7 @@ class PoolModel:
         self._next_tree = 0
         self._counts = dict.fromkeys(PoolCounters.__dataclass_fields__, 0)
         self._journal: tuple[list[int], list[int], list[int]] = ([], [], [0, 0, 0])
+        self.groups = GroupTally(size)   # the KV-cache groups the events name, if they name any
 
     # --- reading ----------------------------------------------------------------------
 
@@ -173,31 +175,38 @@ class PoolModel:
             kind = type(event)
             if kind in STORED:
                 if event.medium in DEVICE_MEDIA:
-                    self.store(event.block_hashes, event.parent_block_hash, event.token_ids)
+                    group = group_of(event)
+                    if group is not None:
+                        self.groups.learn(event, group)
+                    self.store(event.block_hashes, event.parent_block_hash, event.token_ids, group)
                 else:
                     self._counts["num_other_media"] += 1
             elif kind in REMOVED:
                 if event.medium in DEVICE_MEDIA:
-                    self.remove(event.block_hashes)
+                    self.remove(event.block_hashes, group_of(event))
                 else:
                     self._counts["num_other_media"] += 1
             elif kind in CLEARED:
                 self.clear()
                 self._counts["num_cleared"] += 1
 
-    def store(self, block_hashes, parent_hash, token_ids) -> None:
-        """``token_ids``: a list, or still encoded (msgspec.Raw), decoded only if a preview needs it."""
+    def store(self, block_hashes, parent_hash, token_ids, group: int | None = None) -> None:
+        """``token_ids``: a list, or still encoded (msgspec.Raw), decoded only if a preview needs it. ``group``:
+        the KV-cache group the event names, whose blocks are kept apart from the other groups' (groups.py)."""
         size = self.block_size
         tokens = _TokenSlicer(token_ids, size)
         reused = None   # the tree this event shows a request reusing, if any
         slot_of = self.slot_of
+        if group:
+            block_hashes = [block_key(block_hash, group) for block_hash in block_hashes]
+            parent_hash = block_key(parent_hash, group) if parent_hash is not None else None
         for index, block_hash in enumerate(block_hashes):
             slot = slot_of.get(block_hash)
             if slot is not None:
                 self._counts["num_duplicates"] += 1
                 reused = self._tree[slot] if reused is None else reused
             else:
-                forked = self._store_one(block_hash, parent_hash, tokens, index)
+                forked = self._store_one(block_hash, parent_hash, tokens, index, group)
                 reused = forked if reused is None else reused
             parent_hash = block_hash
         if reused is not None:
@@ -206,7 +215,8 @@ class PoolModel:
         self._counts["num_stored"] += len(block_hashes)
         self.version += 1
 
-    def _store_one(self, block_hash, parent_hash, tokens: _TokenSlicer, index: int) -> int | None:
+    def _store_one(self, block_hash, parent_hash, tokens: _TokenSlicer, index: int,
+                   group: int | None = None) -> int | None:
         """Give the block a slot; the tree it branched off, when it started a new branch of one."""
         slot = self._take_slot()
         if slot is None:
@@ -226,7 +236,8 @@ class PoolModel:
             self._parent[slot] = parent
             self._parent_generation[slot] = self._generation[parent]
         self.slot_of[block_hash] = slot
-        self._hash[slot] = hash_key(block_hash)
+        self._hash[slot] = hash_key(block_hash[1] if isinstance(block_hash, tuple) else block_hash)
+        self.groups.stored(slot, group)
         self._tree[slot] = tree
         self._depth[slot] = depth
         stats = self.trees[tree]
@@ -262,10 +273,10 @@ class PoolModel:
             return self._high_water - 1
         return None
 
-    def remove(self, block_hashes) -> None:
+    def remove(self, block_hashes, group: int | None = None) -> None:
         pop, removed = self.slot_of.pop, 0
         for block_hash in block_hashes:
-            slot = pop(block_hash, None)
+            slot = pop(block_key(block_hash, group), None)
             if slot is not None:
                 self._release(slot)
                 removed += 1
@@ -288,6 +299,7 @@ class PoolModel:
         self._touch(tree)
         self._hash[slot] = 0
         self._tree[slot] = -1
+        self.groups.released(slot)
         self._children[slot] = 0
         self._parent[slot] = -1
         self._generation[slot] += 1
@@ -313,6 +325,7 @@ class PoolModel:
         self.children_at[:used] = 0
         self.parent_at[:used] = -1
         self.generation_at[:used] += 1
+        self.groups.cleared(used)
         self._journal[2][2] += 1
         self.version += 1
 

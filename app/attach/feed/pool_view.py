@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvscope.app.attach.feed.groups import GroupSeen
 from kvscope.app.attach.feed.pool import PoolCounters, PoolModel
 from kvscope.engine.outputs import BLOCK_USED, CacheSnapshot, RequestView
 
@@ -56,6 +57,9 @@ class PoolView:
     num_trees: int
     trees: tuple[PrefixTree, ...]    # the MAX_TREES largest, largest first
     counters: PoolCounters
+    # The KV-cache groups the events named, with the blocks each holds; groups_named: whether any event named one.
+    groups: tuple[GroupSeen, ...] = ()
+    groups_named: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -93,7 +97,7 @@ class PoolPicture:
         snapshot = CacheSnapshot(step=step, block_size=pool.block_size, num_blocks=pool.num_blocks,
                                  allocator="vllm", **self._arrays(band), requests=self._request_views())
         return PoolView(self.label, snapshot, pool.num_known_blocks, in_use, band, len(pool.trees),
-                        tuple(trees), pool.counters)
+                        tuple(trees), pool.counters, pool.groups.groups(), pool.groups.named)
 
     def _arrays(self, band: int) -> dict[str, np.ndarray]:
         """The four per-block arrays, fresh copies (the model goes on changing its own). Only the slots

@@ -13,6 +13,7 @@ from synthetic_engine import SyntheticEngine
 
 from kvscope.app.runlog import RunLogReader, RunNotFound, open_run_log
 from kvscope.app.runlog.snapshots import SnapshotDecoder, SnapshotEncoder, unpack
+from kvscope.app.widgets.counters import describe_stats
 from kvscope.engine import LLMEngine, SamplingParams
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.fake_runner import FakeRunner
@@ -201,6 +202,14 @@ def test_a_real_engine_run_replays_exactly(tmp_path, groups):
     for frame, result in zip(frames, results, strict=True):
         assert frame.stats == dataclasses.replace(result.stats, **unrecorded) and frame.events == result.events
         assert_same_snapshot(frame.snapshot, result.snapshot)
+    if groups:  # the counters per group came back as they went in, and say something
+        assert sum(frame.stats.window_freed_step[1] for frame in frames) == frames[-1].stats.window_freed_blocks[1] > 0
+        # and the replay's counters panel says what the live one said
+        assert [describe_stats(f.stats, None, f.snapshot.kv_cache_groups) for f in frames] == [
+            describe_stats(r.stats, None, r.snapshot.kv_cache_groups) for r in results]
+        assert "window freed" in describe_stats(frames[-1].stats, None, groups)
+    else:
+        assert all(frame.stats.group_held_blocks == () for frame in frames)
     run = reader.run(logger.run_id)
     assert {"preempt", "swap_out", "swap_in"} <= set(run["events"])
     assert run["num_requests"] == run["num_finished_requests"] == 12

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvscope.app.widgets import block_cells as cells
+from kvscope.app.widgets.group_kinds import kind_of_group
 from kvscope.app.widgets.map_aggregates import (
     KIND_USED,
     NUM_KINDS,
@@ -19,8 +20,14 @@ from kvscope.app.widgets.map_aggregates import (
     owners_recounted,
 )
 from kvscope.engine import EngineConfig, SamplingParams
+from kvscope.engine.block_pool import NULL_BLOCK
 from kvscope.engine.config import RequestError
 from kvscope.engine.fake_runner import fake_engine
+from kvscope.engine.kv_cache_groups import KVCacheGroup
+
+# Two kinds (full, a window of 4 tokens), and one (a window on every layer).
+FULL_AND_SLIDING = (KVCacheGroup((0,), None), KVCacheGroup((1,), 4))
+SLIDING_ONLY = (KVCacheGroup((0, 1), 4),)
 
 
 def assert_recounted(aggregates: MapAggregates, snapshot) -> None:
@@ -39,6 +46,18 @@ def assert_recounted(aggregates: MapAggregates, snapshot) -> None:
     assert np.array_equal(aggregates.first_used, first)
     assert np.array_equal(first_in_use(rows, width), first)
     assert np.array_equal(aggregates.owner[:n], owners_recounted(snapshot))
+    if snapshot.kv_cache_groups:     # each held block counted once, under its group's attention kind
+        kind_of = kind_of_group(snapshot.kv_cache_groups)
+        held_kind = np.full(aggregates.num_cells * width, -1)
+        for view in snapshot.requests:
+            for tables in view.group_block_tables:
+                for group, table in enumerate(tables):
+                    held_kind[[b for b in table if b != NULL_BLOCK]] = kind_of[group]
+        expected = np.stack([(held_kind.reshape(-1, width) == k).sum(axis=1)
+                             for k in range(aggregates.num_kinds)], axis=1)
+        assert np.array_equal(aggregates.kind_counts, expected)
+        for k in range(aggregates.num_kinds):
+            assert np.array_equal(aggregates.cells_of_kind(k), np.flatnonzero(expected[:, k]))
     layout = cells.MapLayout(n, 8, 1, width)
     assert np.array_equal(cells.codes(cells.pool_cells(aggregates), snapshot.block_size),
                           cells.cell_codes(snapshot, layout))
@@ -59,14 +78,15 @@ def workloads(draw):
         st.one_of(st.none(), st.integers(0, 8))), min_size=1, max_size=7))   # aborted after that many steps
     # Per step: whether a frame is drawn, and whether the steps' changes since the last one were kept.
     frames = draw(st.lists(st.tuples(st.booleans(), st.integers(0, 5)), min_size=40, max_size=40))
-    return config, draw(st.integers(14, 40)), draw(st.integers(1, 5)), requests, frames
+    groups = draw(st.sampled_from([(), FULL_AND_SLIDING, SLIDING_ONLY]))
+    return config, draw(st.integers(14, 40)), draw(st.integers(1, 5)), requests, frames, groups
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_the_maps_counts_equal_a_full_recount_after_random_steps(workload):
-    config, num_blocks, blocks_per_cell, requests, frames = workload
-    engine = fake_engine(config, num_blocks=num_blocks, num_host_blocks=16, max_model_len=40)
+    config, num_blocks, blocks_per_cell, requests, frames, groups = workload
+    engine = fake_engine(config, num_blocks=num_blocks, num_host_blocks=16, max_model_len=40, kv_cache_groups=groups)
     aggregates = MapAggregates(num_blocks, blocks_per_cell)
     kept, added = [], {}
     for step, (drawn, keep) in enumerate(frames):

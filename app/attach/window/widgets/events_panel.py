@@ -9,11 +9,14 @@ from __future__ import annotations
 import time
 
 from kvscope.app.attach.feed.frame import AttachFrame
+from kvscope.app.attach.feed.groups import NO_GROUP_NOTE
+from kvscope.app.attach.feed.pool_view import PoolView
 from kvscope.app.attach.feed.subscriber import StreamStatus
 from kvscope.app.safe_text import escape, one_line
 from kvscope.app.widgets.line_panel import LinePanel
 
 KINDS_SHOWN = 4     # unknown event kinds named in the panel; the rest are "and N more"
+GROUPS_SHOWN = 6    # KV-cache groups named on their line (Gemma 3 has six)
 
 
 def describe_stream(stream: StreamStatus) -> str:
@@ -52,6 +55,17 @@ def describe_unknown(stream: StreamStatus) -> str:
     return f"unknown kinds: {shown}{more}"
 
 
+def describe_groups(pool: PoolView, name_pool: bool) -> str:
+    """One line: the KV-cache groups the events name and the blocks each holds, or that they name none."""
+    where = f"{escape(one_line(pool.label, 60))}: " if name_pool else ""
+    if not pool.groups_named:
+        return f"[dim]{where}{NO_GROUP_NOTE}[/]"
+    groups = " · ".join(f"{group.index} {escape(one_line(group.name, 40))} {group.num_blocks:,}"
+                        for group in pool.groups[:GROUPS_SHOWN])
+    more = f" · and {len(pool.groups) - GROUPS_SHOWN:,} more" if len(pool.groups) > GROUPS_SHOWN else ""
+    return f"{where}KV-cache groups (blocks announced): {groups}{more}"
+
+
 def _describe_replay(stream: StreamStatus) -> str:
     lines = []
     if stream.replaying:
@@ -67,6 +81,7 @@ def describe_events(frame: AttachFrame) -> str:
                  escape(one_line(frame.server.events_note))]
     else:
         lines = [describe_stream(stream) for stream in frame.streams]
+        lines.extend(describe_groups(pool, len(frame.pools) > 1) for pool in frame.pools if pool.num_known_blocks)
     for notice in reversed(frame.notices):
         lines.append(f"[dim]{time.strftime('%H:%M:%S', time.localtime(notice.time))}[/] "
                      f"{escape(one_line(notice.text, 300))}")
