@@ -36,6 +36,10 @@ from kvscope.engine.outputs import TokenLogprob
 
 CHUNK = 1024            # tokens per chunk of the vocabulary
 REJECTION_ROUNDS = 4    # top-p draws before a row falls back to sorting its own row
+# Random rows sampled together on a CPU. A step reads a row's probabilities several times (sums, cuts, draws);
+# 4 rows of a 49,152-token vocabulary and their probabilities (1.5 MiB) stay in a core's L2 between those
+# passes, so only the first pass reads memory. A GPU takes the batch at once.
+CPU_ROW_BLOCK = 4
 _U_MAX = 1.0 - 2.0 ** -20   # keeps a draw's target strictly under its row's mass in fp32
 _JUST_UNDER_ONE = 1.0 - 2.0 ** -24  # F.threshold keeps x > this: x >= 1.0 in float32
 
@@ -87,6 +91,25 @@ def first_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return starts + within, chunk_max.gather(1, chunk[:, None]).squeeze(1)
 
 
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first maximum, and which rows hold NaN."""
+    tokens, row_max = first_argmax(logits)
+    return tokens, torch.isnan(row_max)
+
+
+class _Knobs(NamedTuple):
+    """The sampling knobs of a batch's random rows, one entry per row."""
+
+    temperatures: np.ndarray
+    top_ks: np.ndarray
+    top_ps: np.ndarray
+    min_ps: np.ndarray
+    uniforms: torch.Tensor      # [rows, REJECTION_ROUNDS + 1]
+
+    def rows(self, start: int, stop: int) -> _Knobs:
+        return _Knobs(*(values[start:stop] for values in self))
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -120,53 +143,70 @@ class Sampler:
         return tokens, {c.row: logprob for c, logprob in zip(asking, found)}
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int | None]:
-        tokens, row_max = first_argmax(logits)
-        bad = torch.isnan(row_max)
-        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if random_rows:
-            index = torch.tensor(random_rows, dtype=torch.int64, device=logits.device)
-            whole = len(random_rows) == len(rows)
-            picked = self._sample_random(logits, row_max, None if whole else index, [rows[i] for i in random_rows])
-            tokens = picked if whole else tokens.index_copy(0, index, picked)
+        greedy = [row.params.greedy for row in rows]
+        if all(greedy):
+            tokens, bad = _greedy(logits)
+        elif not any(greedy):
+            tokens, bad = self._sample_random(logits, rows)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+            bad = torch.empty(len(rows), dtype=torch.bool, device=logits.device)
+            for wanted in (True, False):
+                chosen = [i for i, is_greedy in enumerate(greedy) if is_greedy is wanted]
+                index = torch.tensor(chosen, dtype=torch.int64, device=logits.device)
+                part = logits[index]
+                found = _greedy(part) if wanted else self._sample_random(part, [rows[i] for i in chosen])
+                tokens[index], bad[index] = found
         tokens = tokens.masked_fill(bad, -1)
         return [None if token < 0 else token for token in tokens.tolist()]
 
-    def _probabilities(self, logits: torch.Tensor, row_max: torch.Tensor, index: torch.Tensor | None,
-                       temperatures: np.ndarray) -> torch.Tensor:
+    def _probabilities(self, logits: torch.Tensor, row_max: torch.Tensor, temperatures: np.ndarray) -> torch.Tensor:
         """[rows, chunks * CHUNK]: exp((logit - max) / T) in a reused buffer, zero past the vocabulary."""
-        rows, vocab = (logits.shape[0] if index is None else index.numel()), logits.shape[1]
+        rows, vocab = logits.shape
         width = -(-vocab // CHUNK) * CHUNK
         if (self._scratch is None or self._scratch.device != logits.device
                 or self._scratch.numel() < rows * width):
             self._scratch = torch.empty(rows * width, dtype=torch.float32, device=logits.device)
         probs = self._scratch[:rows * width].view(rows, width)
-        source, shift = (logits, row_max) if index is None else (logits[index], row_max[index])
-        shift = torch.nan_to_num(shift, nan=0.0)[:, None]
+        shift = torch.nan_to_num(row_max, nan=0.0)[:, None]
         if (temperatures == temperatures[0]).all():
             scale = float(1.0 / temperatures[0])
-            torch.add(shift * -scale, source, alpha=scale, out=probs[:, :vocab])
+            torch.add(shift * -scale, logits, alpha=scale, out=probs[:, :vocab])
         else:
-            torch.sub(source, shift, out=probs[:, :vocab])
+            torch.sub(logits, shift, out=probs[:, :vocab])
             probs[:, :vocab].mul_(torch.from_numpy(1.0 / temperatures).float().to(logits.device)[:, None])
         probs.exp_()
-        probs[:, vocab:].zero_()
+        if width > vocab:
+            probs[:, vocab:].zero_()
         return probs
 
-    def _sample_random(self, logits: torch.Tensor, row_max: torch.Tensor, index: torch.Tensor | None,
-                       rows: list[SampleRow]) -> torch.Tensor:
-        """Tokens for the non-greedy ``rows`` (``index`` picks their logits; None: all of them)."""
-        device, vocab, count = logits.device, logits.shape[1], len(rows)
+    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens for the non-greedy ``rows`` (one per row of ``logits``), and which rows hold NaN."""
+        device, count = logits.device, len(rows)
         params = [row.params for row in rows]
-        temperatures = np.fromiter((p.temperature for p in params), dtype=np.float64, count=count)
-        top_ks = np.fromiter((p.top_k for p in params), dtype=np.int64, count=count)
-        top_ps = np.fromiter((p.top_p for p in params), dtype=np.float64, count=count)
-        min_ps = np.fromiter((p.min_p for p in params), dtype=np.float64, count=count)
-        uniforms = torch.from_numpy(row_uniforms(
-            self._keys(params), np.fromiter((r.position for r in rows), dtype=np.int64, count=count),
-            np.fromiter((r.sample_index for r in rows), dtype=np.int64, count=count),
-            REJECTION_ROUNDS + 1)).float().to(device)
-        probs = self._probabilities(logits, row_max, index, temperatures)
+        knobs = _Knobs(
+            np.fromiter((p.temperature for p in params), dtype=np.float64, count=count),
+            np.fromiter((p.top_k for p in params), dtype=np.int64, count=count),
+            np.fromiter((p.top_p for p in params), dtype=np.float64, count=count),
+            np.fromiter((p.min_p for p in params), dtype=np.float64, count=count),
+            torch.from_numpy(row_uniforms(
+                self._keys(params), np.fromiter((r.position for r in rows), dtype=np.int64, count=count),
+                np.fromiter((r.sample_index for r in rows), dtype=np.int64, count=count),
+                REJECTION_ROUNDS + 1)).float().to(device))
+        step = CPU_ROW_BLOCK if device.type == "cpu" else count
+        found = [self._sample_block(logits[start:start + step], knobs.rows(start, start + step))
+                 for start in range(0, count, step)]
+        if len(found) == 1:
+            return found[0]
+        return torch.cat([tokens for tokens, _ in found]), torch.cat([bad for _, bad in found])
+
+    def _sample_block(self, logits: torch.Tensor, knobs: _Knobs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block of rows: the first pass (their maxima) reads the logits from memory; the rest reads cache."""
+        device, vocab, count = logits.device, logits.shape[1], logits.shape[0]
+        row_max = logits.amax(dim=-1)
+        probs = self._probabilities(logits, row_max, knobs.temperatures)
         scale = torch.ones(count, dtype=torch.float32, device=device)  # what the row's maximum now reads
+        top_ks, min_ps, top_ps = knobs.top_ks, knobs.min_ps, knobs.top_ps
         limited = np.flatnonzero((top_ks > 0) & (top_ks < vocab))
         if limited.size:
             chosen = torch.from_numpy(limited).to(device)
@@ -178,12 +218,12 @@ class Sampler:
             chosen = torch.from_numpy(np.flatnonzero(min_ps > 0)).to(device)
             threshold = torch.from_numpy(min_ps[min_ps > 0]).float().to(device) * scale[chosen]
             _keep_at_least(probs, chosen, threshold, scale)
-        tokens = _draw(probs, uniforms[:, 0])
+        tokens, mass = _draw(probs, knobs.uniforms[:, 0])
         nucleus = np.flatnonzero(top_ps < 1.0)
         if nucleus.size:
-            tokens = _top_p(probs, tokens, torch.from_numpy(nucleus).to(device),
-                            torch.from_numpy(top_ps[nucleus]).float().to(device), uniforms)
-        return tokens
+            tokens = _top_p(probs, mass, tokens, torch.from_numpy(nucleus).to(device),
+                            torch.from_numpy(top_ps[nucleus]).float().to(device), knobs.uniforms)
+        return tokens, torch.isnan(row_max)
 
     def _keys(self, params: list[SamplingParams]) -> np.ndarray:
         """A 64-bit key per row: its seed, or a draw from the sampler's generator."""
@@ -207,8 +247,9 @@ def _keep_at_least(probs: torch.Tensor, chosen: torch.Tensor, thresholds: torch.
     scale[chosen] = scale[chosen] / thresholds
 
 
-def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw per row: a chunk from the chunk sums, then a token inside that chunk."""
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw per row: a chunk from the chunk sums, then a token inside that chunk. Also each row's
+    mass (the sum of its chunk sums)."""
     rows, width = probs.shape
     chunk_mass = _chunk_view(probs, width).sum(dim=-1)
     cumulative = chunk_mass.cumsum(dim=-1)
@@ -220,15 +261,16 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # Rounding may put the chunk's own cumulative sum a hair off its chunk sum: keep the target inside it.
     local = torch.minimum((target - before).clamp(min=0.0), inside[:, -1] * _U_MAX)
     offset = (inside <= local[:, None]).sum(dim=-1).clamp(max=CHUNK - 1)
-    return chunk * CHUNK + offset
+    return chunk * CHUNK + offset, cumulative[:, -1]
 
 
-def _top_p(probs: torch.Tensor, tokens: torch.Tensor, pending: torch.Tensor, top_ps: torch.Tensor,
-           uniforms: torch.Tensor) -> torch.Tensor:
-    """Redraw the ``pending`` rows whose token lies outside their top-p nucleus (see the module's doc)."""
+def _top_p(probs: torch.Tensor, mass: torch.Tensor, tokens: torch.Tensor, pending: torch.Tensor,
+           top_ps: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Redraw the ``pending`` rows whose token lies outside their top-p nucleus (see the module's doc); ``mass``
+    is each row's whole mass."""
     tokens = tokens.clone()
     part = _rows(probs, pending)
-    base = part.sum(dim=-1)    # the mass top_p is a share of, in the row's current units
+    base = mass[pending]    # the mass top_p is a share of, in the row's current units
     drawn = tokens[pending]
     for round_ in range(1, REJECTION_ROUNDS + 1):
         pivot = part.gather(1, drawn[:, None])
@@ -242,7 +284,7 @@ def _top_p(probs: torch.Tensor, tokens: torch.Tensor, pending: torch.Tensor, top
             return tokens
         pending, part, base, top_ps = pending[rejected], part[rejected], base[rejected], top_ps[rejected]
         if round_ < REJECTION_ROUNDS:
-            drawn = _draw(part, uniforms[pending, round_])
+            drawn = _draw(part, uniforms[pending, round_])[0]
     tokens[pending] = _sorted_nucleus_draw(part, base, top_ps, uniforms[pending, REJECTION_ROUNDS])
     return tokens
 
