@@ -16,9 +16,7 @@ tensor op over the batch, and the vocabulary is read in chunks so the costly pas
   finished with a sort of its own row only. The mass top_p is a share of is the draw's own total (the sum of
   its chunk sums), so the test costs one cut and one sum. No top-k of the vocabulary comes first: it helps
   only rows whose nucleus is a few tokens, and a partial top-k of 64 costs more on a CPU (about 30 ms at
-  batch 256) than this whole path;
-- on a CPU the random rows go through all of this a few rows at a time (CPU_ROW_BLOCK), so every pass after
-  the first reads the caches, not memory.
+  batch 256) than this whole path.
 
 Rows of requests with penalties, a logit bias, bans, a grammar or log-probabilities pass through
 engine/model/logits_processing.py first; the other rows never do.
@@ -42,11 +40,6 @@ from kvscope.engine.outputs import TokenLogprob
 
 CHUNK = 1024            # tokens per chunk of the vocabulary
 REJECTION_ROUNDS = 4    # top-p draws before a row falls back to sorting its own row
-# Random rows sampled together on a CPU. A step reads a row's probabilities several times (sums, cuts, draws);
-# taken a few rows at a time, what the first pass (the maxima) brings in from memory is still in the caches for
-# the passes after it, and eight rows (1.5 MiB of a 49,152-token vocabulary, as much again of probabilities)
-# measured fastest here against 4, 16 and the whole batch at once. A GPU takes the batch at once.
-CPU_ROW_BLOCK = 8
 _U_MAX = 1.0 - 2.0 ** -20   # keeps a draw's target strictly under its row's mass in fp32
 _JUST_UNDER_ONE = 1.0 - 2.0 ** -24  # F.threshold keeps x > this: x >= 1.0 in float32
 
@@ -105,19 +98,6 @@ def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's first maximum, and which rows hold NaN."""
     tokens, row_max = first_argmax(logits)
     return tokens, torch.isnan(row_max)
-
-
-class _Knobs(NamedTuple):
-    """The sampling knobs of a batch's random rows, one entry per row."""
-
-    temperatures: np.ndarray
-    top_ks: np.ndarray
-    top_ps: np.ndarray
-    min_ps: np.ndarray
-    uniforms: torch.Tensor      # [rows, REJECTION_ROUNDS + 1]
-
-    def rows(self, start: int, stop: int) -> _Knobs:
-        return _Knobs(*(values[start:stop] for values in self))
 
 
 class Sampler:
@@ -194,29 +174,18 @@ class Sampler:
         """Tokens for the non-greedy ``rows`` (one per row of ``logits``), and which rows hold NaN."""
         device, count = logits.device, len(rows)
         params = [row.params for row in rows]
-        knobs = _Knobs(
-            np.fromiter((p.temperature for p in params), dtype=np.float64, count=count),
-            np.fromiter((p.top_k for p in params), dtype=np.int64, count=count),
-            np.fromiter((p.top_p for p in params), dtype=np.float64, count=count),
-            np.fromiter((p.min_p for p in params), dtype=np.float64, count=count),
-            torch.from_numpy(row_uniforms(
-                self._keys(params), np.fromiter((r.position for r in rows), dtype=np.int64, count=count),
-                np.fromiter((r.sample_index for r in rows), dtype=np.int64, count=count),
-                REJECTION_ROUNDS + 1)).float().to(device))
-        step = CPU_ROW_BLOCK if device.type == "cpu" else count
-        found = [self._sample_block(logits[start:start + step], knobs.rows(start, start + step))
-                 for start in range(0, count, step)]
-        if len(found) == 1:
-            return found[0]
-        return torch.cat([tokens for tokens, _ in found]), torch.cat([bad for _, bad in found])
-
-    def _sample_block(self, logits: torch.Tensor, knobs: _Knobs) -> tuple[torch.Tensor, torch.Tensor]:
-        """One block of rows: the first pass (their maxima) reads the logits from memory; the rest reads cache."""
-        device, vocab, count = logits.device, logits.shape[1], logits.shape[0]
-        row_max = logits.amax(dim=-1)
-        probs = self._probabilities(logits, row_max, knobs.temperatures)
+        temperatures = np.fromiter((p.temperature for p in params), dtype=np.float64, count=count)
+        top_ks = np.fromiter((p.top_k for p in params), dtype=np.int64, count=count)
+        top_ps = np.fromiter((p.top_p for p in params), dtype=np.float64, count=count)
+        min_ps = np.fromiter((p.min_p for p in params), dtype=np.float64, count=count)
+        uniforms = torch.from_numpy(row_uniforms(
+            self._keys(params), np.fromiter((r.position for r in rows), dtype=np.int64, count=count),
+            np.fromiter((r.sample_index for r in rows), dtype=np.int64, count=count),
+            REJECTION_ROUNDS + 1)).float().to(device)
+        vocab = logits.shape[1]
+        row_max = logits.amax(dim=-1)     # the random rows' one pass of their own over the logits
+        probs = self._probabilities(logits, row_max, temperatures)
         scale = torch.ones(count, dtype=torch.float32, device=device)  # what the row's maximum now reads
-        top_ks, min_ps, top_ps = knobs.top_ks, knobs.min_ps, knobs.top_ps
         limited = np.flatnonzero((top_ks > 0) & (top_ks < vocab))
         if limited.size:
             chosen = torch.from_numpy(limited).to(device)
@@ -228,11 +197,11 @@ class Sampler:
             chosen = torch.from_numpy(np.flatnonzero(min_ps > 0)).to(device)
             threshold = torch.from_numpy(min_ps[min_ps > 0]).float().to(device) * scale[chosen]
             _keep_at_least(probs, chosen, threshold, scale)
-        tokens, mass = _draw(probs, knobs.uniforms[:, 0])
+        tokens, mass = _draw(probs, uniforms[:, 0])
         nucleus = np.flatnonzero(top_ps < 1.0)
         if nucleus.size:
             tokens = _top_p(probs, mass, tokens, torch.from_numpy(nucleus).to(device),
-                            torch.from_numpy(top_ps[nucleus]).float().to(device), knobs.uniforms)
+                            torch.from_numpy(top_ps[nucleus]).float().to(device), uniforms)
         return tokens, torch.isnan(row_max)
 
     def _keys(self, params: list[SamplingParams]) -> np.ndarray:
