@@ -84,13 +84,17 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
                  engine_factory: Callable = build_engine, system_sampler: SystemSampler | None = None,
                  paused: bool = False, steps_per_s_cap: float | None = None,
                  screenshot_dir: str | Path | None = None, chat_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 first_lesson: str | None = None, serve=None) -> None:
+                 first_lesson: str | None = None, serve=None,
+                 chat_sampling: tuple[tuple[str, float | int], ...] = ()) -> None:
         super().__init__()
         self.config = config
         self.log_enabled = log_enabled
         self.db_path = (Path(db_path) if db_path else settings().db_path) if log_enabled else None
         self.screenshot_dir = Path(screenshot_dir or os.getcwd())
-        self.main = MainScreen(system_sampler=system_sampler, chat_max_tokens=chat_max_tokens)
+        # The sampling knobs typed on the command line, over the model's own defaults for every chat turn.
+        self.chat_sampling = chat_sampling
+        self.main = MainScreen(system_sampler=system_sampler, chat_max_tokens=chat_max_tokens,
+                               chat_sampling=chat_sampling)
         self.worker = EngineWorker(self, config, engine_factory=engine_factory, log_factory=self._record_run,
                                    on_engine_installed=serve.engine_installed if serve is not None else None,
                                    paused=paused, steps_per_s_cap=steps_per_s_cap)
@@ -255,9 +259,11 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
     # --- from the panels ----------------------------------------------------------------------------
 
     def on_chat_submitted(self, message: ChatSubmitted) -> None:
-        # The model's own sampling defaults, as `kvscope chat` and vLLM use them: greedy for SmolLM2.
+        # The model's own sampling defaults, as `kvscope chat` and vLLM use them (greedy for SmolLM2), under the
+        # knobs typed on the command line.
         info = self.main.engine_info
-        params = model_sampling(info.runner.sampling_defaults if info else (), max_tokens=message.max_tokens)
+        params = model_sampling(info.runner.sampling_defaults if info else (), max_tokens=message.max_tokens,
+                                **dict(self.chat_sampling))
         self.worker.send(AddChatTurn(message.request_id, message.messages, params))
         self.main.chat_sent(message.request_id)
 
@@ -353,11 +359,11 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
 
 
 def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool, engine=None,
-            lesson: str | None = None, serve=None) -> int:
+            lesson: str | None = None, serve=None, chat_sampling: tuple = ()) -> int:
     """Open the window; ``engine``, when given, is the first engine (built, and so checked, before);
     ``lesson`` opens a lesson at once ("" opens the list of lessons); ``serve`` serves the engine over HTTP."""
     factory = build_engine if engine is None else first_engine_then_build(engine)
     app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled, engine_factory=factory, first_lesson=lesson,
-                     serve=serve)
+                     serve=serve, chat_sampling=chat_sampling)
     app.run()
     return app.return_code or 0

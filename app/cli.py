@@ -16,7 +16,14 @@ import sys
 
 from kvscope import __version__
 from kvscope.app.arguments import CommandLine, FlagRefused
-from kvscope.app.flags import add_engine_flags, add_log_flags, config_from_args, first_engine
+from kvscope.app.flags import (
+    add_engine_flags,
+    add_log_flags,
+    add_sampling_flags,
+    config_from_args,
+    first_engine,
+    sampling_from_args,
+)
 from kvscope.app.safe_text import clean
 from kvscope.engine.config import ConfigError, EngineConfig, RequestError
 from kvscope.engine.model.loader import ModelError
@@ -41,6 +48,7 @@ def build_parser(argv: list[str] | None = None) -> CommandLine:
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
     parser.add_argument("--teach", action="store_true", help=TEACH_HELP)
     add_serve_flag(parser)
+    add_sampling_flags(parser)     # the chat pane's
     add_engine_flags(parser)
     add_log_flags(parser)
     parser.flags_unset_until_typed()
@@ -67,9 +75,7 @@ def _register_chat(subparsers) -> None:
     chat = subparsers.add_parser("chat", help="answer one prompt in the terminal, streaming, without the app")
     chat.add_argument("prompt", help="the user message")
     chat.add_argument("--max-tokens", type=int, default=128, help="the longest reply, in tokens (default: 128)")
-    chat.add_argument("--temperature", type=float, default=None,
-                      help="sampling temperature, 0 for greedy (default: the model's generation_config, which "
-                           "for SmolLM2 is greedy)")
+    add_sampling_flags(chat)
     chat.add_argument("--teach", action="store_true", help=TEACH_HELP)
     add_engine_flags(chat)
     add_log_flags(chat)
@@ -199,11 +205,13 @@ def _hosted_serve(args: argparse.Namespace):
 def _open_app(args: argparse.Namespace) -> int:
     from kvscope.app.app import run_app
 
+    chat_sampling = sampling_from_args(args)
     serve = _hosted_serve(args)
     engine = first_engine(engine_config(args))
     if engine is None:
         return 2
-    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine, serve=serve)
+    return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine, serve=serve,
+                   chat_sampling=chat_sampling)
 
 
 def _lesson(args: argparse.Namespace) -> int:
@@ -250,8 +258,8 @@ def _chat(args: argparse.Namespace) -> int:
     from kvscope.engine import LLMEngine
     from kvscope.engine.config import model_sampling
 
-    chosen = {"max_tokens": args.max_tokens} | ({} if args.temperature is None else {"temperature": args.temperature})
-    model_sampling(**chosen).validate()   # a bad flag fails before the model loads
+    chosen = {"max_tokens": args.max_tokens} | dict(sampling_from_args(args))
+    model_sampling(**chosen).validate()   # a bad --max-tokens fails before the model loads too
     engine = LLMEngine(engine_config(args))
     params = model_sampling(engine.info.sampling_defaults, **chosen)
     print(engine.banner, file=sys.stderr)

@@ -3,6 +3,8 @@
 Every subcommand that starts an engine takes them from here, so a new config
 field is a new flag everywhere and the command line cannot drift from the config;
 and builds its engine with first_engine, so a bad --model is one line everywhere.
+The sampling knobs a person chats with (the window's chat pane and `kvscope chat`)
+are registered here too, once, and checked by SamplingParams' own rules.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Iterable
 from types import UnionType
 from typing import TYPE_CHECKING, Literal, Union
 
-from kvscope.engine.config import EngineConfig, config_fields
+from kvscope.engine.config import ConfigError, EngineConfig, RequestError, config_fields, model_sampling
 
 if TYPE_CHECKING:
     from kvscope.engine import LLMEngine
@@ -53,6 +55,36 @@ def _flag_kind(hint) -> dict:
 def add_log_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     parser.add_argument("--no-log", action="store_true", help="do not log this run")
+
+
+# The SamplingParams fields a chat takes from the command line, with their help. Unset, each comes from the
+# model's generation_config (greedy for SmolLM2), as vLLM and transformers' generate take it.
+SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
+    "temperature": (float, "0 for greedy"),
+    "top_p": (float, "keep the most likely tokens up to this much probability (1: off)"),
+    "top_k": (int, "keep the k most likely tokens (-1: off)"),
+    "min_p": (float, "drop tokens under this share of the most likely one's probability (0: off)"),
+    "repetition_penalty": (float, "transformers' penalty on tokens already in the prompt or reply (1: off)"),
+    "presence_penalty": (float, "OpenAI's: subtracted once from a token already in the reply (0: off)"),
+    "frequency_penalty": (float, "OpenAI's: subtracted per time a token is already in the reply (0: off)"),
+}   # no seed: the engine's own --seed already seeds every request that brings none
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (default: the model's generation_config; greedy for SmolLM2)")
+    for name, (kind, text) in SAMPLING_FLAGS.items():
+        group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
+
+
+def sampling_from_args(args: argparse.Namespace) -> tuple[tuple[str, float | int], ...]:
+    """The knobs typed, as (field, value) pairs over the model's defaults; ConfigError naming the flag for a bad
+    one, raised before any model loads."""
+    chosen = tuple((name, getattr(args, name)) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None)
+    try:
+        model_sampling(**dict(chosen)).validate()
+    except RequestError as exc:
+        raise ConfigError(f"--{(exc.param or 'sampling').replace('_', '-')}: {exc}") from None
+    return chosen
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -57,7 +57,8 @@ class MainScreen(Screen):
     BLANK = True   # only its background shows, between the panels: no styles pass for it (see Box)
 
     def __init__(self, *, system_sampler: SystemSampler | None = None,
-                 chat_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 chat_max_tokens: int = DEFAULT_MAX_TOKENS,
+                 chat_sampling: tuple[tuple[str, float | int], ...] = ()) -> None:
         super().__init__(id="main")
         self.engine_info: EngineInfo | None = None
         self.latest: StepResult | None = None
@@ -69,7 +70,8 @@ class MainScreen(Screen):
         self._texted_at = 0.0
         self._last_frame = (time.monotonic(), time.thread_time())
         self.header = EngineHeader(id="header")
-        self.chat = titled(ChatPane(max_tokens=chat_max_tokens, id="chat", classes="panel"), "Chat")
+        self.chat = titled(ChatPane(max_tokens=chat_max_tokens, sampling=chat_sampling, id="chat",
+                                   classes="panel"), "Chat")
         self.throughput = titled(Throughput(id="throughput", classes="panel"), "Throughput")
         self.system = titled(SystemPanel(system_sampler, id="system", classes="panel"), "System")
         # The status line runs under the panels in a wide window, and inside the scrolling column in a

@@ -32,6 +32,13 @@ HINT = ("Type a question below and press Enter. Its blocks light up in the map w
         "Ctrl+G stops the reply, Ctrl+N starts a new conversation, Esc leaves the input.")
 
 
+# The knobs the border names when they are on, with the value that turns each off; greedy ignores those in
+# SAMPLING_ONLY, so the border leaves them out then.
+KNOBS_OFF = (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("repetition_penalty", 1.0),
+             ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
+SAMPLING_ONLY = {"top_p", "top_k", "min_p"}
+
+
 class ChatPane(Vertical):
     # Esc means one thing here, as everywhere: step out (of the input, to the map). Stopping a reply is the App's
     # Ctrl+G, which works from any panel.
@@ -39,10 +46,11 @@ class ChatPane(Vertical):
     # The reply in flight; bindings=True so the footer's "Stop reply" shows exactly while one streams.
     current_request: reactive[str | None] = reactive(None, bindings=True)
 
-    def __init__(self, *, max_tokens: int = DEFAULT_MAX_TOKENS, id: str | None = None,
-                 classes: str | None = None) -> None:
+    def __init__(self, *, max_tokens: int = DEFAULT_MAX_TOKENS, sampling: tuple[tuple[str, float | int], ...] = (),
+                 id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.max_tokens = max_tokens
+        self.sampling = sampling    # the knobs typed on the command line, over the model's defaults
         self.messages: list[dict] = []
         self._reply = ""
         self._reply_bubble: Static | None = None
@@ -114,15 +122,12 @@ class ChatPane(Vertical):
 
     def show_sampling(self, defaults: tuple[tuple[str, float | int], ...]) -> None:
         """Say on the pane's border how replies are sampled: the model's own generation_config, as vLLM and
-        `kvscope chat` take it (greedy for SmolLM2)."""
-        params = model_sampling(defaults)
-        if params.temperature == 0.0:
-            how = "greedy"
-        else:
-            how = ", ".join(f"{name} {value:g}" for name, value in (("temperature", params.temperature),
-                                                                   ("top_p", params.top_p), ("top_k", params.top_k))
-                            if (name, value) not in (("top_p", 1.0), ("top_k", -1)))
-        self.border_subtitle = f"{how} · generation_config"
+        `kvscope chat` take it (greedy for SmolLM2), under the knobs typed on the command line."""
+        params = model_sampling(defaults, **dict(self.sampling))
+        how = ["greedy" if params.temperature == 0.0 else f"temperature {params.temperature:g}"]
+        how += [f"{name} {getattr(params, name):g}" for name, off in KNOBS_OFF
+                if getattr(params, name) != off and (params.temperature != 0.0 or name not in SAMPLING_ONLY)]
+        self.border_subtitle = f"{', '.join(how)} · {'flags' if self.sampling else 'generation_config'}"
 
     def set_engine_waiting(self, waiting: bool) -> None:
         self.engine_waiting = waiting

@@ -309,3 +309,23 @@ async def test_a_paste_with_the_focus_off_the_chat_goes_to_the_chat_and_a_first_
         assert chat_input.value == "Why?"
         text = _bar_text(app.main.query_one(KeyBar))
         assert "F10 Quit" in text
+
+
+async def test_the_chat_samples_with_the_knobs_typed_on_the_command_line_and_says_so():
+    knobs = (("temperature", 0.7), ("top_p", 0.9), ("repetition_penalty", 1.1))
+    async with window((160, 48), chat_sampling=knobs) as (app, pilot):
+        assert app.main.chat.border_subtitle == "temperature 0.7, top_p 0.9, repetition_penalty 1.1 · flags"
+        sent = []
+        send = app.worker.send
+        app.worker.send = lambda command: (isinstance(command, AddChatTurn) and sent.append(command), send(command))
+        await pilot.press("h", "i", "enter")
+        await until(pilot, lambda: sent)
+        params = sent[0].params
+        assert (params.temperature, params.top_p, params.repetition_penalty) == (0.7, 0.9, 1.1)
+        assert params.max_tokens == app.main.chat.max_tokens
+
+
+async def test_greedy_knobs_leave_out_what_greedy_ignores():
+    async with window((160, 48), chat_sampling=(("temperature", 0.0), ("top_k", 5), ("frequency_penalty", 0.5))) as (
+            app, pilot):
+        assert app.main.chat.border_subtitle == "greedy, frequency_penalty 0.5 · flags"

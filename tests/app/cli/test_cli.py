@@ -299,3 +299,40 @@ def test_chat_on_a_pool_smaller_than_one_request_says_so_at_start_naming_the_fla
                                "--num-blocks", "8", "--block-size", "16", "--no-log")
     assert status == 0, err
     assert "less than one request of max_model_len" in err and "--max-model-len 128" in err
+
+
+def test_chat_refuses_a_bad_knob_naming_its_flag_before_loading_the_model(capsys):
+    status, _, err = run_cli(capsys, "chat", "hi", "--top-p", "1.5", "--model", "/nonexistent/model")
+    assert_one_line_error(status, err, "--top-p: top_p must be in (0, 1]")
+
+
+def test_the_window_refuses_a_bad_knob_naming_its_flag_before_loading_the_model(capsys):
+    status, _, err = run_cli(capsys, "--repetition-penalty", "0", "--model", "/nonexistent/model")
+    assert_one_line_error(status, err, "--repetition-penalty: repetition_penalty must be a finite number > 0")
+
+
+def test_serve_does_not_take_the_chats_knobs(capsys):
+    """A server's clients choose their own sampling per request: the chat's knobs are refused there in one line."""
+    status, _, err = run_cli(capsys, "serve", "--temperature", "0.5")
+    assert_one_line_error(status, err, "does not take --temperature")
+
+
+def test_the_chats_knobs_reach_its_request_over_the_models_defaults(capsys, tmp_path, monkeypatch):
+    from kvscope.engine import LLMEngine
+
+    requested = []
+    add_request = LLMEngine.add_request
+    def spy(self, prompt, params, **kw):
+        requested.append(params)
+        return add_request(self, prompt, params, **kw)
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    status, out, err = run_cli(capsys, "chat", "Say hello.", "--max-tokens", "4", "--device", "cpu",
+                               "--num-blocks", "64", "--no-log", "--temperature", "0.7", "--top-k", "20",
+                               "--min-p", "0.05", "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
+                               "--frequency-penalty", "0.25", "--top-p", "0.9")
+    assert status == 0, err
+    (params,) = requested
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.7, 0.9, 20, 0.05)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.2, 0.5, 0.25)
+    assert params.max_tokens == 4
