@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvscope.app.bench.report import aligned_rows
+from kvscope.app.bench.report import titled_table
 from kvscope.app.bench.scheduler import text_tokenizer
 from kvscope.app.bench.scoreboard import HostSettings
 from kvscope.app.runlog.records import RowBuilder, Rows
@@ -281,16 +281,15 @@ def format_table(rows: list[HostRow], settings: HostSettings, tokenizer_name: st
               *(_cell(row.phases[name]) for name in (*ENGINE_PHASES, "engine", "run-log")),
               *(_cell(row.sampler[name]) for name in SAMPLERS)] for row in rows]
     header = ["blocks", "batch", "context", *columns]
-    lines = [
+    title = [
         "kvscope bench host: one decode step's host work by phase, forward excluded; thread CPU ms, "
         "median (p10-p90)",
         f"  {settings.steps} steps a cell after {settings.warmup} warm-up; FakeRunner; text by {tokenizer_name} "
         f"tokenizer; sampler over {settings.vocab:,} logits, one torch thread, {settings.sampler_repeats} calls",
-        *aligned_rows(header, cells),
     ]
-    lines.append("engine = schedule + prepare + update + snapshot + events, per step; run-log is the writer "
-                 "thread's encoding of the step; the sampler depends on the batch only (measured once per batch)")
-    return "\n".join(lines)
+    return titled_table(title, header, cells, "engine = schedule + prepare + update + snapshot + events, per step; "
+                        "run-log is the writer thread's encoding of the step; the sampler depends on the batch only "
+                        "(measured once per batch)")
 
 
 def as_json(rows: list[HostRow]) -> list[dict]:

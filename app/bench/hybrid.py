@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from kvscope.app.bench.report import aligned_rows
+from kvscope.app.bench.report import titled_table
 from kvscope.app.bench.scoreboard import HybridSettings
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import FakeRunner
@@ -88,16 +88,15 @@ def format_table(rows: list[LayoutRow], settings: HybridSettings) -> str:
               f"{r.blocks_per_request:,.1f}", str(r.most_running), str(r.steps), f"{r.max_concurrency:.2f}x"]
              for r in rows]
     s = settings
-    lines = [
+    title = [
         f"kvscope bench hybrid: {s.layers} layers, window {s.window} on {s.pattern - 1} of every {s.pattern}, "
         f"{s.kv_heads} KV head(s) x {s.head_dim} x {s.element_bytes} bytes; {s.memory_mib} MiB of KV pool",
         f"  {s.requests} requests of {s.prompt} prompt + {s.max_tokens} generated tokens, chunks of {s.chunk}, "
         f"max_model_len {s.max_model_len}, block size {BLOCK_SIZE}; FakeRunner",
-        *aligned_rows(header, cells),
     ]
-    lines.append("KiB/request and blocks/request: what a running request holds while it decodes (mean over decode "
-                 "steps); max concurrency: vLLM's figure for requests of max_model_len tokens")
-    return "\n".join(lines)
+    return titled_table(title, header, cells, "KiB/request and blocks/request: what a running request holds while it "
+                        "decodes (mean over decode steps); max concurrency: vLLM's figure for requests of "
+                        "max_model_len tokens")
 
 
 def as_json(rows: list[LayoutRow]) -> list[dict]:

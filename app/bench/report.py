@@ -109,6 +109,11 @@ def format_table(rows: list[dict], notes: dict[tuple[str, str], list[str]] | Non
     return "\n\n".join(blocks)
 
 
+def titled_table(title: list[str], header: list[str], cells: list[list[str]], footer: str) -> str:
+    """A bench's text table: its title lines, the aligned rows (``aligned_rows``), and a footer line."""
+    return "\n".join([*title, *aligned_rows(header, cells), footer])
+
+
 def aligned_rows(header: list[str], cells: list[list[str]]) -> list[str]:
     """A header line and one line per row, each column right-aligned to its widest cell."""
     widths = [max(len(header[i]), *(len(row[i]) for row in cells)) for i in range(len(header))]

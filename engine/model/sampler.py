@@ -5,6 +5,7 @@ tensor op over the batch, and the vocabulary is read in chunks so the costly pas
 
 - greedy rows take the first maximum, found as the first chunk holding the row's maximum and then the
   maximum within it (torch's max propagates NaN, so a NaN row shows itself there without a pass of its own);
+  that one pass over their logits is all they cost, and random rows never pay it (they find their own maxima);
 - the other rows become unnormalised probabilities exp((logit - max) / temperature); min-p and top-k zero
   what they exclude (top-k finds its k-th largest with a partial top-k, never a sort of the vocabulary);
 - a token is drawn by inverse CDF: one uniform per row picks a chunk from the chunk sums, then a token within
@@ -12,7 +13,10 @@ tensor op over the batch, and the vocabulary is read in chunks so the costly pas
 - top-p by rejection: the drawn token belongs to the nucleus when the mass strictly above it is under top_p;
   otherwise every token at or below it is cut (none of them is in the nucleus either) and the row draws
   again. Accepted draws follow the nucleus distribution exactly. A row still rejected after a few rounds is
-  finished with a sort of its own row only.
+  finished with a sort of its own row only. The mass top_p is a share of is the draw's own total (the sum of
+  its chunk sums), so the test costs one cut and one sum. No top-k of the vocabulary comes first: it helps
+  only rows whose nucleus is a few tokens, and a partial top-k of 64 costs more on a CPU (about 30 ms at
+  batch 256) than this whole path.
 
 Rows of requests with penalties, a logit bias, bans, a grammar or log-probabilities pass through
 engine/model/logits_processing.py first; the other rows never do.
@@ -80,11 +84,20 @@ def first_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     chunk_max = torch.cat(maxima, dim=1) if len(maxima) > 1 else maxima[0]
     chunk = chunk_max.argmax(dim=-1)
     starts = chunk * CHUNK
-    columns = starts[:, None] + torch.arange(CHUNK, device=logits.device)[None, :]
-    inside = columns < vocab
-    window = logits.gather(1, columns.clamp(max=vocab - 1)).masked_fill(~inside, float("-inf"))
+    if whole == vocab:      # every chunk is whole: pick each row's chunk out of the chunk view, no index tensor
+        window = _chunk_view(logits, whole)[torch.arange(rows, device=logits.device), chunk]
+    else:
+        columns = starts[:, None] + torch.arange(CHUNK, device=logits.device)[None, :]
+        inside = columns < vocab
+        window = logits.gather(1, columns.clamp(max=vocab - 1)).masked_fill(~inside, float("-inf"))
     within = window.argmax(dim=-1)
     return starts + within, chunk_max.gather(1, chunk[:, None]).squeeze(1)
+
+
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first maximum, and which rows hold NaN."""
+    tokens, row_max = first_argmax(logits)
+    return tokens, torch.isnan(row_max)
 
 
 class Sampler:
@@ -120,42 +133,46 @@ class Sampler:
         return tokens, {c.row: logprob for c, logprob in zip(asking, found)}
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[int | None]:
-        tokens, row_max = first_argmax(logits)
-        bad = torch.isnan(row_max)
-        random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
-        if random_rows:
-            index = torch.tensor(random_rows, dtype=torch.int64, device=logits.device)
-            whole = len(random_rows) == len(rows)
-            picked = self._sample_random(logits, row_max, None if whole else index, [rows[i] for i in random_rows])
-            tokens = picked if whole else tokens.index_copy(0, index, picked)
+        greedy = [row.params.greedy for row in rows]
+        if all(greedy):
+            tokens, bad = _greedy(logits)
+        elif not any(greedy):
+            tokens, bad = self._sample_random(logits, rows)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+            bad = torch.empty(len(rows), dtype=torch.bool, device=logits.device)
+            for wanted in (True, False):
+                chosen = [i for i, is_greedy in enumerate(greedy) if is_greedy is wanted]
+                index = torch.tensor(chosen, dtype=torch.int64, device=logits.device)
+                part = logits[index]
+                found = _greedy(part) if wanted else self._sample_random(part, [rows[i] for i in chosen])
+                tokens[index], bad[index] = found
         tokens = tokens.masked_fill(bad, -1)
         return [None if token < 0 else token for token in tokens.tolist()]
 
-    def _probabilities(self, logits: torch.Tensor, row_max: torch.Tensor, index: torch.Tensor | None,
-                       temperatures: np.ndarray) -> torch.Tensor:
+    def _probabilities(self, logits: torch.Tensor, row_max: torch.Tensor, temperatures: np.ndarray) -> torch.Tensor:
         """[rows, chunks * CHUNK]: exp((logit - max) / T) in a reused buffer, zero past the vocabulary."""
-        rows, vocab = (logits.shape[0] if index is None else index.numel()), logits.shape[1]
+        rows, vocab = logits.shape
         width = -(-vocab // CHUNK) * CHUNK
         if (self._scratch is None or self._scratch.device != logits.device
                 or self._scratch.numel() < rows * width):
             self._scratch = torch.empty(rows * width, dtype=torch.float32, device=logits.device)
         probs = self._scratch[:rows * width].view(rows, width)
-        source, shift = (logits, row_max) if index is None else (logits[index], row_max[index])
-        shift = torch.nan_to_num(shift, nan=0.0)[:, None]
+        shift = torch.nan_to_num(row_max, nan=0.0)[:, None]
         if (temperatures == temperatures[0]).all():
             scale = float(1.0 / temperatures[0])
-            torch.add(shift * -scale, source, alpha=scale, out=probs[:, :vocab])
+            torch.add(shift * -scale, logits, alpha=scale, out=probs[:, :vocab])
         else:
-            torch.sub(source, shift, out=probs[:, :vocab])
+            torch.sub(logits, shift, out=probs[:, :vocab])
             probs[:, :vocab].mul_(torch.from_numpy(1.0 / temperatures).float().to(logits.device)[:, None])
         probs.exp_()
-        probs[:, vocab:].zero_()
+        if width > vocab:
+            probs[:, vocab:].zero_()
         return probs
 
-    def _sample_random(self, logits: torch.Tensor, row_max: torch.Tensor, index: torch.Tensor | None,
-                       rows: list[SampleRow]) -> torch.Tensor:
-        """Tokens for the non-greedy ``rows`` (``index`` picks their logits; None: all of them)."""
-        device, vocab, count = logits.device, logits.shape[1], len(rows)
+    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens for the non-greedy ``rows`` (one per row of ``logits``), and which rows hold NaN."""
+        device, count = logits.device, len(rows)
         params = [row.params for row in rows]
         temperatures = np.fromiter((p.temperature for p in params), dtype=np.float64, count=count)
         top_ks = np.fromiter((p.top_k for p in params), dtype=np.int64, count=count)
@@ -165,7 +182,9 @@ class Sampler:
             self._keys(params), np.fromiter((r.position for r in rows), dtype=np.int64, count=count),
             np.fromiter((r.sample_index for r in rows), dtype=np.int64, count=count),
             REJECTION_ROUNDS + 1)).float().to(device)
-        probs = self._probabilities(logits, row_max, index, temperatures)
+        vocab = logits.shape[1]
+        row_max = logits.amax(dim=-1)     # the random rows' one pass of their own over the logits
+        probs = self._probabilities(logits, row_max, temperatures)
         scale = torch.ones(count, dtype=torch.float32, device=device)  # what the row's maximum now reads
         limited = np.flatnonzero((top_ks > 0) & (top_ks < vocab))
         if limited.size:
@@ -178,12 +197,12 @@ class Sampler:
             chosen = torch.from_numpy(np.flatnonzero(min_ps > 0)).to(device)
             threshold = torch.from_numpy(min_ps[min_ps > 0]).float().to(device) * scale[chosen]
             _keep_at_least(probs, chosen, threshold, scale)
-        tokens = _draw(probs, uniforms[:, 0])
+        tokens, mass = _draw(probs, uniforms[:, 0])
         nucleus = np.flatnonzero(top_ps < 1.0)
         if nucleus.size:
-            tokens = _top_p(probs, tokens, torch.from_numpy(nucleus).to(device),
+            tokens = _top_p(probs, mass, tokens, torch.from_numpy(nucleus).to(device),
                             torch.from_numpy(top_ps[nucleus]).float().to(device), uniforms)
-        return tokens
+        return tokens, torch.isnan(row_max)
 
     def _keys(self, params: list[SamplingParams]) -> np.ndarray:
         """A 64-bit key per row: its seed, or a draw from the sampler's generator."""
@@ -207,8 +226,9 @@ def _keep_at_least(probs: torch.Tensor, chosen: torch.Tensor, thresholds: torch.
     scale[chosen] = scale[chosen] / thresholds
 
 
-def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw per row: a chunk from the chunk sums, then a token inside that chunk."""
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw per row: a chunk from the chunk sums, then a token inside that chunk. Also each row's
+    mass (the sum of its chunk sums)."""
     rows, width = probs.shape
     chunk_mass = _chunk_view(probs, width).sum(dim=-1)
     cumulative = chunk_mass.cumsum(dim=-1)
@@ -220,15 +240,16 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     # Rounding may put the chunk's own cumulative sum a hair off its chunk sum: keep the target inside it.
     local = torch.minimum((target - before).clamp(min=0.0), inside[:, -1] * _U_MAX)
     offset = (inside <= local[:, None]).sum(dim=-1).clamp(max=CHUNK - 1)
-    return chunk * CHUNK + offset
+    return chunk * CHUNK + offset, cumulative[:, -1]
 
 
-def _top_p(probs: torch.Tensor, tokens: torch.Tensor, pending: torch.Tensor, top_ps: torch.Tensor,
-           uniforms: torch.Tensor) -> torch.Tensor:
-    """Redraw the ``pending`` rows whose token lies outside their top-p nucleus (see the module's doc)."""
+def _top_p(probs: torch.Tensor, mass: torch.Tensor, tokens: torch.Tensor, pending: torch.Tensor,
+           top_ps: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Redraw the ``pending`` rows whose token lies outside their top-p nucleus (see the module's doc); ``mass``
+    is each row's whole mass."""
     tokens = tokens.clone()
     part = _rows(probs, pending)
-    base = part.sum(dim=-1)    # the mass top_p is a share of, in the row's current units
+    base = mass[pending]    # the mass top_p is a share of, in the row's current units
     drawn = tokens[pending]
     for round_ in range(1, REJECTION_ROUNDS + 1):
         pivot = part.gather(1, drawn[:, None])
@@ -242,7 +263,7 @@ def _top_p(probs: torch.Tensor, tokens: torch.Tensor, pending: torch.Tensor, top
             return tokens
         pending, part, base, top_ps = pending[rejected], part[rejected], base[rejected], top_ps[rejected]
         if round_ < REJECTION_ROUNDS:
-            drawn = _draw(part, uniforms[pending, round_])
+            drawn = _draw(part, uniforms[pending, round_])[0]
     tokens[pending] = _sorted_nucleus_draw(part, base, top_ps, uniforms[pending, REJECTION_ROUNDS])
     return tokens
 

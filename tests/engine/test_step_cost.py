@@ -45,3 +45,20 @@ def test_token_ids_index_like_a_tuple():
         except IndexError:
             continue
         raise AssertionError(f"index {bad} should be out of range")
+
+
+def test_outputs_and_views_built_field_by_field_carry_every_field():
+    """Request.output and the snapshot's views build their NamedTuples with tuple.__new__ (cheaper): a field added
+    to RequestOutput, SampleOutput or RequestView must be added there too, defaults included."""
+    from kvscope.engine.outputs import RequestOutput, RequestView, SampleOutput
+    from kvscope.engine.snapshot import request_view
+
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=10, detokenize=False), 0, 0.0)
+    output = request.output(())
+    assert len(output) == len(RequestOutput._fields) and len(output.samples[0]) == len(SampleOutput._fields)
+
+    class Pool:
+        block_size = 16
+
+    view = request_view(request, Pool(), None)
+    assert len(view) == len(RequestView._fields) and view.request_id == "r"
