@@ -2,7 +2,10 @@
 
 Contiguous: every live sequence reserves max_model_len slots (rounded to blocks),
 whatever it has written. Paged: the distinct blocks in use. Waste is the share of
-reserved slots that hold no token.
+reserved slots that hold no token. With KV-cache groups (a sliding-window model) a
+block holds one group's layers, so slots are counted per group on both sides: a
+contiguous allocator would reserve max_model_len in every group, and a token a
+sequence holds counts once in each group that keeps it.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ BAR_WIDTH = 10
 @dataclass(frozen=True)
 class AllocationComparison:
     num_sequences: int
-    num_tokens: int              # tokens the live sequences hold (a shared block counts per sequence)
+    num_tokens: int              # tokens the live sequences hold, per group (a shared block counts per sequence)
     contiguous_slots: int
     paged_slots: int
     paged_tokens: int            # tokens in the distinct blocks in use (a shared block counts once)
-    slots_per_sequence: int = 0  # what contiguous reserves for each: max_model_len, rounded up to blocks
+    slots_per_sequence: int = 0  # what contiguous reserves for each: max_model_len, rounded up to blocks, per group
+    num_groups: int = 1
 
     @property
     def contiguous_waste(self) -> float:
@@ -39,7 +43,8 @@ class AllocationComparison:
 
 def compare_allocations(snapshot: CacheSnapshot, max_model_len: int) -> AllocationComparison:
     block_size = snapshot.block_size
-    slots_per_sequence = -(-max_model_len // block_size) * block_size
+    num_groups = len(snapshot.kv_cache_groups) or 1
+    slots_per_sequence = -(-max_model_len // block_size) * block_size * num_groups
     tables = [table for view in snapshot.requests for table in view.block_tables if table]
     # Every table's tokens in one gather and one segmented sum (this runs every frame).
     lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
@@ -56,7 +61,7 @@ def compare_allocations(snapshot: CacheSnapshot, max_model_len: int) -> Allocati
         paged_slots = int(used.sum()) * block_size
         paged_tokens = int(snapshot.block_fill[used].astype(np.int64).sum())
     return AllocationComparison(len(tables), num_tokens, len(tables) * slots_per_sequence,
-                                paged_slots, paged_tokens, slots_per_sequence)
+                                paged_slots, paged_tokens, slots_per_sequence, num_groups)
 
 
 def describe_comparison(cmp: AllocationComparison, allocator: str, block_size: int) -> str:
@@ -64,9 +69,9 @@ def describe_comparison(cmp: AllocationComparison, allocator: str, block_size: i
     def role(name: str) -> str:
         return "[b]this engine[/b]" if allocator == name else "[dim]what-if[/]"
 
+    held = f"{cmp.num_tokens:,} " + ("tokens" if cmp.num_groups == 1 else f"slots in {cmp.num_groups} groups")
     lines = [
-        f"{cmp.num_sequences:,} sequence{'s hold' if cmp.num_sequences != 1 else ' holds'} "
-        f"{cmp.num_tokens:,} tokens",
+        f"{cmp.num_sequences:,} sequence{'s hold' if cmp.num_sequences != 1 else ' holds'} {held}",
         f"contiguous ({role('contiguous')}): {cmp.contiguous_slots:,} slots",
         f"  {cmp.num_sequences:,}×{cmp.slots_per_sequence:,} · {percent(cmp.contiguous_waste).strip()} empty "
         f"[$error]{bar(cmp.contiguous_waste, BAR_WIDTH)}[/]",

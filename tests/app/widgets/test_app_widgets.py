@@ -27,7 +27,7 @@ def view(request_id: str, arrival: int, *tables: tuple[int, ...], queue: str = "
                        reserved_slots=0, used_slots=0)
 
 
-def snapshot(num_blocks: int = 8, block_size: int = 4, allocator: str = "paged") -> CacheSnapshot:
+def snapshot(num_blocks: int = 8, block_size: int = 4, allocator: str = "paged", kv_cache_groups=()) -> CacheSnapshot:
     """Blocks 0-1: r0's full blocks, 1 shared with r1; 2: r0's half-full last block; 3: r1's last (1/4);
     4: cached free; the rest free."""
     state = np.full(num_blocks, BLOCK_FREE, dtype=np.int8)
@@ -43,7 +43,7 @@ def snapshot(num_blocks: int = 8, block_size: int = 4, allocator: str = "paged")
     hashes[[0, 1, 4]] = [11, 22, 44]
     return CacheSnapshot(step=7, block_size=block_size, num_blocks=num_blocks, allocator=allocator,
                          block_state=state, ref_counts=refs, block_fill=fill, block_hashes=hashes,
-                         requests=(view("r0", 0, (0, 1, 2)), view("r1", 1, (1, 3))))
+                         requests=(view("r0", 0, (0, 1, 2)), view("r1", 1, (1, 3))), kv_cache_groups=kv_cache_groups)
 
 
 def glyphs(codes: np.ndarray) -> str:
@@ -158,6 +158,20 @@ def test_paged_vs_contiguous_arithmetic():
     assert cmp.paged_slots == 4 * 4 and cmp.paged_tokens == 4 + 4 + 2 + 1
     assert cmp.contiguous_waste == pytest.approx(1 - 15 / 24)
     assert cmp.paged_waste == pytest.approx(1 - 11 / 16)
+
+
+def test_paged_vs_contiguous_counts_slots_per_group_on_a_hybrid_pool():
+    """A block holds one KV-cache group's layers: a contiguous allocator would reserve max_model_len in every
+    group. Counting every group's blocks as one sequence's tokens read "-287.5% empty" on the sliding-window
+    lesson."""
+    from kvscope.app.widgets.paged_vs_contiguous import describe_comparison
+    from kvscope.engine.kv_cache_groups import group_layers
+
+    snap = snapshot(kv_cache_groups=group_layers([8, None]))
+    cmp = compare_allocations(snap, max_model_len=10)
+    assert cmp.num_groups == 2 and cmp.contiguous_slots == 2 * 2 * 12
+    assert cmp.num_tokens == (4 + 4 + 2) + (4 + 1) and 0 <= cmp.contiguous_waste < 1
+    assert describe_comparison(cmp, "paged", 4).splitlines()[0] == "2 sequences hold 15 slots in 2 groups"
 
 
 def test_paged_vs_contiguous_when_the_engine_is_contiguous():
