@@ -69,11 +69,15 @@ def describe_comparison(cmp: AllocationComparison, allocator: str, block_size: i
     def role(name: str) -> str:
         return "[b]this engine[/b]" if allocator == name else "[dim]what-if[/]"
 
-    held = f"{cmp.num_tokens:,} " + ("tokens" if cmp.num_groups == 1 else f"slots in {cmp.num_groups} groups")
+    # With KV-cache groups a held token counts once per group that keeps it: slots, and the reservation's factors.
+    held = "tokens" if cmp.num_groups == 1 else "slots"
+    groups = "" if cmp.num_groups == 1 else f"{cmp.num_groups}×"
+    hold = "s hold" if cmp.num_sequences != 1 else " holds"
     lines = [
-        f"{cmp.num_sequences:,} sequence{'s hold' if cmp.num_sequences != 1 else ' holds'} {held}",
+        f"{cmp.num_sequences:,} sequence{hold} {cmp.num_tokens:,} {held}",
         f"contiguous ({role('contiguous')}): {cmp.contiguous_slots:,} slots",
-        f"  {cmp.num_sequences:,}×{cmp.slots_per_sequence:,} · {percent(cmp.contiguous_waste).strip()} empty "
+        f"  {cmp.num_sequences:,}×{groups}{cmp.slots_per_sequence // cmp.num_groups:,} · "
+        f"{percent(cmp.contiguous_waste).strip()} empty "
         f"[$error]{bar(cmp.contiguous_waste, BAR_WIDTH)}[/]",
         f"paged ({role('paged')}): {cmp.paged_slots:,} slots",
         f"  {cmp.paged_slots // block_size:,} blocks · {percent(cmp.paged_waste).strip()} empty "

@@ -55,8 +55,8 @@ def test_the_window_runs_the_engine_that_was_checked(capsys, monkeypatch):
         built.append(fake_engine(config))
         return built[-1]
 
-    def run_app(config, *, db_path, log_enabled, engine, serve):
-        opened.update(config=config, engine=engine, serve=serve)
+    def run_app(config, *, db_path, log_enabled, engine, serve, chat_sampling):
+        opened.update(config=config, engine=engine, serve=serve, chat_sampling=chat_sampling)
         return 0
 
     monkeypatch.setattr("kvscope.engine.LLMEngine", llm_engine)
@@ -64,6 +64,7 @@ def test_the_window_runs_the_engine_that_was_checked(capsys, monkeypatch):
     status, _, _ = run_cli(capsys, "--num-blocks", "32", "--no-log")
     assert status == 0 and opened["engine"] is built[0] and opened["config"].num_blocks == 32
     assert opened["serve"] is None     # no --serve: no server
+    assert opened["chat_sampling"] == ()   # no knob typed: the model's own sampling
 
 
 def test_the_first_build_hands_out_the_checked_engine_and_later_ones_are_built():
