@@ -82,33 +82,36 @@ class Runner(Protocol):
         ...
 
 
-def kv_cache_sentence(device: str, num_tokens: int, max_model_len: int, detail: str = "",
-                      concurrency: float | None = None) -> str:
+def kv_cache_sentence(device: str, num_tokens: int, max_model_len: int, detail: str, concurrency: float) -> str:
     """vLLM's KV-cache line, in its words and number format, written once for the window, the engine's banner
     and the server's log: "CPU KV cache size: 46,592 tokens, Maximum concurrency for 1,024 tokens per request:
-    45.50x"; ``detail`` goes in brackets after the size. ``concurrency`` defaults to the tokens over
-    max_model_len (one group: every layer holds every token)."""
-    if concurrency is None:
-        concurrency = num_tokens / max_model_len
+    45.50x"; ``detail`` goes in brackets after the size; pool_figures gives both numbers."""
     return (f"{'GPU' if device.startswith('cuda') else 'CPU'} KV cache size: {num_tokens:,} tokens"
             f"{f' ({detail})' if detail else ''}, Maximum concurrency for {max_model_len:,} tokens per request: "
             f"{concurrency:.2f}x")
 
 
-def pool_capacity(info: RunnerInfo) -> tuple[int, float]:
-    """vLLM's two figures for this pool: the tokens it holds (in every group at once) and its "Maximum
-    concurrency" for max_model_len, from what each group really holds of a request."""
-    groups, blocks, size = info.kv_cache_groups, info.num_device_blocks, info.block_size
+def pool_figures(groups: tuple[KVCacheGroup, ...], num_blocks: int, block_size: int, max_model_len: int,
+                 chunk: int) -> tuple[int, float]:
+    """vLLM's two figures for a pool: the tokens it holds (in every group at once) and its "Maximum concurrency"
+    for max_model_len. With one group, tokens over max_model_len, as vLLM divides them; with KV-cache groups,
+    from what each group really holds of a request (computing ``chunk`` tokens a step)."""
     if not groups:
-        return blocks * size, blocks * size / info.max_model_len
-    return (pool_tokens(groups, blocks, size),
-            max_concurrency(groups, blocks, size, info.max_model_len, info.max_num_batched_tokens))
+        return num_blocks * block_size, num_blocks * block_size / max_model_len
+    return (pool_tokens(groups, num_blocks, block_size),
+            max_concurrency(groups, num_blocks, block_size, max_model_len, chunk))
+
+
+def pool_capacity(info: RunnerInfo) -> tuple[int, float]:
+    """pool_figures for a built runner's pool."""
+    return pool_figures(info.kv_cache_groups, info.num_device_blocks, info.block_size, info.max_model_len,
+                        info.max_num_batched_tokens)
 
 
 def capacity_sentence(info: RunnerInfo) -> str:
     """kv_cache_sentence for a built runner: the server's start-up line."""
     tokens, concurrency = pool_capacity(info)
-    return kv_cache_sentence(info.device, tokens, info.max_model_len, concurrency=concurrency)
+    return kv_cache_sentence(info.device, tokens, info.max_model_len, "", concurrency)
 
 
 def pool_warning(info: RunnerInfo) -> str | None:
@@ -133,9 +136,7 @@ def format_banner(num_blocks: int, block_size: int, pool_bytes: int | None, max_
     those every group can hold at once, and the concurrency counts what each group holds of a request
     (computing ``chunk`` tokens a step), as vLLM counts them."""
     size = f", {pool_bytes / 2**20:,.0f} MiB" if pool_bytes is not None else ""
-    detail = f"{num_blocks:,} blocks x {block_size}{size}"
-    if not groups:
-        return kv_cache_sentence(device, num_blocks * block_size, max_model_len, detail)
-    detail += f", {len(groups)} KV-cache groups"
-    return kv_cache_sentence(device, pool_tokens(groups, num_blocks, block_size), max_model_len, detail,
-                             max_concurrency(groups, num_blocks, block_size, max_model_len, chunk))
+    groups_note = f", {len(groups)} KV-cache groups" if groups else ""
+    tokens, concurrency = pool_figures(groups, num_blocks, block_size, max_model_len, chunk)
+    return kv_cache_sentence(device, tokens, max_model_len, f"{num_blocks:,} blocks x {block_size}{size}{groups_note}",
+                             concurrency)
