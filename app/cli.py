@@ -230,11 +230,12 @@ def _lesson(args: argparse.Namespace) -> int:
     from kvscope.app.app import run_app
     from kvscope.app.lessons import LESSONS
     from kvscope.app.lessons.load import teach_config
+    from kvscope.engine.model.packaged import fetch_hint
 
     # A lesson that runs on a model of its own (sliding-window, on Gemma 3) has it loaded before the window opens,
     # so its engines keep those weights instead of loading the app's model and then its own.
     model = LESSONS[args.name].config.get("model") if args.name else None
-    if hint := _fetch_hint(model):
+    if hint := fetch_hint(model):
         print(f"kvscope: error: the lesson {args.name} runs on {model}, and {hint}", file=sys.stderr)
         return 2
     serve = _hosted_serve(args)
@@ -244,12 +245,6 @@ def _lesson(args: argparse.Namespace) -> int:
         return 2
     return run_app(engine.config, db_path=args.db, log_enabled=not args.no_log, engine=engine,
                    lesson=args.name or "", serve=serve)
-
-
-def _fetch_hint(model: str | None) -> str | None:
-    from kvscope.engine.model.packaged import fetch_hint
-
-    return fetch_hint(model) if model else None
 
 
 def teaching_pool(args: argparse.Namespace) -> EngineConfig:

