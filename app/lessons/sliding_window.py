@@ -20,9 +20,8 @@ from kvscope.app.lessons.cues import prefilled
 from kvscope.app.lessons.load import read
 from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, closing, select
 from kvscope.app.lessons.words import figures, percent, plural
-from kvscope.engine.block_pool import NULL_BLOCK
-from kvscope.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence
-from kvscope.engine.outputs import CacheSnapshot, StepResult
+from kvscope.engine.kv_cache_groups import KVCacheGroup, blocks_per_sequence, max_concurrency
+from kvscope.engine.outputs import NULL_BLOCK, CacheSnapshot, StepResult
 
 MODEL = "gemma3-270m"
 REQUEST = "r1"
@@ -152,7 +151,7 @@ def say_figures(moment: Moment) -> str:
     freed = kept_full - held
 
     def concurrency(kinds) -> str:
-        return f"{runner.num_device_blocks / blocks_per_sequence(kinds, length, runner.block_size, chunk):.2f}x"
+        return f"{max_concurrency(kinds, runner.num_device_blocks, runner.block_size, length, chunk):.2f}x"
 
     return figures([(f"blocks {REQUEST} held, hybrid", str(held)), ("every layer kept full", str(kept_full)),
                     ("given back by the window", f"{freed} ({percent(freed / kept_full)})"),
