@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 
-from kvscope.app.bench.report import aligned_rows
+from kvscope.app.bench.metrics import percentile
+from kvscope.app.bench.report import titled_table
 from kvscope.engine import SamplingParams
 
 TOP = 5     # log-probabilities asked per position, as lm-evaluation-harness and most clients ask for a few
@@ -53,20 +54,12 @@ class LogprobsResult:
         for side in self.sides:
             rate = side.output_tokens / side.seconds
             rows.append([side.name, f"{rate:.1f}", f"{rate / (base.output_tokens / base.seconds):.2f}x",
-                         f"{_median(side.first_token_s) * 1000:.0f} ms", "yes" if side.same_tokens else "NO"])
+                         f"{percentile(side.first_token_s, 50) * 1000:.0f} ms", "yes" if side.same_tokens else "NO"])
         accuracy = ("not checked" if self.prompt_max_abs_diff is None
                     else f"max |Δ| {self.prompt_max_abs_diff:.2e} against transformers' log-softmax")
-        return "\n".join([
-            f"logprobs · {self.requests} greedy requests of {self.input_len} prompt tokens, {self.output_len} "
-            f"out · {self.dtype} · top {TOP} · order none/sampled/prompt/prompt/sampled/none",
-            *aligned_rows(header, rows),
-            f"prompt log-probabilities of the first request: {accuracy}",
-        ])
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2] if ordered else float("nan")
+        title = [f"logprobs · {self.requests} greedy requests of {self.input_len} prompt tokens, {self.output_len} "
+                 f"out · {self.dtype} · top {TOP} · order none/sampled/prompt/prompt/sampled/none"]
+        return titled_table(title, header, rows, f"prompt log-probabilities of the first request: {accuracy}")
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
