@@ -21,7 +21,7 @@ from textual.widgets import Input, Static
 
 from kvscope.app.messages import ChatSubmitted
 from kvscope.app.widgets.chat_input import ChatInput
-from kvscope.engine.config import model_sampling
+from kvscope.engine.config import SamplingParams, model_sampling
 from kvscope.engine.outputs import RequestOutput
 
 PLACEHOLDER = "Ask the model…  (? keys · Esc leaves the input · F10 quits)"
@@ -32,11 +32,11 @@ HINT = ("Type a question below and press Enter. Its blocks light up in the map w
         "Ctrl+G stops the reply, Ctrl+N starts a new conversation, Esc leaves the input.")
 
 
-# The knobs the border names when they are on, with the value that turns each off; greedy ignores those in
-# SAMPLING_ONLY, so the border leaves them out then.
-KNOBS_OFF = (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("repetition_penalty", 1.0),
-             ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
+# The knobs the border names when they differ from SamplingParams' own defaults (which turn each off); greedy
+# ignores those in SAMPLING_ONLY, so the border leaves them out then.
+KNOBS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 SAMPLING_ONLY = {"top_p", "top_k", "min_p"}
+_OFF = SamplingParams()
 
 
 class ChatPane(Vertical):
@@ -125,8 +125,9 @@ class ChatPane(Vertical):
         `kvscope chat` take it (greedy for SmolLM2), under the knobs typed on the command line."""
         params = model_sampling(defaults, **dict(self.sampling))
         how = ["greedy" if params.temperature == 0.0 else f"temperature {params.temperature:g}"]
-        how += [f"{name} {getattr(params, name):g}" for name, off in KNOBS_OFF
-                if getattr(params, name) != off and (params.temperature != 0.0 or name not in SAMPLING_ONLY)]
+        how += [f"{name} {getattr(params, name):g}" for name in KNOBS
+                if getattr(params, name) != getattr(_OFF, name)
+                and (params.temperature != 0.0 or name not in SAMPLING_ONLY)]
         self.border_subtitle = f"{', '.join(how)} · {'flags' if self.sampling else 'generation_config'}"
 
     def set_engine_waiting(self, waiting: bool) -> None:
