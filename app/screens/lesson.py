@@ -47,6 +47,8 @@ class LessonScreen(Screen):
         self.panel = titled(LessonPanel(id="lesson-panel", classes="panel"), "Lesson")
         self.view = SnapshotView(id="body", beside_map=[self.panel])
         self.status_line = VllmStatusLine(id="vllm-status")
+        # Held, not queried: a beat's title may be set while the screen is not composed yet or already gone.
+        self.title_line = Static("", id="lesson-title")
         self.runner: LessonRunner | None = None
         self.latest: StepResult | None = None
         self.previous: StepResult | None = None
@@ -55,7 +57,7 @@ class LessonScreen(Screen):
         self._reader: RunLogReader | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static("", id="lesson-title")
+        yield self.title_line
         yield self.view
         yield self.status_line
         yield KeyBar(own_only=True, id="keys")
@@ -137,7 +139,7 @@ class LessonScreen(Screen):
         self.view.mark_blocks(record.highlight.blocks)
 
     def _title(self, index: int, state: str) -> None:
-        self.query_one("#lesson-title", Static).update(
+        self.title_line.update(
             f"[b $accent]kvscope lesson[/] · [b]{self.lesson.title}[/b] · beat {index + 1} of "
             f"{len(self.lesson.beats)} · {state}")
 

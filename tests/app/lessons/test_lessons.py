@@ -109,6 +109,15 @@ async def test_the_palette_lists_each_lesson():
         assert [t for t in titles if t.startswith("Lesson: ")] == [f"Lesson: {name}" for name in LESSONS]
 
 
+def test_a_beat_title_set_before_the_screen_is_composed_or_after_it_is_gone_does_not_raise():
+    from kvscope.app.screens.lesson import LessonScreen
+
+    lesson = LESSONS["block-tables"]
+    screen = LessonScreen(lesson, teach_config(EngineConfig(), **lesson.config))
+    screen.show_running(0, lesson.beats[0])       # queried the unmounted screen for its title before: NoMatches
+    assert "beat 1 of" in str(screen.title_line.render()) and "running" in str(screen.title_line.render())
+
+
 def test_static_batches_wait_for_their_longest_request():
     assert static_steps([14, 4, 9, 17, 10, 6]) == 17 + 10
     assert static_steps([3]) == 3
