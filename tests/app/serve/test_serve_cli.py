@@ -151,3 +151,21 @@ def test_sigterm_is_a_clean_stop_with_status_0_and_a_small_pool_is_warned_about_
     finally:
         reap(process)
     assert any("WARNING" in line and "--max-model-len 4,096" in line for line in lines), lines
+
+
+def test_the_server_freezes_what_start_up_built_out_of_the_collectors_walks(monkeypatch):
+    import gc
+
+    from serve_helpers import tiny_engine
+
+    from kvscope.app.serve.server import ServeApp, ServeOptions, listen
+
+    server = ServeApp(tiny_engine(), ServeOptions(port=0), listener=listen("127.0.0.1", 0))
+    frozen_when_serving = []
+    monkeypatch.setattr(server.server, "run", lambda sockets: frozen_when_serving.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        server.serve_forever()
+    finally:
+        gc.unfreeze()
+    assert frozen_when_serving and frozen_when_serving[0] > 10_000
