@@ -26,20 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvscope.app.messages import (
-    CommandRejected,
-    EngineBuildFailed,
-    EngineDied,
-    EngineFailed,
-    EngineInfo,
-    EngineReady,
-    EngineStarting,
-    QueueChanged,
-    RequestRejected,
-    RunState,
-    RunStateChanged,
-    RunUntilDone,
-)
+from kvscope.app import messages
 from kvscope.app.worker.commands import (
     AbortRequest,
     AddChatTurn,
@@ -84,7 +71,7 @@ class EngineWorker(RequestCommands, StepPosting):
         self.target = target
         self.config = config
         self.engine = None
-        self.info: EngineInfo | None = None
+        self.info: messages.EngineInfo | None = None
         self._engine_factory = engine_factory
         self._log_factory = log_factory
         self._on_engine_installed = on_engine_installed
@@ -118,8 +105,8 @@ class EngineWorker(RequestCommands, StepPosting):
         self._commands.put(command)
 
     @property
-    def state(self) -> RunState:
-        return RunState(self._paused, self._steps_per_s_cap)
+    def state(self) -> messages.RunState:
+        return messages.RunState(self._paused, self._steps_per_s_cap)
 
     @property
     def stopping(self) -> bool:
@@ -135,7 +122,7 @@ class EngineWorker(RequestCommands, StepPosting):
                 self.run_once(self._wait_time(), batch_steps=True)
         except BaseException as exc:    # the window must say the engine is gone, not look idle
             self._died = exc
-            self._post(EngineDied(describe_error(exc)))
+            self._post(messages.EngineDied(describe_error(exc)))
             raise
         finally:
             self.shutdown()
@@ -196,7 +183,7 @@ class EngineWorker(RequestCommands, StepPosting):
         if self._queued and self.engine is not None and not self._step_due():
             # Requests were added and no step is about to show them (paused, or rate-capped): show them now.
             self._queued = False
-            self._post(QueueChanged(self.engine.snapshot()))
+            self._post(messages.QueueChanged(self.engine.snapshot()))
 
     def _apply(self, command: WorkerCommand) -> None:
         """Apply one command; one that raises is refused with a message and changes nothing else."""
@@ -206,14 +193,14 @@ class EngineWorker(RequestCommands, StepPosting):
             if isinstance(command, AddRequest):
                 self._reject(command.request_id, exc)
             else:
-                self._post(CommandRejected(type(command).__name__, describe_error(exc)))
+                self._post(messages.CommandRejected(type(command).__name__, describe_error(exc)))
 
     def _dispatch(self, command: WorkerCommand) -> None:
         match command:
             case AddRequest():
                 self._add(command)
-            case AddChatTurn(request_id, messages, params):
-                self._add_chat_turn(request_id, messages, params)
+            case AddChatTurn(request_id, turns, params):
+                self._add_chat_turn(request_id, turns, params)
             case AbortRequest(request_id):
                 self._abort(request_id)
             case SetPaused(paused):
@@ -247,7 +234,7 @@ class EngineWorker(RequestCommands, StepPosting):
             self._post_state()
 
     def _post_state(self) -> None:
-        self._post(RunStateChanged(self.state))
+        self._post(messages.RunStateChanged(self.state))
 
     def _step(self) -> None:
         for request in self._delayed.pop_due(self._steps_done):
@@ -262,7 +249,7 @@ class EngineWorker(RequestCommands, StepPosting):
         except Exception as exc:  # the UI must survive any engine bug: show it, pause, wait for the user
             self._paused = True
             self._pending_steps = 0
-            self._post(EngineFailed(f"engine step failed: {describe_error(exc)}"))
+            self._post(messages.EngineFailed(f"engine step failed: {describe_error(exc)}"))
             self._post_state()
             return
         self._steps_done += 1
@@ -282,7 +269,7 @@ class EngineWorker(RequestCommands, StepPosting):
         try:
             met = bool(condition(result))
         except Exception as exc:  # a bad condition ends the run where it is; the engine is fine
-            self._post(EngineFailed(f"run-until condition failed: {type(exc).__name__}: {exc}"))
+            self._post(messages.EngineFailed(f"run-until condition failed: {type(exc).__name__}: {exc}"))
             met = False
             last = self._steps_done
         if met or self._steps_done >= last:
@@ -293,7 +280,7 @@ class EngineWorker(RequestCommands, StepPosting):
         self._until = None
         self._pending_steps = 0
         self._set_paused(True)
-        self._post(RunUntilDone(self._last_step, met))
+        self._post(messages.RunUntilDone(self._last_step, met))
 
     # --- building and retiring engines ---------------------------------------------------------
 
@@ -304,16 +291,16 @@ class EngineWorker(RequestCommands, StepPosting):
             self._retire(ENGINE_REBUILT)
             self._install(*built)
 
-    def _build(self, config: EngineConfig) -> tuple[Any, EngineInfo, EngineConfig] | None:
-        self._post(EngineStarting(config))
+    def _build(self, config: EngineConfig) -> tuple[Any, messages.EngineInfo, EngineConfig] | None:
+        self._post(messages.EngineStarting(config))
         try:
             engine = self._engine_factory(config, self.engine)
             return engine, engine_info(engine), config
         except Exception as exc:  # a bad model path or an impossible pool must not kill the app
-            self._post(EngineBuildFailed(f"could not start the engine: {exc}", self.info))
+            self._post(messages.EngineBuildFailed(f"could not start the engine: {exc}", self.info))
             return None
 
-    def _install(self, engine, info: EngineInfo, config: EngineConfig) -> None:
+    def _install(self, engine, info: messages.EngineInfo, config: EngineConfig) -> None:
         self.engine, self.info, self.config = engine, info, config
         self._steps_done = self._last_step = 0
         self._abort_unreported = False
@@ -326,7 +313,7 @@ class EngineWorker(RequestCommands, StepPosting):
             self._logger, warning = None, f"run log off: {describe_error(exc)}"
         if self._logger is not None:
             warning = self._logger.warning
-        self._post(EngineReady(info, engine.banner, warning))
+        self._post(messages.EngineReady(info, engine.banner, warning))
         self._post_state()
 
     def _retire(self, reason: str) -> None:
@@ -344,7 +331,7 @@ class EngineWorker(RequestCommands, StepPosting):
                 self._final_step(engine, logger, set(aborted), reason)
         except Exception as exc:    # a broken engine: say so for each request, close the log anyway
             for request_id in sorted(self._accepted):
-                self._post(RequestRejected(
+                self._post(messages.RequestRejected(
                     request_id, f"{reason}; its final output was lost ({describe_error(exc)})"))
         finally:
             self._accepted.clear()
