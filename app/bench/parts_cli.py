@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import sys
 
@@ -42,59 +43,55 @@ def _add_setting_flags(parser: argparse.ArgumentParser, settings: type) -> None:
                                 default=spec.default, help=f"{spec.metadata['help']} (default {shown})")
 
 
-def _settings(settings: type, args: argparse.Namespace, **more):
-    """``settings`` made from the flags _add_setting_flags added, and ``more``."""
-    flags = {spec.name: getattr(args, spec.name) for spec in dataclasses.fields(settings) if "help" in spec.metadata}
-    return settings(**flags, **more)
+def _settings(settings: type, args: argparse.Namespace):
+    """``settings`` made from the flags: _add_setting_flags' and any other its fields have (ui's --size)."""
+    return settings(**{spec.name: getattr(args, spec.name) for spec in dataclasses.fields(settings)
+                       if hasattr(args, spec.name)})
 
 
-def _add_settings_bench(subparsers, name: str, settings: type, run, *, help: str,
-                        description: str) -> argparse.ArgumentParser:
-    """The subcommand ``name``: a flag per field of ``settings`` that has help text, and --json; ``run`` runs it."""
+def _add_settings_bench(subparsers, name: str, settings: type, run) -> argparse.ArgumentParser:
+    """The subcommand ``name``: a flag per field of ``settings`` that has help text, and --json; its help is the
+    first line of ``settings``' docstring and its description the rest.
+
+    ``run(settings)`` returns the rows --json prints and the table printed otherwise; a ValueError it raises (a cell
+    that does not fit its pool, a share that is not one) is one line naming the bench."""
+    help, _, description = inspect.cleandoc(settings.__doc__).partition("\n\n")
     parser = subparsers.add_parser(name, help=help, description=description)
     _add_setting_flags(parser, settings)
     add_json_flag(parser)
-    parser.set_defaults(func=run)
+
+    def run_bench(args: argparse.Namespace) -> int:
+        try:
+            rows, table = run(_settings(settings, args))
+        except ValueError as exc:
+            raise SystemExit(f"kvscope bench {name}: {exc}") from None
+        print(json.dumps(rows) if args.json else table)
+        return 0
+
+    parser.set_defaults(func=run_bench)
     return parser
 
 
 def register_hybrid(subparsers) -> None:
-    _add_settings_bench(
-        subparsers, "hybrid", HybridSettings, run_hybrid,
-        help="a hybrid KV cache against every layer kept full, at the same memory",
-        description="On an engine with no model and a sliding-window model's shape: the KV a request holds, "
-                    "the requests that run at once and vLLM's concurrency figure, with the layers grouped by "
-                    "attention kind and with every layer kept full, from the same pool memory.")
+    _add_settings_bench(subparsers, "hybrid", HybridSettings, _run_hybrid)
 
 
-def run_hybrid(args: argparse.Namespace) -> int:
+def _run_hybrid(settings: HybridSettings) -> tuple[list[dict], str]:
     from kvscope.app.bench.hybrid import as_json, format_table, run_hybrid_bench
 
-    settings = _settings(HybridSettings, args)
     rows = run_hybrid_bench(settings)
-    print(json.dumps(as_json(rows)) if args.json else format_table(rows, settings))
-    return 0
+    return as_json(rows), format_table(rows, settings)
 
 
 def register_host(subparsers) -> None:
-    _add_settings_bench(
-        subparsers, "host", HostSettings, run_host,
-        help="the host's work in one engine step, by phase, without the forward",
-        description="Thread CPU time of each phase of a decode step (schedule, prepare, update, snapshot, "
-                    "events, run-log encode) on an engine with no model, for every pool, batch and context "
-                    "asked for, and the sampler at each batch over the default model's vocabulary.")
+    _add_settings_bench(subparsers, "host", HostSettings, _run_host)
 
 
-def run_host(args: argparse.Namespace) -> int:
+def _run_host(settings: HostSettings) -> tuple[list[dict], str]:
     from kvscope.app.bench.host import as_json, format_table, run_host_bench
 
-    settings = _settings(HostSettings, args)
-    try:
-        rows, tokenizer_name = run_host_bench(settings, progress=_progress)
-    except ValueError as exc:      # a cell that does not fit its pool
-        raise SystemExit(f"kvscope bench host: {exc}") from None
-    print(json.dumps(as_json(rows)) if args.json else format_table(rows, settings, tokenizer_name))
-    return 0
+    rows, tokenizer_name = run_host_bench(settings, progress=_progress)
+    return as_json(rows), format_table(rows, settings, tokenizer_name)
 
 
 def _window_size(text: str) -> tuple[int, int]:
@@ -108,28 +105,19 @@ def _window_size(text: str) -> tuple[int, int]:
 
 
 def register_ui(subparsers) -> None:
-    parser = _add_settings_bench(
-        subparsers, "ui", UiSettings, run_ui,
-        help="a block-map frame at a big pool, and the open window's cost to engine throughput",
-        description="On an engine with no model whose pool is mostly in use: the block map's frame time "
-                    "(UI-thread CPU), and engine steps per CPU second headless and with the app open.")
+    parser = _add_settings_bench(subparsers, "ui", UiSettings, _run_ui)
     size = UiSettings().size
     parser.add_argument("--size", type=_window_size, default=size, metavar="WxH",
                         help=f"the window's size in cells (default {size[0]}x{size[1]})")
 
 
-def run_ui(args: argparse.Namespace) -> int:
+def _run_ui(settings: UiSettings) -> tuple[dict, str]:
     from kvscope.app.bench.ui import as_json, format_table, run_ui_bench
 
-    if args.usage >= 1:
-        raise SystemExit(f"kvscope bench ui: --usage is a share below 1, got {args.usage}")
-    settings = _settings(UiSettings, args, size=args.size)
-    try:
-        result = run_ui_bench(settings, progress=_progress)
-    except ValueError as exc:
-        raise SystemExit(f"kvscope bench ui: {exc}") from None
-    print(json.dumps(as_json(result)) if args.json else format_table(result))
-    return 0
+    if settings.usage >= 1:
+        raise ValueError(f"--usage is a share below 1, got {settings.usage}")
+    result = run_ui_bench(settings, progress=_progress)
+    return as_json(result), format_table(result)
 
 
 def register_kernels(subparsers) -> None:

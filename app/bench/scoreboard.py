@@ -2,8 +2,9 @@
 hybrid`, and their defaults.
 
 Apart from the benches themselves so that the command line builds their flags from here without importing the
-engine: a setting with help text is a flag of the same name, its default the setting's own. The sizes are the
-ones the scoreboard's targets are stated at.
+engine: a setting with help text is a flag of the same name, its default the setting's own, and each class's
+docstring is its subcommand's help (the first line) and description (the rest). The sizes are the ones the
+scoreboard's targets are stated at.
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ def flag(default, text: str):
 
 @dataclass(frozen=True)
 class HostSettings:
+    """the host's work in one engine step, by phase, without the forward
+
+    Thread CPU time of each phase of a decode step (schedule, prepare, update, snapshot, events, run-log encode)
+    on an engine with no model, for every pool, batch and context asked for, and the sampler at each batch over
+    the default model's vocabulary."""
+
     pools: tuple[int, ...] = flag((4_096, 65_536, 400_000), "pool sizes in blocks")   # 400,000: about an H200's
     batches: tuple[int, ...] = flag((8, 64, 256), "decoding requests per step")
     contexts: tuple[int, ...] = flag((100, 1_200), "tokens of context each request has")
@@ -32,6 +39,11 @@ class HostSettings:
 
 @dataclass(frozen=True)
 class UiSettings:
+    """a block-map frame at a big pool, and the open window's cost to engine throughput
+
+    On an engine with no model whose pool is mostly in use: the block map's frame time (UI-thread CPU), and
+    engine steps per CPU second headless and with the app open."""
+
     # An H200 at 0.9 utilisation holds about 340,000 blocks of SmolLM2.
     blocks: int = flag(330_000, "pool size in blocks")
     usage: float = flag(0.8, "share of the pool in use, below 1")
@@ -44,6 +56,12 @@ class UiSettings:
 
 @dataclass(frozen=True)
 class HybridSettings:
+    """a hybrid KV cache against every layer kept full, at the same memory
+
+    On an engine with no model and a sliding-window model's shape: the KV a request holds, the requests that
+    run at once and vLLM's concurrency figure, with the layers grouped by attention kind and with every layer
+    kept full, from the same pool memory."""
+
     # Gemma 3 270M's shape: 18 layers, five sliding (window 512) per full one, one KV head of 256, bf16.
     layers: int = flag(18, "decoder layers")
     window: int = flag(512, "sliding window in tokens")

@@ -128,6 +128,11 @@ def test_bench_host_refuses_a_cell_that_does_not_fit_its_pool(capsys):
               "--sampler-repeats", "1", "--vocab", "300"])
 
 
+def test_bench_ui_refuses_a_usage_that_is_not_a_share_below_one_in_one_line(capsys):
+    with pytest.raises(SystemExit, match="^kvscope bench ui: --usage is a share below 1, got 1.5$"):
+        main(["bench", "ui", "--usage", "1.5"])
+
+
 def test_bench_ui_prints_the_frame_and_the_window_cost(capsys):
     argv = ["bench", "ui", "--blocks", "2048", "--usage", "0.5", "--batch", "4", "--steps", "6", "--frames", "2",
             "--size", "100x30"]
