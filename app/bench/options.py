@@ -7,6 +7,7 @@ and `kvscope bench host --help` must not wait for (or need) any of them.
 from __future__ import annotations
 
 import argparse
+import inspect
 
 from kvscope.app.flags import add_engine_flags
 
@@ -48,6 +49,15 @@ def parse_dtypes(text: str | None, default: str = "float32") -> list[str]:
     if bad or not dtypes:
         raise SystemExit(f"kvscope bench: --dtype takes {', '.join(DTYPES)} (comma-separated), got {text!r}")
     return dtypes
+
+
+def add_bench(subparsers, name: str, run, doc: str | None = None, **kwargs) -> argparse.ArgumentParser:
+    """The subcommand ``name``, running ``run(args)``. Its help is the first line of ``doc`` (``run``'s docstring
+    unless given) and its description the rest: what a bench does is written once, beside what does it."""
+    help, _, description = inspect.cleandoc(doc or run.__doc__).partition("\n\n")
+    parser = subparsers.add_parser(name, help=help, description=description, **kwargs)
+    parser.set_defaults(func=run)
+    return parser
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import sys
 
 from kvscope.app.bench.options import (
+    add_bench,
     add_dtype_flag,
     add_json_flag,
     add_model_flags,
@@ -55,11 +55,6 @@ def _add_settings_bench(subparsers, name: str, settings: type, run) -> argparse.
 
     ``run(settings)`` returns the rows --json prints and the table printed otherwise; a ValueError it raises (a cell
     that does not fit its pool, a share that is not one) is one line naming the bench."""
-    help, _, description = inspect.cleandoc(settings.__doc__).partition("\n\n")
-    parser = subparsers.add_parser(name, help=help, description=description)
-    _add_setting_flags(parser, settings)
-    add_json_flag(parser)
-
     def run_bench(args: argparse.Namespace) -> int:
         try:
             rows, table = run(_settings(settings, args))
@@ -68,7 +63,9 @@ def _add_settings_bench(subparsers, name: str, settings: type, run) -> argparse.
         print(json.dumps(rows) if args.json else table)
         return 0
 
-    parser.set_defaults(func=run_bench)
+    parser = add_bench(subparsers, name, run_bench, doc=settings.__doc__)
+    _add_setting_flags(parser, settings)
+    add_json_flag(parser)
     return parser
 
 
@@ -121,18 +118,19 @@ def _run_ui(settings: UiSettings) -> tuple[dict, str]:
 
 
 def register_kernels(subparsers) -> None:
-    parser = subparsers.add_parser("kernels", help="one layer's paged attention per call, decode and prefill",
-                                   description="Time kvscope's paged attention kernels per call, beside the "
-                                               "machine's copy bandwidth and matmul peak.")
+    parser = add_bench(subparsers, "kernels", run_kernels)
     add_dtype_flag(parser, "float32,bfloat16")
     add_model_flags(parser, names=("device",))
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     add_repeats_flag(parser, "timed calls per case", 20)
     add_json_flag(parser)
-    parser.set_defaults(func=run_kernels, model="default")
+    parser.set_defaults(model="default")
 
 
 def run_kernels(args: argparse.Namespace) -> int:
+    """one layer's paged attention per call, decode and prefill
+
+    Time kvscope's paged attention kernels per call, beside the machine's copy bandwidth and matmul peak."""
     from kvscope.app.bench.harness import environment_line
     from kvscope.app.bench.kernels_bench import copy_bandwidth, format_table, run_kernel_bench
     from kvscope.app.bench.options import matmul_peaks
@@ -152,15 +150,15 @@ def run_kernels(args: argparse.Namespace) -> int:
 
 
 def register_scheduler(subparsers) -> None:
-    parser = subparsers.add_parser("scheduler", help="one step() without the model, with and without text",
-                                   description="The median step() of decoding requests on an engine with no "
-                                               "model, detokenizing and not.")
+    parser = add_bench(subparsers, "scheduler", run_scheduler)
     parser.add_argument("--requests", type=positive_int, default=256, help="running requests (default 256)")
     add_json_flag(parser)
-    parser.set_defaults(func=run_scheduler)
 
 
 def run_scheduler(args: argparse.Namespace) -> int:
+    """one step() without the model, with and without text
+
+    The median step() of decoding requests on an engine with no model, detokenizing and not."""
     from kvscope.app.bench.scheduler import print_scheduler_bench, run_scheduler_bench
 
     if args.json:
@@ -171,19 +169,19 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
 
 def register_attach(subparsers) -> None:
-    parser = subparsers.add_parser("attach", help="the vLLM attach client's CPU at an event rate, and its memory",
-                                   description="Replay recorded vLLM KV-cache events at a rate through the "
-                                               "attach client; its memory for a big pool.")
+    parser = add_bench(subparsers, "attach", run_attach)
     parser.add_argument("--rate", type=positive_float, default=10_000,
                         help="events per second to replay (default 10,000)")
     parser.add_argument("--seconds", type=positive_float, default=10.0, help="how long to replay them (default 10)")
     parser.add_argument("--pool-blocks", type=positive_int, default=1_000_000,
                         help="pool size for the memory figure (default 1,000,000)")
     add_json_flag(parser)
-    parser.set_defaults(func=run_attach)
 
 
 def run_attach(args: argparse.Namespace) -> int:
+    """the vLLM attach client's CPU at an event rate, and its memory
+
+    Replay recorded vLLM KV-cache events at a rate through the attach client; its memory for a big pool."""
     from kvscope.app.attach.bench import report, run_memory, run_rate
 
     rate = run_rate(args.rate, args.seconds, args.pool_blocks)
@@ -197,17 +195,17 @@ def run_attach(args: argparse.Namespace) -> int:
 
 
 def register_lessons(subparsers) -> None:
-    parser = subparsers.add_parser("lessons", help="how long each lesson takes with the real model",
-                                   description="Play every lesson in the app, Space pressed as soon as each "
-                                               "moment is ready.")
+    parser = add_bench(subparsers, "lessons", run_lessons)
     add_dtype_flag(parser, "the model's own", many=False)
     add_model_flags(parser)
     parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     parser.add_argument("--no-log", action="store_true", help="do not keep the lessons' runs")
-    parser.set_defaults(func=run_lessons)
 
 
 def run_lessons(args: argparse.Namespace) -> int:
+    """how long each lesson takes with the real model
+
+    Play every lesson in the app, Space pressed as soon as each moment is ready."""
     from kvscope.app.bench.lessons_bench import format_table, time_lessons
     from kvscope.engine.config import EngineConfig
 
@@ -220,16 +218,16 @@ def run_lessons(args: argparse.Namespace) -> int:
 
 
 def register_startup(subparsers) -> None:
-    parser = subparsers.add_parser("startup", help="a fresh process's time until the engine is ready, and its peak "
-                                                   "memory", description="Start fresh processes that import "
-                                                                         "kvscope and build the default engine.")
+    parser = add_bench(subparsers, "startup", run_startup)
     add_dtype_flag(parser, "bfloat16", many=False)
     add_model_flags(parser)
     add_repeats_flag(parser, "fresh processes", 3)
-    parser.set_defaults(func=run_startup)
 
 
 def run_startup(args: argparse.Namespace) -> int:
+    """a fresh process's time until the engine is ready, and its peak memory
+
+    Start fresh processes that import kvscope and build the default engine."""
     from kvscope.app.bench.startup_bench import format_table, time_startups
 
     dtype = parse_dtypes(args.dtype, "bfloat16")[0]

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from kvscope.app.bench.options import (
+    add_bench,
     add_dtype_flag,
     add_json_flag,
     add_model_flags,
@@ -45,11 +46,7 @@ def _add_workload_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def register_throughput(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "throughput", aliases=["workloads"],
-        help="kvscope against transformers, vLLM and its contiguous baseline on the same workloads",
-        description="Run every system side by side in one process: same model, dtype, threads, prompts and "
-                    "output lengths; speed beside the accuracy of the same run.")
+    parser = add_bench(subparsers, "throughput", run_throughput, aliases=["workloads"])
     _add_workload_flags(parser)
     parser.add_argument("--systems", default=None,
                         help=f"comma-separated, from {','.join(SYSTEMS)} (default: each workload's own set)")
@@ -70,35 +67,25 @@ def register_throughput(subparsers) -> None:
     peers.add_argument("--hf-cb-batch-tokens", type=positive_int, default=512, help="hf-cb: most tokens per step")
     peers.add_argument("--hf-cb-page-size", type=positive_int, default=256, help="hf-cb: tokens per cache page")
     _add_vllm_python_flag(peers)
-    parser.set_defaults(func=run_throughput)
 
 
 def register_logging(subparsers) -> None:
-    parser = subparsers.add_parser("logging", help="the run log's cost: kvscope with it off and on",
-                                   description="One workload on kvscope, the run log off/on/on/off in each round.")
+    parser = add_bench(subparsers, "logging", run_logging)
     _add_workload_flags(parser)
     add_repeats_flag(parser, "off/on/on/off rounds", 1)
-    parser.set_defaults(func=run_logging)
 
 
 def register_logprobs(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "logprobs", help="what log-probabilities cost: none, the sampled tokens', the prompt's too",
-        description="The same greedy requests on one engine three ways, with the prompt log-probabilities "
-                    "checked against transformers' log-softmax in the same run.")
+    parser = add_bench(subparsers, "logprobs", run_logprobs)
     _add_random_prompt_flags(parser, "side", requests=16, output_len=32)
     add_dtype_flag(parser, "float32", many=False)
     add_repeats_flag(parser, "none/sampled/prompt/prompt/sampled/none rounds", 1)
     add_json_flag(parser)
     add_model_flags(parser)
-    parser.set_defaults(func=run_logprobs)
 
 
 def register_serve(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "serve", help="kvscope serve against vLLM's server under the same client and request rates",
-        description="Start each server in turn and send it the same requests at each rate, with vLLM's own "
-                    "`vllm bench serve` client (or kvscope's, without vLLM).")
+    parser = add_bench(subparsers, "serve", run_serve)
     parser.add_argument("--rates", default="1,4",
                         help="request rates to try, requests/s, comma-separated; inf sends all at once (default 1,4)")
     _add_random_prompt_flags(parser, "rate", requests=32, output_len=64)
@@ -110,7 +97,6 @@ def register_serve(subparsers) -> None:
     add_json_flag(parser)
     add_model_flags(parser, threads=False, names=("model",))
     _add_vllm_python_flag(parser)
-    parser.set_defaults(func=run_serve)
 
 
 def _add_random_prompt_flags(parser, per: str, requests: int, output_len: int) -> None:
@@ -130,6 +116,10 @@ def _add_vllm_python_flag(parser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """kvscope serve against vLLM's server under the same client and request rates
+
+    Start each server in turn and send it the same requests at each rate, with vLLM's own `vllm bench serve` client
+    (or kvscope's, without vLLM)."""
     from kvscope.app.bench.serve_bench import ServeBenchSettings, format_table, run_serve_bench
     from kvscope.app.bench.vllm_system import SystemUnavailable, find_python
     from kvscope.engine.model.loader import resolve_model_path
@@ -202,6 +192,10 @@ def _load(args: argparse.Namespace, dtype: str, device: str):
 
 
 def run_throughput(args: argparse.Namespace) -> int:
+    """kvscope against transformers, vLLM and its contiguous baseline on the same workloads
+
+    Run every system side by side in one process: same model, dtype, threads, prompts and output lengths; speed
+    beside the accuracy of the same run."""
     from kvscope.app.bench.harness import Bench, BenchOptions, environment_line
     from kvscope.app.bench.hf_cb import ContinuousSettings
     from kvscope.app.bench.hf_static import StaticSettings
@@ -273,6 +267,9 @@ def engine_settings(args: argparse.Namespace) -> tuple[int | None, int | None]:
 
 
 def run_logging(args: argparse.Namespace) -> int:
+    """the run log's cost: kvscope with it off and on
+
+    One workload on kvscope, the run log off/on/on/off in each round."""
     from kvscope.app.bench.harness import environment_line
     from kvscope.app.bench.logging_bench import LogUnavailable, run_logging_bench
     from kvscope.app.bench.workloads import build_workloads
@@ -302,6 +299,10 @@ def run_logging(args: argparse.Namespace) -> int:
 
 
 def run_logprobs(args: argparse.Namespace) -> int:
+    """what log-probabilities cost: none, the sampled tokens', the prompt's too
+
+    The same greedy requests on one engine three ways, with the prompt log-probabilities checked against
+    transformers' log-softmax in the same run."""
     import torch
     from transformers import AutoModelForCausalLM
 
