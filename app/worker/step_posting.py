@@ -26,7 +26,8 @@ from kvscope.app.messages import EngineStepped, StepBatch, StepsReady
 from kvscope.engine.outputs import CacheSnapshot, StepResult
 
 MAX_STEPS_AHEAD_OF_UI = 256
-STEPS_POST_INTERVAL = 1 / 50    # seconds: a busy engine tells the UI of new steps at most this often
+STEPS_POST_INTERVAL = 1 / 20    # seconds: a busy engine tells the UI of new steps at most this often (as often
+# as the window draws at most; with the older steps thinned, a longer batch costs no more to keep)
 WHOLE_STEPS = 2
 
 
