@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 from serve_helpers import tiny_engine
 
 from kvscope.app.messages import EngineReady, RunUntilDone, StepsReady
@@ -78,9 +77,8 @@ def test_steps_behind_the_newest_two_keep_their_blocks_and_finished_requests_and
     assert "".join(output.text_delta for output in chat) == chat[-1].text
 
 
-@pytest.mark.parametrize("whole_steps", [True])
-def test_a_screen_that_takes_every_step_whole_gets_every_output_and_request_view(whole_steps):
-    batches = run_busy(whole_steps)
+def test_a_screen_that_takes_every_step_whole_gets_every_output_and_request_view():
+    batches = run_busy(whole_steps=True)
     steps = [s.result for batch in batches for s in batch]
     assert len(steps) >= 30
     for result in steps:
