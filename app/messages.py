@@ -8,6 +8,7 @@ Textual's Message runs its own set-up from ``__post_init__``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from textual.message import Message
@@ -66,7 +67,8 @@ class EngineReady(Message):
 
 @dataclass
 class EngineStepped(Message):
-    """One engine step, handed over in a StepsReady; the UI draws the newest and keeps every output."""
+    """One engine step, handed over in a StepsReady; the UI draws the newest. A step that waits behind newer ones
+    may come thinned (app/worker/step_posting.py): its block changes, stats, events and the outputs the UI keeps."""
 
     result: StepResult
 
@@ -90,6 +92,14 @@ class StepBatch:
     def close(self) -> None:
         with self._lock:
             self._open = False
+
+    def thin(self, keep: int, thinned: Callable[[StepResult], StepResult]) -> None:
+        """Replace the result of the step that has just fallen out of the newest ``keep`` with ``thinned(it)``
+        (each add calls this once, so every older step has been thinned already)."""
+        with self._lock:
+            if len(self._steps) > keep:
+                step = self._steps[-keep - 1]
+                step.result = thinned(step.result)
 
     def take(self) -> list[EngineStepped]:
         with self._lock:

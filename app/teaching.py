@@ -45,10 +45,12 @@ class LessonControls:
         lesson = LESSONS[name]
         self._ensure_run_log()
         self.lesson_screen = LessonScreen(lesson, teach_config(self.config, **lesson.config))
+        self.worker.whole_steps = True    # the lesson takes every step's queues and snapshot
         self.push_screen(self.lesson_screen)
 
     def leave_lesson(self, rebuild: bool = True) -> None:
         screen, self.lesson_screen = self.lesson_screen, None
+        self.worker.whole_steps = False
         if screen is not None and screen.is_attached:
             self.pop_screen() if self.screen is screen else screen.dismiss()
         if rebuild:

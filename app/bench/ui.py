@@ -10,6 +10,11 @@ requests, each with a prompt of its own. One run, in this order:
    generated would otherwise charge that growth to the window), unpaused for ``--steps`` steps: the engine
    thread steps, the UI thread takes every step (``ingest``) and paints at its own frame rate under its CPU
    budget (app/screens/main.py).
+
+Each side first takes as many steps again unmeasured. The window's first frames of a running engine lay the
+screen out anew once (the header's state, the queues filling, a scrollbar appearing and the map re-fitting its
+cells), a one-off of a few tenths of a second that a run of a few seconds would otherwise charge as a steady
+share of the engine's throughput; the warm-up keeps it out, and keeps both engines at the same step.
 3. Frames: the window's own BlockMap (its size in that window) shown each of the last ``--frames`` steps'
    snapshots and every line rendered (``show_snapshot`` then ``render_line`` for each row: the cells from the
    snapshot, then the strips; Textual's compositor pass is not included), before the app closes (closing it
@@ -129,25 +134,33 @@ def synthetic_snapshot(num_blocks: int, num_requests: int, block_size: int = 16,
 
 
 class WindowedEngine(RecordingEngine):
-    """The engine as the app's worker steps it. Once ``measure_until(n)`` is set, the step that makes ``n`` steps
-    notes the process CPU time and the pool's usage on the engine thread, so the window's side is measured to the
-    step (the engine may run on until the app pauses it); the snapshots of the steps before it are kept for the
-    frame timing."""
+    """The engine as the app's worker steps it. Once ``measure(warmup, n)`` is set, the steps that end the warm-up
+    and the ``n`` measured steps after it note the process CPU time (and the last, the pool's usage) on the engine
+    thread, so the window's side is measured to the step (the engine may run on until the app pauses it); the
+    snapshots of the steps before the last are kept for the frame timing."""
 
     def __init__(self, engine, keep: int) -> None:
         super().__init__(engine)
         self.recent: collections.deque[CacheSnapshot] = collections.deque(maxlen=keep)
         self.step_cpu_ns: list[int] = []      # the stepping thread's CPU in each step
+        self.start_at: int | None = None
         self.stop_at: int | None = None
-        # At stop_at: (process CPU seconds, the UI thread's CPU nanoseconds, kv usage).
+        # At start_at: (process CPU seconds, the UI thread's CPU nanoseconds); at stop_at, and the kv usage.
+        self.started: tuple[float, int] | None = None
         self.stopped: tuple[float, int, float] | None = None
         self._ui_clock = time.pthread_getcpuclockid(threading.main_thread().ident)   # the app's loop runs there
 
     def ui_cpu_ns(self) -> int:
         return time.clock_gettime_ns(self._ui_clock)
 
-    def measure_until(self, steps: int) -> None:
-        self.stopped, self.stop_at = None, len(self.stats) + steps
+    def measure(self, warmup: int, steps: int) -> None:
+        self.started = self.stopped = None
+        self.start_at = len(self.stats) + warmup
+        self.stop_at = self.start_at + steps
+
+    @property
+    def measuring(self) -> bool:
+        return self.started is not None and self.stopped is None
 
     def step(self):
         start = time.thread_time_ns()
@@ -155,6 +168,8 @@ class WindowedEngine(RecordingEngine):
         self.step_cpu_ns.append(time.thread_time_ns() - start)
         if self.stop_at is None or len(self.stats) <= self.stop_at:
             self.recent.append(result.snapshot)
+        if len(self.stats) == self.start_at:
+            self.started = (time.process_time(), self.ui_cpu_ns())
         if len(self.stats) == self.stop_at:
             self.stopped = (time.process_time(), self.ui_cpu_ns(), result.stats.kv_usage)
         return result
@@ -166,7 +181,7 @@ class WindowedEngine(RecordingEngine):
 
 def full_engine(settings: UiSettings) -> WindowedEngine:
     """``settings.batch`` decoding requests holding about ``settings.usage`` of a pool of ``settings.blocks``."""
-    max_tokens = 3 * settings.steps + settings.frames + 8     # nobody finishes during the run
+    max_tokens = 5 * settings.steps + settings.frames + 8     # nobody finishes during the run (warm-ups too)
     per_request = int(settings.blocks * settings.usage) // settings.batch * BLOCK_SIZE
     context = per_request - max_tokens // 2     # the pool fills to about ``usage`` by the middle of the run
     if context < 1:
@@ -211,14 +226,17 @@ async def window_run(engine: WindowedEngine, settings: UiSettings) -> dict:
 
     paints: list[int] = []
     paint = MainScreen.paint
+    measuring = []     # the engine, once the window runs it: the paints of its measured steps are timed
 
     def timed_paint(screen, force: bool = False) -> None:
         start = time.thread_time_ns()
         paint(screen, force)
-        paints.append(time.thread_time_ns() - start)
+        if measuring and measuring[0].measuring:
+            paints.append(time.thread_time_ns() - start)
 
     MainScreen.paint = timed_paint   # before the screen mounts, whose timer binds the method
     try:
+        measuring.append(engine)
         return await _window_run(engine, settings, paints)
     finally:
         MainScreen.paint = paint
@@ -236,15 +254,20 @@ async def _window_run(engine: WindowedEngine, settings: UiSettings, paints: list
             raise RuntimeError("the app did not take the engine within 120 s")
         block_map = app.main.view.block_map
         painted = []
-        del paints[:]     # the paints before the engine runs (the first frames of the window) are not timed
         show_snapshot = block_map.show_snapshot
-        block_map.show_snapshot = lambda snapshot: (painted.append(1), show_snapshot(snapshot))   # counts frames
-        first, cpu, ui_cpu = len(engine.stats), time.process_time(), engine.ui_cpu_ns()
-        engine.measure_until(settings.steps)
+
+        def counted(snapshot) -> None:
+            if engine.measuring:
+                painted.append(1)
+            show_snapshot(snapshot)
+
+        block_map.show_snapshot = counted
+        first = len(engine.stats) + settings.steps
+        engine.measure(settings.steps, settings.steps)     # as many steps of warm-up as measured
         app.worker.send(SetPaused(False))
         if not await wait_until(pilot, lambda: engine.stopped is not None, 3600):
             raise RuntimeError("the engine stopped stepping in the window")
-        frames, (stopped_cpu, stopped_ui, usage) = len(painted), engine.stopped
+        frames, (cpu, ui_cpu), (stopped_cpu, stopped_ui, usage) = len(painted), engine.started, engine.stopped
         longest_paint = max(paints, default=0) / 1e6
         app.worker.send(SetPaused(True))
         await wait_until(pilot, lambda: app.worker.state.paused, 30)
@@ -263,12 +286,13 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
     say = progress or (lambda line: None)
     say(f"filling {settings.usage:.0%} of {settings.blocks:,} blocks with {settings.batch} requests")
     engine = full_engine(settings)
-    say(f"headless, {settings.steps} steps")
-    first = len(engine.stats)
+    say(f"headless, {settings.steps} steps after as many unmeasured")
     # The window keeps its own and its engine's long-lived objects out of the cyclic collector's walks
     # (MainScreen.engine_ready); the headless side gets the same, so the window's cost is the window's alone.
     gc.freeze()
     try:
+        headless_rate(engine, settings.steps)     # the warm-up the window gets
+        first = len(engine.stats)
         before = headless_rate(engine, settings.steps)
     finally:
         gc.unfreeze()

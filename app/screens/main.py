@@ -41,7 +41,7 @@ from kvscope.app.widgets.status_line import VllmStatusLine
 from kvscope.app.widgets.system import REFRESH_S as SYSTEM_REFRESH_S
 from kvscope.app.widgets.system import SystemPanel, SystemSampler
 from kvscope.app.widgets.throughput import Throughput
-from kvscope.engine.outputs import CacheSnapshot, StepResult
+from kvscope.engine.outputs import CacheSnapshot, StepResult, StepStats
 
 FRAME_RATE = 20
 UI_CPU_BUDGET = 0.04  # share of one core the UI thread may use for painting and handling steps
@@ -50,6 +50,7 @@ TEXT_RATE = 4         # the panels of numbers: as often as a person can read the
 # The map, its event line, legend and block inspector, and the chat beside them, all readable: under this plus
 # the figures and the queues (120x40), the view scrolls and the queues' title shows at the bottom as the cue.
 TOP_MIN_ROWS = 16
+SETTLE_FRAMES = 3
 
 
 class MainScreen(Screen):
@@ -68,6 +69,7 @@ class MainScreen(Screen):
         self._texted: StepResult | None = None   # the step the panels of numbers show
         self._painted_at = 0.0
         self._texted_at = 0.0
+        self._busy_text_frames = 0    # text frames of an engine with requests, until its window has settled
         self._last_frame = (time.monotonic(), time.thread_time())
         self.header = EngineHeader(id="header")
         self.chat = titled(ChatPane(max_tokens=chat_max_tokens, sampling=chat_sampling, id="chat",
@@ -76,8 +78,9 @@ class MainScreen(Screen):
         self.system = titled(SystemPanel(system_sampler, id="system", classes="panel"), "System")
         # The status line runs under the panels in a wide window, and inside the scrolling column in a
         # narrow one, where three wrapped lines at the bottom would cost an eighth of the screen.
-        self.status_lines = (VllmStatusLine(id="vllm-status", classes="wide-only"),
-                             titled(VllmStatusLine(id="vllm-status-narrow", classes="panel narrow-only"),
+        wide = VllmStatusLine(id="vllm-status", classes="wide-only")
+        self.status_lines = (wide, titled(VllmStatusLine(id="vllm-status-narrow", classes="panel narrow-only",
+                                                         window=wide.window),
                                     "vLLM-style status"))
         self.view = SnapshotView(
             id="body", beside_map=[self.chat], beside_figures=[self.throughput, self.status_lines[1]],
@@ -127,6 +130,7 @@ class MainScreen(Screen):
         gc.unfreeze()
         gc.collect()
         gc.freeze()
+        self._busy_text_frames = 0
 
     def engine_not_ready(self, still_running: EngineInfo | None, error: str) -> None:
         """A build failed: back to the engine that goes on serving, or say there is none."""
@@ -198,8 +202,7 @@ class MainScreen(Screen):
             block_map.set_chat_request(None)
         self.throughput.push(result.stats)
         self.view.queues.note_step(result.events, result.outputs)
-        for line in self.status_lines:
-            line.push(result.stats)
+        self.status_lines[0].push(result.stats)     # the two share their window of rates
         self.previous, self.latest = self.latest, result
         self.queued = result.snapshot
 
@@ -208,8 +211,13 @@ class MainScreen(Screen):
         self.queued = snapshot
         self.view.queues.show_snapshot(snapshot)
         if self.latest is not None:
-            for line in self.status_lines:
-                line.show_status(snapshot, self.latest.stats)
+            self._show_status(snapshot, self.latest.stats)
+
+    def _show_status(self, snapshot: CacheSnapshot, stats: StepStats) -> None:
+        """Both status lines (one shows, by the window's width): one sentence, worked out once."""
+        text = self.status_lines[0].status_text(snapshot, stats)
+        for line in self.status_lines:
+            line.show(text)
 
     def _within_budget(self) -> bool:
         """Whether the UI thread (the caller) kept under its CPU budget since the last frame."""
@@ -243,8 +251,21 @@ class MainScreen(Screen):
             self.view.show_blocks(result.snapshot)
         if text_due:
             self._texted, self._texted_at = result, now
+            self._settle(result.snapshot)
             previous = self.previous.snapshot if self.previous is not None else None
             self.view.show_figures(result.snapshot, result.stats, result.events, previous)
-            for line in self.status_lines:
-                line.show_status(result.snapshot, result.stats)
+            self._show_status(result.snapshot, result.stats)
             self.throughput.redraw()
+
+    def _settle(self, snapshot: CacheSnapshot) -> None:
+        """The first frames of a busy engine fill every panel, and the objects they make (cached lines and
+        strips, rows, layout) live as long as the window: once SETTLE_FRAMES text frames of requests are drawn,
+        they join the frozen ones (engine_ready), out of the full collections the engine thread sets off, each
+        of which walked them all again. Once per engine, so anything frozen that later becomes cyclic garbage
+        is bounded by what lived at that moment, and is collected with the next engine."""
+        if self._busy_text_frames >= SETTLE_FRAMES or not snapshot.requests:
+            return
+        self._busy_text_frames += 1
+        if self._busy_text_frames == SETTLE_FRAMES:
+            gc.collect()
+            gc.freeze()

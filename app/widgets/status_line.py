@@ -58,11 +58,13 @@ def describe_status(prompt_rate: float, generation_rate: float, snapshot: CacheS
 
 
 class VllmStatusLine(LinePanel):
-    """``push`` every step's stats; ``show_status`` when the screen draws its panels of numbers."""
+    """``push`` every step's stats; ``show_status`` when the screen draws its panels of numbers. Lines that show
+    the same engine in two places share one ``window`` (push to one of them) and one ``status_text``."""
 
-    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+    def __init__(self, *, id: str | None = None, classes: str | None = None,
+                 window: RateWindow | None = None) -> None:
         super().__init__("", id=id, classes=classes)
-        self.window = RateWindow()
+        self.window = window if window is not None else RateWindow()
         self.device = "cpu"
 
     def push(self, stats: StepStats) -> None:
@@ -73,7 +75,10 @@ class VllmStatusLine(LinePanel):
         self.window.clear()
         self.show("")
 
-    def show_status(self, snapshot: CacheSnapshot, stats: StepStats) -> None:
+    def status_text(self, snapshot: CacheSnapshot, stats: StepStats) -> str:
         idle = not snapshot.requests
         prompt, generation = (0.0, 0.0) if idle else self.window.rates()
-        self.show(describe_status(prompt, generation, snapshot, stats, self.device))
+        return describe_status(prompt, generation, snapshot, stats, self.device)
+
+    def show_status(self, snapshot: CacheSnapshot, stats: StepStats) -> None:
+        self.show(self.status_text(snapshot, stats))

@@ -56,6 +56,8 @@ class RequestCommands:
             room = max(1, self.engine.reply_room(len(prompt.token_ids), params.n))
             params = dataclasses.replace(params, max_tokens=min(params.max_tokens or room, room))
         self._add(AddRequest(request_id, prompt, params))
+        if request_id in self._accepted:
+            self._watch(request_id)     # the chat streams its text: every step's output reaches the UI
 
     def _launch_preset(self, key: str, count: int) -> None:
         self._launch("LaunchPreset", lambda context: presets.build(key, count, context),

@@ -5,17 +5,42 @@ at most STEPS_POST_INTERVAL after the last one (at once before the thread waits 
 the UI's loop, a system call and a thread switch, and a busy engine takes hundreds of steps a second. Any other
 message posts the steps before it and closes their batch, so no step overtakes it. A semaphore bounds how far
 the engine may run ahead of a UI that has stopped taking steps.
+
+Only the newest WHOLE_STEPS of a batch keep their whole result: the UI draws the newest, against the one before
+(the event line). An older step is thinned as soon as a newer one joins (``thinned``): it keeps its block
+changes, stats and events, and the outputs of finished requests and of the chat's turns (the only text the
+window streams), and drops the request views and every other output. A busy engine makes hundreds of those
+objects a step; kept alive until the UI gets round to the batch, they outlived the collector's young
+generations, which then walked them again and again on the engine thread (a fifth of its time at 256
+requests). A screen that takes every step whole (a lesson) sets ``whole_steps``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 import time
 
 from kvscope.app.messages import EngineStepped, StepBatch, StepsReady
+from kvscope.engine.outputs import CacheSnapshot, StepResult
 
 MAX_STEPS_AHEAD_OF_UI = 256
-STEPS_POST_INTERVAL = 1 / 50    # seconds: a busy engine tells the UI of new steps at most this often
+STEPS_POST_INTERVAL = 1 / 20    # seconds: a busy engine tells the UI of new steps at most this often (as often
+# as the window draws at most; with the older steps thinned, a longer batch costs no more to keep)
+WHOLE_STEPS = 2
+
+
+def thinned(result: StepResult, watched) -> StepResult:
+    """``result`` as a step the UI will not draw: its block arrays without the request views, and only the
+    outputs of finished requests and of ``watched`` ones."""
+    snapshot = result.snapshot
+    bare = CacheSnapshot(snapshot.step, snapshot.block_size, snapshot.num_blocks, snapshot.allocator,
+                         blocks=snapshot.blocks, num_host_blocks=snapshot.num_host_blocks,
+                         num_free_host_blocks=snapshot.num_free_host_blocks,
+                         kv_cache_groups=snapshot.kv_cache_groups)
+    outputs = [output for output in result.outputs if output.finished or output.request_id in watched]
+    return dataclasses.replace(result, outputs=outputs, snapshot=bare)
 
 
 class StepPosting:
@@ -26,6 +51,10 @@ class StepPosting:
         self._batch: StepBatch | None = None    # the newest steps, while the UI has not taken them
         self._batch_posted = False
         self._steps_posted_at = 0.0
+        self.whole_steps = False    # set by the UI while a screen takes every step whole
+        # Requests whose every output the UI shows (the chat's turns), and the step count up to which it needs
+        # them: a finished one's earlier steps may still be thinned until WHOLE_STEPS newer steps have joined.
+        self._watched: dict[str, float] = {}
 
     def ack(self) -> None:
         """The UI handled one step (an EngineStepped of a StepsReady)."""
@@ -34,12 +63,29 @@ class StepPosting:
         except ValueError:
             pass
 
+    def _watch(self, request_id: str) -> None:
+        self._watched[request_id] = math.inf
+
+    def _unwatch_finished(self, result, steps_done: int) -> None:
+        """Called with each step before it is posted: its finished requests stop being watched once every step
+        of theirs that may be thinned has been."""
+        watched = self._watched
+        if not watched:
+            return
+        for output in result.outputs:
+            if output.finished and output.request_id in watched:
+                watched[output.request_id] = steps_done + WHOLE_STEPS
+        for request_id in [rid for rid, until in watched.items() if until < steps_done]:
+            del watched[request_id]
+
     def _post_step(self, result) -> None:
         while not self._in_flight.acquire(timeout=0.1):
             if self._stopping.is_set():
                 return
         stepped = EngineStepped(result)
         if self._batch is not None and self._batch.add(stepped):
+            if not self.whole_steps:
+                self._batch.thin(WHOLE_STEPS, lambda older: thinned(older, self._watched))
             return    # joins the steps the UI has not taken yet
         self._batch, self._batch_posted = StepBatch(), False
         self._batch.add(stepped)

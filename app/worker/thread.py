@@ -263,6 +263,7 @@ class EngineWorker(RequestCommands, StepPosting):
         for output in result.outputs:
             if output.finished:
                 self._accepted.discard(output.request_id)
+        self._unwatch_finished(result, self._steps_done)
 
     def _check_until(self, result) -> None:
         condition, last = self._until
@@ -335,6 +336,7 @@ class EngineWorker(RequestCommands, StepPosting):
                     request_id, f"{reason}; its final output was lost ({describe_error(exc)})"))
         finally:
             self._accepted.clear()
+            self._watched.clear()
             self._abort_unreported = False
             if logger is not None:
                 logger.close(*self._closing_status(len(aborted), reason))

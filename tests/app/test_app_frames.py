@@ -6,6 +6,7 @@ are counted.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -69,6 +70,27 @@ async def test_the_map_shows_every_frames_newest_step_and_the_numbers_follow_at_
         # The steps stopped coming: the numbers catch up on a tick of their own.
         assert frame(None, 3 * text_period) == (results[4].snapshot.step, results[4].snapshot.step)
         assert main.view.queues.rows.keys() == {v.request_id for v in results[4].snapshot.requests}
+
+
+async def test_the_window_freezes_what_its_first_busy_frames_made_once_per_engine(monkeypatch):
+    """The first text frames of a busy engine make the window's lasting objects: once SETTLE_FRAMES are drawn
+    they are frozen out of the engine thread's full collections, once, and again only for another engine."""
+    clock = FakeClock()
+    results = _results(main_screen.SETTLE_FRAMES + 3)
+    app = make_app(FakeEngines())
+    async with app.run_test(size=(160, 48)) as pilot:
+        await started(pilot)
+        monkeypatch.setattr(main_screen, "time", clock)
+        main = app.main
+        frozen = []
+        for index, result in enumerate(results):
+            clock.wall = clock.start + index       # every frame draws the numbers too
+            main.ingest(result)
+            main.paint()
+            frozen.append(gc.get_freeze_count())
+        settle = main_screen.SETTLE_FRAMES - 1
+        assert frozen[settle] > frozen[settle - 1]
+        assert len(set(frozen[:settle])) == 1 and len(set(frozen[settle:])) == 1
 
 
 class PanelApp(App):
