@@ -48,6 +48,7 @@ constexpr int64_t kTileRows = 16;    // rows of an A tile and of a C tile
 constexpr int64_t kTilePairs = 16;   // k pairs per step: an A tile's row (64 bytes), a B tile's rows
 constexpr int64_t kTileValues = kTileRows * kTilePairs;  // uint32 pairs in an A tile
 constexpr int64_t kPanelStep = kTilePairs * 2 * kLanes;  // bf16 values of one B tile (1 KiB)
+constexpr int64_t kPairsPerItem = 4;  // panel pairs of a work item
 
 bool request_tile_data() {
   if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return false;
@@ -139,33 +140,45 @@ template <typename Out>
 void amx_linear(const at::Tensor& x, const c10::BFloat16* packed, int64_t panels, int64_t pairs, int64_t n,
                 const float* bias, Out* out) {
   TORCH_CHECK(amx_available(), "kvscope_cpu: AMX tiles are not available to this process");
-  const int64_t m = x.size(0), chunks = (m + kRowChunk - 1) / kRowChunk, items = panels / 2 * chunks;
+  const int64_t m = x.size(0), chunks = (m + kRowChunk - 1) / kRowChunk;
+  const int64_t pair_count = panels / 2, groups = (pair_count + kPairsPerItem - 1) / kPairsPerItem;
   const int64_t full_steps = pairs / kTilePairs, tail_pairs = pairs % kTilePairs;
   const int64_t steps = full_steps + (tail_pairs ? 1 : 0);
   const std::vector<uint32_t> tiles = a_tiles(x, steps);
   const int64_t panel_values = pairs * 2 * kLanes;
   const TileConfig config;
-  parallel_items(items, [&](int64_t item) {
-    const int64_t p = item / chunks * 2, first = item % chunks * kRowChunk, last = std::min(m, first + kRowChunk);
-    const c10::BFloat16 *w0 = packed + p * panel_values, *w1 = w0 + panel_values;
-    alignas(64) c10::BFloat16 tail[2][kPanelStep];
+  parallel_items(groups * chunks, [&](int64_t item) {
+    const int64_t first_pair = item / chunks * kPairsPerItem;
+    const int64_t pairs_here = std::min(kPairsPerItem, pair_count - first_pair);
+    const int64_t first = item % chunks * kRowChunk, last = std::min(m, first + kRowChunk);
+    alignas(64) c10::BFloat16 tail[kPairsPerItem][2][kPanelStep];
     if (tail_pairs) {
       std::memset(tail, 0, sizeof(tail));
       const int64_t bytes = tail_pairs * 2 * kLanes * sizeof(c10::BFloat16);
-      std::memcpy(tail[0], w0 + full_steps * kPanelStep, bytes);
-      std::memcpy(tail[1], w1 + full_steps * kPanelStep, bytes);
+      for (int64_t q = 0; q < pairs_here; ++q) {
+        for (int half = 0; half < 2; ++half) {
+          std::memcpy(tail[q][half], packed + (2 * (first_pair + q) + half) * panel_values + full_steps * kPanelStep,
+                      bytes);
+        }
+      }
     }
     alignas(64) float sums[2 * kTileRows * kBlockCols];
     _tile_loadconfig(&config);  // per thread: each OpenMP thread has its own tile state
+    // Rows outside, panel pairs inside: 32 rows of A tiles stay in L1 while the item's panel pairs stream by.
     for (int64_t r0 = first; r0 < last; r0 += 2 * kTileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(2 * kTileRows, last - r0));
       const uint32_t* a = tiles.data() + r0 / kTileRows * steps * kTileValues;
-      if (rows > kTileRows) {
-        row_block<true>(a, steps, w0, w1, full_steps, tail_pairs ? tail : nullptr, sums);
-      } else {
-        row_block<false>(a, steps, w0, w1, full_steps, tail_pairs ? tail : nullptr, sums);
+      for (int64_t q = 0; q < pairs_here; ++q) {
+        const int64_t p = 2 * (first_pair + q);
+        const c10::BFloat16 *w0 = packed + p * panel_values, *w1 = w0 + panel_values;
+        const c10::BFloat16 (*tail_q)[kPanelStep] = tail_pairs ? tail[q] : nullptr;
+        if (rows > kTileRows) {
+          row_block<true>(a, steps, w0, w1, full_steps, tail_q, sums);
+        } else {
+          row_block<false>(a, steps, w0, w1, full_steps, tail_q, sums);
+        }
+        store_block(sums, rows, r0, p, n, bias, out);
       }
-      store_block(sums, rows, r0, p, n, bias, out);
     }
     _tile_release();
   });
