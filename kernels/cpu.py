@@ -30,9 +30,10 @@ import torch
 from kvscope.kernels import reference
 from kvscope.kernels.reference import copy_blocks, store_kv, swap_blocks
 
-__all__ = ["available", "bind_threads", "copy_blocks", "has_amx", "huge_page_zeros", "is_packed_linear_weight",
-           "linear", "linear_available", "pack_linear_weight", "paged_decode_attention", "paged_prefill_attention",
-           "rms_norm", "status", "store_kv", "supports", "swap_blocks", "unpack_linear_weight"]
+__all__ = ["available", "bind_threads", "copy_blocks", "cpu_flags", "has_amx", "huge_page_zeros",
+           "is_packed_linear_weight", "linear", "linear_available", "pack_linear_weight", "paged_decode_attention",
+           "paged_prefill_attention", "rms_norm", "status", "store_kv", "supports", "swap_blocks",
+           "unpack_linear_weight"]
 
 # One library: attention (its ops, decode and prefill), the packed linear, RMSNorm and thread pinning.
 SOURCES = tuple(Path(__file__).with_name(name)
@@ -73,7 +74,8 @@ def _compiler() -> str:
     return compiler
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags line, as /proc/cpuinfo gives it (part of the build's cache key)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
@@ -84,7 +86,7 @@ def _cpu_flags() -> str:
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
     for part in (*(source.read_bytes() for source in (*SOURCES, *HEADERS)), torch.__version__.encode(),
-                 compiler.encode(), _cpu_flags().encode()):
+                 compiler.encode(), cpu_flags().encode()):
         key.update(part)
     return build_dir() / f"kvscope_cpu-{key.hexdigest()[:16]}.so"
 

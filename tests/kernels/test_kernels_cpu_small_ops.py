@@ -76,7 +76,7 @@ def test_the_default_linear_takes_amx_from_its_threshold_and_vdpbf16ps_below():
 
 
 @needs_cpp
-@pytest.mark.skipif(not {"amx_tile", "amx_bf16"} <= set(cpu._cpu_flags().split()), reason="this CPU has no AMX")
+@pytest.mark.skipif(not {"amx_tile", "amx_bf16"} <= set(cpu.cpu_flags().split()), reason="this CPU has no AMX")
 def test_a_cpu_with_amx_runs_the_bf16_linear_on_it():
     """The build and Linux's permission both worked: a silent fallback would cost prefill 7x."""
     assert cpu.has_amx()
