@@ -104,7 +104,7 @@ def run_kernel_bench(
                 row["of_copy"] = row["gb_per_s"] / copy_gb_per_s if copy_gb_per_s else None
                 rows.append(row)
                 if progress:
-                    progress(format_row(row))
+                    progress(table_row(row))
     return rows
 
 
@@ -195,23 +195,26 @@ _HEADERS = {"context_tokens": "ctx tok", "query_tokens": "q tok", "kv_mib": "KV 
             "min_ms": "min ms", "gb_per_s": "GB/s", "of_copy": "of copy"}
 
 
-def _cell(row: dict, key: str, width: int, spec: str) -> str:
-    value = row.get(key)
-    text = "-" if value is None else f"{value:{spec}}"
-    return f"{text:{'<' if spec == 's' else '>'}{width}}"
+def table_row(row: dict, columns=_COLUMNS) -> str:
+    """One line of a kernels table: columns are (key, width, format spec), text left-aligned, numbers right."""
+    cells = []
+    for key, width, spec in columns:
+        value = row.get(key)
+        text = "-" if value is None else f"{value:{spec}}"
+        cells.append(f"{text:{'<' if spec == 's' else '>'}{width}}")
+    return "  ".join(cells)
 
 
-def format_row(row: dict) -> str:
-    return "  ".join(_cell(row, key, width, spec) for key, width, spec in _COLUMNS)
+def table_header(columns=_COLUMNS, headers=_HEADERS) -> str:
+    return "  ".join(f"{headers.get(key, key):{'<' if spec == 's' else '>'}{width}}" for key, width, spec in columns)
 
 
 def format_table(rows: list[dict], shape: AttentionShape = AttentionShape(),
                  copy_gb_per_s: float | None = None, matmul_gflops: dict[str, float] | None = None) -> str:
-    header = "  ".join(f"{_HEADERS.get(key, key):{'<' if spec == 's' else '>'}{width}}"
-                       for key, width, spec in _COLUMNS)
+    header = table_header()
     title = (f"paged attention, one layer per call · Hq={shape.num_q_heads} Hkv={shape.num_kv_heads} "
              f"D={shape.head_dim} block {shape.block_size} · {torch.get_num_threads()} torch threads")
-    lines = [title, header, *(format_row(row) for row in rows)]
+    lines = [title, header, *(table_row(row) for row in rows)]
     if copy_gb_per_s:
         lines.append(f"copy bandwidth: {copy_gb_per_s:.1f} GB/s (read + written by one {_COPY_BYTES // 2**20} MiB "
                      f"copy_); GB/s above counts K/V bytes read, 'of copy' is that against it")

@@ -1,8 +1,8 @@
 """`kvscope bench host | ui | hybrid | kernels | scheduler | attach | lessons | startup`: one part at a time.
 
 ``host`` and ``ui`` are the host-side scoreboard (the work around each forward, and the window's); ``hybrid``
-what a hybrid KV cache saves on a sliding-window model; ``kernels``
-times one layer's paged attention; ``scheduler`` one step() without the model; ``attach`` the vLLM attach
+what a hybrid KV cache saves on a sliding-window model; ``kernels`` times one layer's paged attention and the bf16
+linear (against oneDNN's, on CPU); ``scheduler`` one step() without the model; ``attach`` the vLLM attach
 client; ``lessons`` each lesson with the real model; ``startup`` a fresh process until the engine is ready.
 Each registers its own flags; everything heavy (torch, transformers, textual) is imported when it runs.
 """
@@ -123,14 +123,17 @@ def register_kernels(subparsers) -> None:
     add_model_flags(parser, names=("device",))
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     add_repeats_flag(parser, "timed calls per case", 20)
+    parser.add_argument("--only", choices=("attention", "linear"), default=None,
+                        help="one table: attention or linear (default: both)")
     add_json_flag(parser)
     parser.set_defaults(model="default")
 
 
 def run_kernels(args: argparse.Namespace) -> int:
-    """one layer's paged attention per call, decode and prefill
+    """one layer's paged attention and bf16 linears per call
 
-    Time kvscope's paged attention kernels per call, beside the machine's copy bandwidth and matmul peak."""
+    Time kvscope's paged attention kernels per call, beside the machine's copy bandwidth and matmul peak, and its
+    bf16 linear beside oneDNN's."""
     from kvscope.app.bench.harness import environment_line
     from kvscope.app.bench.kernels_bench import copy_bandwidth, format_table, run_kernel_bench
     from kvscope.app.bench.options import matmul_peaks
@@ -138,15 +141,26 @@ def run_kernels(args: argparse.Namespace) -> int:
     dtypes = tuple(parse_dtypes(args.dtype, default="float32,bfloat16"))
     device = setup_torch(args)
     print(f"kvscope bench kernels: {environment_line()}", file=sys.stderr)
-    bandwidth = copy_bandwidth(device)
-    peaks = matmul_peaks(device)
-    rows = run_kernel_bench(dtypes=dtypes, repeats=args.repeats, device=device, seed=args.seed,
-                            progress=None if args.json else _progress, copy_gb_per_s=bandwidth)
-    if args.json:
-        print("\n".join(json.dumps(row | {"copy_gb_per_s": bandwidth, "matmul_gflops": peaks}) for row in rows))
-    else:
-        print(format_table(rows, copy_gb_per_s=bandwidth, matmul_gflops=peaks))
+    if args.only != "linear":
+        bandwidth = copy_bandwidth(device)
+        peaks = matmul_peaks(device)
+        rows = run_kernel_bench(dtypes=dtypes, repeats=args.repeats, device=device, seed=args.seed,
+                                progress=None if args.json else _progress, copy_gb_per_s=bandwidth)
+        if args.json:
+            print("\n".join(json.dumps(row | {"copy_gb_per_s": bandwidth, "matmul_gflops": peaks}) for row in rows))
+        else:
+            print(format_table(rows, copy_gb_per_s=bandwidth, matmul_gflops=peaks))
+    if args.only != "attention" and device == "cpu":
+        _run_linear_bench(args)
     return 0
+
+
+def _run_linear_bench(args: argparse.Namespace) -> None:
+    from kvscope.app.bench import linear_bench
+
+    rows = linear_bench.run_linear_bench(repeats=args.repeats, seed=args.seed,
+                                         progress=None if args.json else _progress)
+    print("\n".join(json.dumps(row) for row in rows) if args.json else linear_bench.format_table(rows))
 
 
 def register_scheduler(subparsers) -> None:

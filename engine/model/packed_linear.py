@@ -7,7 +7,8 @@ copy. Two packings, the first that this machine has:
 - kvscope's own C++ linear (``kernels/linear_cpu.cpp``, ``kernels.cpu.linear``): weights in panels of 16 columns,
   a few microseconds a call. torch's packed oneDNN linear costs about 35 us a call before any arithmetic, and a
   30-layer model makes over 200 calls a step: measured here, that was 7 ms of every decode step. Its arithmetic
-  matches oneDNN's (fp32 FMAs; bf16 dot products, with the input rounded to bf16 as a stock bf16 linear does).
+  matches oneDNN's (fp32 FMAs; bf16 dot products, with the input rounded to bf16 as a stock bf16 linear does,
+  on AMX tiles from a few rows up where the CPU has them), summed in fp32 and returned unrounded by ``fp32_output``.
 - oneDNN's (``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``, what torch.compile's freezing pass
   does), where the C++ kernels cannot be built. Against stock ``nn.Linear`` on the mixed workload (8 requests,
   one thread, CPU time): 1.35x less in bf16 and 1.25x less in fp32 for the whole engine, tokens unchanged.

@@ -1,7 +1,8 @@
 """kvscope's C++ linear and RMSNorm against float64 oracles, and the norm swap's refusal of other formulas.
 
-The linear packs weights into panels of 16 columns and runs rows in tiles of 8, so sizes that are not multiples
-of either (and K odd, for the bf16 pairs) are where a layout bug would show.
+The linear packs weights into panels of 16 columns and runs rows in tiles of 8 (16 and 32 on AMX, and k in steps
+of 32 there), so sizes that are not multiples of those (and K odd, for the bf16 pairs) are where a layout bug
+would show. Each bf16 case runs on every path this machine has: AMX tiles, vdpbf16ps, and the exact FMAs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from kvscope.kernels import cpu
 
 needs_cpp = pytest.mark.skipif(not cpu.available(), reason=f"C++ kernels unavailable: {cpu.status()}")
 FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None)
+NEVER = 2**62
+AMX_ROWS = {"amx": 1, "default": cpu.AMX_MIN_ROWS, "vdpbf16ps": NEVER}  # the amx_min_rows that picks each path
 
 
 def _oracle(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -28,19 +31,55 @@ def _oracle(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 @FAST
 @given(m=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 70), weight_dtype=st.sampled_from(
     [torch.float32, torch.bfloat16]), input_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    with_bias=st.booleans(), exact=st.booleans(), seed=st.integers(0, 2**16))
-def test_linear_matches_float64(m, k, n, weight_dtype, input_dtype, with_bias, exact, seed):
+    with_bias=st.booleans(), exact=st.booleans(), path=st.sampled_from(sorted(AMX_ROWS)), seed=st.integers(0, 2**16))
+def test_linear_matches_float64(m, k, n, weight_dtype, input_dtype, with_bias, exact, path, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(input_dtype)
     weight = torch.randn(n, k, generator=gen).to(weight_dtype)
     bias = torch.randn(n, generator=gen).to(weight_dtype) if with_bias else None
     packed = cpu.pack_linear_weight(weight)
-    out = cpu.linear(x, packed, n, bias, out_dtype=torch.float32, exact=exact)
+    _check_linear(x, weight, bias, packed, exact, AMX_ROWS[path])
+    assert torch.equal(cpu.unpack_linear_weight(packed, n, k), weight)
+
+
+def _check_linear(x, weight, bias, packed, exact, amx_min_rows):
+    (m, k), n = x.shape, weight.shape[0]
+    out = cpu.linear(x, packed, n, bias, out_dtype=torch.float32, exact=exact, amx_min_rows=amx_min_rows)
     assert out.shape == (m, n) and out.dtype == torch.float32
     # bf16 dot products round the input to bf16 first (as a stock bf16 linear does); the oracle does too.
-    rounded = x if exact or weight_dtype == torch.float32 else x.to(torch.bfloat16)
+    rounded = x if exact or weight.dtype == torch.float32 else x.to(torch.bfloat16)
     torch.testing.assert_close(out.double(), _oracle(rounded, weight, bias), rtol=1e-5, atol=1e-4 * k ** 0.5)
-    assert torch.equal(cpu.unpack_linear_weight(packed, n, k), weight)
+    # A bf16 output is those fp32 sums rounded once, at the end.
+    as_bf16 = cpu.linear(x, packed, n, bias, out_dtype=torch.bfloat16, exact=exact, amx_min_rows=amx_min_rows)
+    assert torch.equal(as_bf16, out.to(torch.bfloat16))
+
+
+@needs_cpp
+@pytest.mark.parametrize(("m", "k", "n"), [(130, 577, 200), (257, 1536, 576), (47, 576, 1536), (16, 31, 33)])
+@pytest.mark.parametrize("path", sorted(AMX_ROWS))
+def test_bf16_linear_matches_float64_over_many_tiles(m, k, n, path):
+    """Several row chunks of 128, k steps of 32 with a tail, panel pairs with padded columns: on every path."""
+    gen = torch.Generator().manual_seed(m * k + n)
+    x, weight = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen)
+    _check_linear(x, weight, bias, cpu.pack_linear_weight(weight), exact=False, amx_min_rows=AMX_ROWS[path])
+
+
+@needs_cpp
+def test_the_default_linear_takes_amx_from_its_threshold_and_vdpbf16ps_below():
+    weight = torch.randn(1536, 576).to(torch.bfloat16)
+    packed = cpu.pack_linear_weight(weight)
+    for m, path in ((cpu.AMX_MIN_ROWS - 1, "vdpbf16ps"), (cpu.AMX_MIN_ROWS, "amx")):
+        x = torch.randn(m, 576)
+        chosen = cpu.linear(x, packed, 1536, out_dtype=torch.float32, amx_min_rows=AMX_ROWS[path])
+        assert torch.equal(cpu.linear(x, packed, 1536, out_dtype=torch.float32), chosen), m
+
+
+@needs_cpp
+@pytest.mark.skipif(not {"amx_tile", "amx_bf16"} <= set(cpu.cpu_flags().split()), reason="this CPU has no AMX")
+def test_a_cpu_with_amx_runs_the_bf16_linear_on_it():
+    """The build and Linux's permission both worked: a silent fallback would cost prefill 7x."""
+    assert cpu.has_amx()
 
 
 @needs_cpp

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from kvscope.app.bench import kernels_bench
+from kvscope.app.bench import kernels_bench, linear_bench
 from kvscope.app.bench.floor import grid, interpolate
 from kvscope.app.bench.hf_static import static_batch_kv_slots, useful_output_tokens
 from kvscope.app.bench.kvscope_system import VARIANTS, KvscopeRun, engine_config
@@ -261,6 +262,19 @@ def test_kernel_bench_reports_decode_and_prefill_per_dtype_and_path():
     assert "Hq=4 Hkv=2 D=16 block 4" in lines[0] and "GB/s" in lines[1] and "of copy" in lines[1]
     assert [line.split()[:3] for line in lines[2:-1]] == [[r["kernel"], r["path"], r["dtype"]] for r in rows]
     assert lines[-1].startswith("copy bandwidth: 10.0 GB/s")
+
+
+def test_linear_bench_times_kvscope_beside_onednn_with_each_ones_error():
+    rows = linear_bench.run_linear_bench(shapes=((40, 24),), rows=(1, 5), repeats=2, warmup=1)
+    paths = list(linear_bench.linear_calls(torch.randn(1, 40), torch.randn(24, 40).bfloat16()))
+    assert [(r["rows"], r["path"]) for r in rows] == [(m, path) for m in (1, 5) for path in paths]
+    assert all(r["median_ms"] > 0 and r["cpu_ms"] >= 0 for r in rows)
+    errors = {r["path"]: r["max_abs_error"] for r in rows}
+    # kvscope keeps fp32 sums: its error is fp32's, oneDNN's (bf16 out) that of one bf16 rounding
+    if "kvscope" in errors and "oneDNN" in errors:
+        assert errors["kvscope"] < 1e-5 < errors["oneDNN"] and errors.get("vdpbf16ps", 0) < 1e-5
+    lines = linear_bench.format_table(rows).splitlines()
+    assert "x oneDNN" in lines[1] and len(lines) == 3 + len(rows)
 
 
 def test_copy_bandwidth_is_measured():
