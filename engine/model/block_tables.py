@@ -33,14 +33,14 @@ class BlockTables:
     def rows(self, items: Sequence[BatchItem]) -> np.ndarray:
         """The row of each item's table, written first where the table changed since it was last seen."""
         written, group = self._written, self.group
-        rows = np.empty(len(items), dtype=np.int64)
-        for i, item in enumerate(items):
+        rows = []
+        for item in items:
             entry = written.get(item.seq_id)
             table = item.block_table if group is None else item.group_tables[group]
             if entry is None or entry[1] is not table:
                 entry = self._write(item, table, items, entry)
-            rows[i] = entry[0]
-        return rows
+            rows.append(entry[0])
+        return np.array(rows, dtype=np.int64)   # one conversion: a numpy store per item costs more
 
     def _write(self, item: BatchItem, table: tuple[int, ...], items: Sequence[BatchItem],
                entry) -> tuple[int, tuple[int, ...]]:
