@@ -41,7 +41,8 @@ class _DecodeStreamText:
         if text is None:
             self._unreleased.append(token_id)
             return ""
-        self._unreleased.clear()
+        if self._unreleased:
+            self._unreleased.clear()
         return text
 
     def flush(self) -> str:
@@ -98,6 +99,7 @@ def _text_stream(tokenizer, prompt_token_ids):
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids, stop=(), min_tokens: int = 0) -> None:
         self._stream = _text_stream(tokenizer, prompt_token_ids)
+        self._step = self._stream.step
         self.stop = tuple(stop)
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""          # decoded output text, cut at a stop string
@@ -107,14 +109,20 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> bool:
         """Decode one more token. True when a stop string matched (the text is cut before it)."""
-        new_text = self._stream.step(token_id)
+        new_text = self._step(token_id)
         if self._tokens_before_stops > 0:
             self._tokens_before_stops -= 1
             if self._tokens_before_stops > 0:    # no match yet, but what may start one is still held back
                 self.text += new_text
                 self.released = len(self.text) - (self._stop_prefix_len() if self.stop else 0)
                 return False
-        return self._append_text(new_text) if new_text else False
+        if not new_text:
+            return False
+        if not self.stop:   # _append_text's first case, inline: the usual one, for every token of every request
+            text = self.text = self.text + new_text
+            self.released = len(text)
+            return False
+        return self._append_text(new_text)
 
     def _append_text(self, new_text: str) -> bool:
         if not self.stop:
@@ -154,7 +162,12 @@ class IncrementalDetokenizer:
         return text if self.released == len(text) else text[:self.released]
 
     def take_delta(self) -> str:
-        """Text released since the last call."""
-        delta = self.text[self._taken:self.released]
-        self._taken = self.released
-        return delta
+        """Text released since the last call (of this or take)."""
+        return self.take()[0]
+
+    def take(self) -> tuple[str, str]:
+        """(take_delta(), output_text) in one call: an output after every step wants both."""
+        text, released = self.text, self.released
+        delta = text[self._taken:released]
+        self._taken = released
+        return delta, text if released == len(text) else text[:released]

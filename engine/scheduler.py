@@ -39,6 +39,7 @@ from kvscope.engine.runner import RunnerOutput
 
 Plan = list[tuple[Sequence, int]]   # (sample, tokens to compute this step)
 _FIRST_SAMPLE = (0,)
+_new_tuple = tuple.__new__
 _RUNNER_FAILED = "the model runner produced no token for this request (non-finite logits?)"
 
 
@@ -177,12 +178,18 @@ class Scheduler:
         start = seq.num_computed_tokens
         token_ids = seq.token_ids
         table = seq.block_table
-        if len(token_ids) - start != 1 or not self.kv.append_slot(seq):
+        if len(token_ids) - start != 1:
+            return False
+        # Inside a block the sample's table already holds the token's slot (its previous token is in the same
+        # block): the KV cache manager is asked only at a block's first slot, unless it works at every token.
+        if (not start % self.block_size or self.kv.slot_work_inside_blocks) and not self.kv.append_slot(seq):
             return False
         self._scheduled.append((request, seq, 1))
-        # Positional, and built here rather than in a second pass: this runs for every request every step.
-        self._items.append(BatchItem(seq.seq_id, request.request_id, (token_ids[start],), start, seq.block_table,
-                                     _FIRST_SAMPLE, request.params, seq.group_tables, request.sampling))
+        # Positional, built with tuple.__new__ and here rather than in a second pass: this runs for every request
+        # every step, and the NamedTuple's own constructor (a Python function) costs twice as much.
+        self._items.append(_new_tuple(BatchItem, (seq.seq_id, request.request_id, (token_ids[start],), start,
+                                                  seq.block_table, _FIRST_SAMPLE, request.params, seq.group_tables,
+                                                  request.sampling)))
         if start >= seq.num_prompt_tokens:
             self._num_decode_tokens += 1
         else:
