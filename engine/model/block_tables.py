@@ -51,10 +51,12 @@ class BlockTables:
         else:
             row = entry[0]
         if len(table) > self.table.shape[1]:
-            grown = np.zeros((self.table.shape[0], len(table)), dtype=np.int32)
+            grown = np.empty((self.table.shape[0], len(table)), dtype=np.int32)
             grown[:, :self.table.shape[1]] = self.table
+            grown[:, self.table.shape[1]:] = self.table[:, :1]  # every row stays padded (padded() says why)
             self.table = grown
         self.table[row, :len(table)] = table
+        self.table[row, len(table):] = table[0] if table else 0
         self.lengths[row] = len(table)
         entry = self._written[item.seq_id] = (row, table)
         return entry
@@ -79,16 +81,20 @@ class BlockTables:
         checking (torch's would raise).
         """
         needed = -(-context_lens // block_size)
-        if (needed > self.lengths[rows]).any():
+        lengths = self.lengths[rows]
+        if (needed > lengths).any():
             raise IndexError("a block table is shorter than its context (an engine bug)")
         width = int(needed.max())
-        tables = self.table[rows, :width]
-        padded = np.where(np.arange(width)[None, :] < needed[:, None], tables, tables[:, :1])
+        # Rows are kept padded past their table's end (_write), so a row whose context needs its whole table is
+        # ready as it is; only a table holding blocks past its context (reserved, not written yet) is padded here.
+        padded = self.table[rows, :width]
+        if (needed < lengths).any():
+            padded = np.where(np.arange(width)[None, :] < needed[:, None], padded, padded[:, :1])
         if self.sliding:
             # The kernels never read the entries of blocks the window freed; they get the row's first block still
             # held there all the same (written whole, as above), so no id outside the pool reaches a kernel.
-            num_freed = np.argmax(tables != NULL_BLOCK, axis=1)    # freed entries lead; a row's last is held
-            first_held = tables[np.arange(len(rows)), num_freed]
+            num_freed = np.argmax(padded != NULL_BLOCK, axis=1)    # freed entries lead; a row's last is held
+            first_held = padded[np.arange(len(rows)), num_freed]
             padded = np.where(padded == NULL_BLOCK, first_held[:, None], padded)
         if padded.min() < 0 or padded.max() >= num_blocks:
             raise IndexError(f"a block table names a block outside the pool of {num_blocks} (an engine bug)")

@@ -9,6 +9,8 @@ built exactly as before groups existed.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
@@ -16,6 +18,10 @@ from kvscope.engine.batch import BatchItem
 from kvscope.engine.kv_cache_groups import KVCacheGroup
 from kvscope.engine.model.attention import AttentionContext
 from kvscope.engine.model.block_tables import BlockTables
+
+_start_pos, _token_ids, _sample_indices = (operator.attrgetter(name)
+                                           for name in ("start_pos", "token_ids", "sample_indices"))
+_first = operator.itemgetter(0)
 
 
 class StepInputs:
@@ -62,10 +68,12 @@ class StepInputs:
         all_positions[:num_prefill_tokens] = positions
         rows = np.asarray(logit_rows, dtype=np.int64)
         if decode:
-            starts = np.fromiter((item.start_pos for item in decode), dtype=np.int64, count=len(decode))
-            all_ids[num_prefill_tokens:] = [item.token_ids[0] for item in decode]
+            # Columns read through C-level getters: no Python frame per item.
+            starts = np.fromiter(map(_start_pos, decode), dtype=np.int64, count=len(decode))
+            all_ids[num_prefill_tokens:] = np.fromiter(map(_first, map(_token_ids, decode)), dtype=np.int64,
+                                                       count=len(decode))
             all_positions[num_prefill_tokens:] = starts
-            sampled = np.fromiter((bool(item.sample_indices) for item in decode), dtype=bool, count=len(decode))
+            sampled = np.fromiter(map(bool, map(_sample_indices, decode)), dtype=bool, count=len(decode))
             rows = np.concatenate([rows, num_prefill_tokens + np.flatnonzero(sampled)])
         shared = {
             "num_prefill_tokens": num_prefill_tokens,
