@@ -184,6 +184,13 @@ class BlockPool:
             if len(changed) > 4 * self.num_blocks + 4096:   # untaken for long: "all" is cheaper to keep
                 self.changed = None
 
+    def mark_one(self, block: int) -> None:
+        """mark((block,)) for one block: a decode's, every request every step. The size check is mark's: it runs
+        whenever a block is allocated, so the list never outgrows it by more than a few blocks a sequence."""
+        changed = self.changed
+        if changed is not None:
+            changed.append(block)
+
     def take_changes(self) -> np.ndarray | None:
         """The sorted distinct blocks changed since the last call, or None if every block may have."""
         changed = self.peek_changes()

@@ -21,33 +21,27 @@ screen or in the run log.
 
 from __future__ import annotations
 
+import functools
+
 # Prompt tokens decoded along with the first output token, so its leading space is right.
 _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
 class _DecodeStreamText:
-    """New text per token from tokenizers' DecodeStream; remembers the tokens it has not released yet."""
+    """New text per token from tokenizers' DecodeStream. ``step`` is DecodeStream's own, bound to the tokenizer (no
+    Python frame of its own: it runs for every token of every request); None for a token it holds back."""
 
     def __init__(self, backend, prompt_token_ids) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._backend = backend
-        self._stream = DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=True)
-        self._unreleased: list[int] = []
+        self.step = functools.partial(
+            DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=True).step, backend)
 
-    def step(self, token_id: int) -> str:
-        text = self._stream.step(self._backend, token_id)
-        if text is None:
-            self._unreleased.append(token_id)
-            return ""
-        self._unreleased.clear()
-        return text
-
-    def flush(self) -> str:
-        """What the pending tokens decode to on their own, less the unfinished character they end in."""
-        pending, self._unreleased = self._unreleased, []
-        return _complete(self._backend.decode(pending, skip_special_tokens=True)) if pending else ""
+    def flush(self, held: list[int]) -> str:
+        """What the held tokens decode to on their own, less the unfinished character they end in."""
+        return _complete(self._backend.decode(held, skip_special_tokens=True)) if held else ""
 
 
 class _WindowText:
@@ -65,6 +59,7 @@ class _WindowText:
         return self._tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
     def step(self, token_id: int) -> str:
+        """The new text, "" while there is none (this stream keeps its own window of the tokens it holds)."""
         self._token_ids.append(token_id)
         window_text = self._decode(self._token_ids[self._prefix_offset:])
         if len(window_text) <= len(self._prefix_text) or window_text.endswith(_REPLACEMENT_CHAR):
@@ -75,7 +70,7 @@ class _WindowText:
         self._prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
         return new_text
 
-    def flush(self) -> str:
+    def flush(self, held: list[int]) -> str:
         if self._read_offset == len(self._token_ids):
             return ""
         rest = self._decode(self._token_ids[self._prefix_offset:])[len(self._prefix_text):]
@@ -98,6 +93,8 @@ def _text_stream(tokenizer, prompt_token_ids):
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids, stop=(), min_tokens: int = 0) -> None:
         self._stream = _text_stream(tokenizer, prompt_token_ids)
+        self._step = self._stream.step
+        self._held: list[int] = []      # tokens since the last one that gave text
         self.stop = tuple(stop)
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""          # decoded output text, cut at a stop string
@@ -107,14 +104,25 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> bool:
         """Decode one more token. True when a stop string matched (the text is cut before it)."""
-        new_text = self._stream.step(token_id)
+        new_text = self._step(token_id)
+        if new_text is None:    # held back: it ends in a character still being assembled
+            self._held.append(token_id)
+            new_text = ""
+        elif self._held:
+            self._held.clear()
         if self._tokens_before_stops > 0:
             self._tokens_before_stops -= 1
             if self._tokens_before_stops > 0:    # no match yet, but what may start one is still held back
                 self.text += new_text
                 self.released = len(self.text) - (self._stop_prefix_len() if self.stop else 0)
                 return False
-        return self._append_text(new_text) if new_text else False
+        if not new_text:
+            return False
+        if not self.stop:   # _append_text's first case, inline: the usual one, for every token of every request
+            text = self.text = self.text + new_text
+            self.released = len(text)
+            return False
+        return self._append_text(new_text)
 
     def _append_text(self, new_text: str) -> bool:
         if not self.stop:
@@ -143,7 +151,8 @@ class IncrementalDetokenizer:
     def finish(self, stopped_by_string: bool = False) -> None:
         """The sample is done: release everything but an unfinished character at the end."""
         if not stopped_by_string:
-            rest = self._stream.flush()
+            rest = self._stream.flush(self._held)
+            self._held = []
             if rest and self._append_text(rest):
                 return
         self.released = len(self.text)
@@ -154,7 +163,12 @@ class IncrementalDetokenizer:
         return text if self.released == len(text) else text[:self.released]
 
     def take_delta(self) -> str:
-        """Text released since the last call."""
-        delta = self.text[self._taken:self.released]
-        self._taken = self.released
-        return delta
+        """Text released since the last call (of this or take)."""
+        return self.take()[0]
+
+    def take(self) -> tuple[str, str]:
+        """(take_delta(), output_text) in one call: an output after every step wants both."""
+        text, released = self.text, self.released
+        delta = text[self._taken:released]
+        self._taken = released
+        return delta, text if released == len(text) else text[:released]

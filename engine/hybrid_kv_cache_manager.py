@@ -47,6 +47,8 @@ def held(tables: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
 
 
 class HybridKVCacheManager(KVCacheManager):
+    slot_work_inside_blocks = True  # append_slot frees what left a sliding window, at any position
+
     def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, *, groups: tuple[KVCacheGroup, ...],
                  enable_prefix_caching: bool = True, max_model_len: int, max_num_batched_tokens: int) -> None:
         super().__init__(num_blocks, num_host_blocks, block_size, enable_prefix_caching=enable_prefix_caching,

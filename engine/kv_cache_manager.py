@@ -40,7 +40,7 @@ def fill_blocks(pool: BlockPool, table: tuple[int, ...], old: int, new: int) -> 
     if new - old == 1:  # a decode: one slot in one block
         block = table[old // bs]
         fill[block] = old % bs + 1
-        pool.mark((block,))
+        pool.mark_one(block)
     else:
         for i in range(old // bs, cdiv(new, bs)):
             fill[table[i]] = min(bs, new - i * bs)
@@ -82,6 +82,9 @@ class CopyOnWrite(NamedTuple):
 
 class KVCacheManager:
     groups: tuple = ()      # KV-cache groups kept apart (engine/kv_cache_groups.py); none: one, every layer full
+    # Whether append_slot may have work for a token that is not a block's first (its table always has room
+    # then). A sliding window frees blocks at any position, so the hybrid manager says True.
+    slot_work_inside_blocks = False
 
     def __init__(self, num_blocks: int, num_host_blocks: int, block_size: int, *,
                  enable_prefix_caching: bool = True, allocator: str = "paged", max_model_len: int) -> None:
@@ -263,7 +266,15 @@ class KVCacheManager:
         the blocks now full. The caller advances num_computed_tokens."""
         bs = self.block_size
         new = old + num_new
-        fill_blocks(self.block_pool, seq.block_table, old, new)
+        if num_new == 1:    # a decode, as fill_blocks writes it: inline, for it runs for every request every step
+            pool = self.block_pool
+            block = seq.block_table[old // bs]
+            pool.fill[block] = old % bs + 1
+            pool.mark_one(block)
+            if new % bs:
+                return      # the block is not full yet: nothing to cache
+        else:
+            fill_blocks(self.block_pool, seq.block_table, old, new)
         if self.enable_prefix_caching and new // bs > old // bs:
             self._extend_hashes(seq, new // bs)
             self._register(seq, old // bs, new // bs)

@@ -164,26 +164,26 @@ class Request:
     def output(self, new_token_ids: tuple[int, ...]) -> RequestOutput:
         """What the request reports after a step that gave sample 0 ``new_token_ids``; takes the text delta."""
         seqs = self.seqs
-        samples = (_sample_output(seqs[0]),) if len(seqs) == 1 else tuple(_sample_output(s) for s in seqs)
-        first = samples[0]
-        detokenizer = seqs[0].detokenizer
-        # tuple.__new__ with the fields in order: this runs for every request every step, and the NamedTuple's
-        # own constructor (a Python function) costs twice as much.
+        first = seqs[0]
+        detokenizer = first.detokenizer
+        delta, text = detokenizer.take() if detokenizer is not None else ("", "")
+        logprobs = first.logprobs
+        token_ids = TokenIds(first.token_ids, first.num_prompt_tokens)
+        # tuple.__new__ with the fields in order, and sample 0's built here rather than by _sample_output: this
+        # runs for every request every step, and a NamedTuple's own constructor (a Python function) costs twice
+        # as much.
+        sample = _new_tuple(SampleOutput, (first.index, token_ids, text, first.finish_reason,
+                                           None if logprobs is None else TokenIds(logprobs, 0)))
+        samples = (sample,) if len(seqs) == 1 else (sample, *map(_sample_output, seqs[1:]))
+        metrics = self._metrics
+        if (metrics is None or metrics.first_scheduled_time != self.first_scheduled_time
+                or metrics.first_token_time != self.first_token_time or metrics.finished_time != self.finished_time):
+            metrics = self._metrics = RequestMetrics(self.arrival_time, self.first_scheduled_time,
+                                                     self.first_token_time, self.finished_time)
         return _new_tuple(RequestOutput, (
-            self.request_id, self.prompt_token_ids, new_token_ids,
-            detokenizer.take_delta() if detokenizer else "", first.token_ids, first.text,
-            self.status is _FINISHED, first.finish_reason, self.num_cached_tokens,
-            self.num_preemptions, self.metrics(), samples, self.error,
-            None if self.prompt_logprobs is None else TokenIds(self.prompt_logprobs, 0)))
-
-    def metrics(self) -> RequestMetrics:
-        cached = self._metrics
-        if (cached is None or cached.first_scheduled_time != self.first_scheduled_time
-                or cached.first_token_time != self.first_token_time
-                or cached.finished_time != self.finished_time):
-            cached = self._metrics = RequestMetrics(self.arrival_time, self.first_scheduled_time,
-                                                    self.first_token_time, self.finished_time)
-        return cached
+            self.request_id, self.prompt_token_ids, new_token_ids, delta, token_ids, text,
+            self.status is _FINISHED, first.finish_reason, self.num_cached_tokens, self.num_preemptions, metrics,
+            samples, self.error, None if self.prompt_logprobs is None else TokenIds(self.prompt_logprobs, 0)))
 
 
 def _sample_output(seq: Sequence) -> SampleOutput:

@@ -1,6 +1,7 @@
 """Iteration-level scheduler: three queues, a token budget, chunked prefill, preemption, and each step's
 bookkeeping. It owns every change to requests and blocks: a step is schedule() → the runner's execute()
-→ update_from_output(), as in vLLM V1; abort() and fail_step() are the only other ways a request ends.
+→ update_from_output(), as in vLLM V1; abort() and fail_step() are the only other ways a request ends
+(engine/request_endings.py, a part of the Scheduler class).
 
 Each step the batch is rebuilt. Fill order: running requests, oldest first,
 then swapped requests coming back, then new admissions from waiting, oldest
@@ -25,21 +26,14 @@ from kvscope.engine.config import EngineConfig
 from kvscope.engine.hybrid_kv_cache_manager import make_kv_cache_manager
 from kvscope.engine.kv_cache_groups import KVCacheGroup
 from kvscope.engine.kv_cache_manager import CopyOnWrite, KVCacheState
-from kvscope.engine.outputs import (
-    BlockRemoved,
-    EngineEvent,
-    EventKind,
-    FinishReason,
-    KVCacheEvent,
-    RequestOutput,
-    RequestStatus,
-)
+from kvscope.engine.outputs import BlockRemoved, EngineEvent, EventKind, KVCacheEvent, RequestOutput, RequestStatus
 from kvscope.engine.request import Request, Sequence
+from kvscope.engine.request_endings import RequestEndings
 from kvscope.engine.runner import RunnerOutput
 
 Plan = list[tuple[Sequence, int]]   # (sample, tokens to compute this step)
 _FIRST_SAMPLE = (0,)
-_RUNNER_FAILED = "the model runner produced no token for this request (non-finite logits?)"
+_new_tuple = tuple.__new__
 
 
 def _by_arrival(request: Request) -> int:
@@ -67,7 +61,7 @@ class StepUpdate(NamedTuple):
     num_generated: int
 
 
-class Scheduler:
+class Scheduler(RequestEndings):
     def __init__(self, config: EngineConfig, *, num_blocks: int, num_host_blocks: int, block_size: int,
                  max_model_len: int, kv_cache_groups: tuple[KVCacheGroup, ...] = ()) -> None:
         self.max_num_seqs = config.max_num_seqs
@@ -149,12 +143,10 @@ class Scheduler:
 
     def _schedule_running(self) -> None:
         running = self.running
-        index = 0
+        index = self._schedule_decodes(0)
         while index < len(running) and self._budget > 0:
             request = self._current = running[index]
             index += 1
-            if self._schedule_decode(request):
-                continue
             plan = self._plan(request)
             while not self.kv.allocate_slots(request, plan):
                 victim = running.pop()
@@ -163,34 +155,53 @@ class Scheduler:
                 if victim is request:
                     return  # it was the most recent arrival left, so nobody is behind it
             self._take(request, plan)
+            index = self._schedule_decodes(index)
 
-    def _schedule_decode(self, request: Request) -> bool:
-        """The step's common case, without building a plan: one sample decoding one token.
+    def _schedule_decodes(self, index: int) -> int:
+        """Schedule running requests from ``running[index]`` on while they are the step's common case, one sample
+        decoding one token, without building plans; the index of the first one that is not (a prefill chunk,
+        n > 1, no free block for the token: the general path's), or of the end, or where the budget ran out.
 
-        False, changing nothing, for anything else (a prefill chunk, n > 1, no free block for the
-        token), which the general path then handles.
+        One loop over local names: this runs for every request every step.
         """
-        seqs = request.seqs
-        if len(seqs) != 1:
-            return False
-        seq = seqs[0]
-        start = seq.num_computed_tokens
-        token_ids = seq.token_ids
-        table = seq.block_table
-        if len(token_ids) - start != 1 or not self.kv.append_slot(seq):
-            return False
-        self._scheduled.append((request, seq, 1))
-        # Positional, and built here rather than in a second pass: this runs for every request every step.
-        self._items.append(BatchItem(seq.seq_id, request.request_id, (token_ids[start],), start, seq.block_table,
-                                     _FIRST_SAMPLE, request.params, seq.group_tables, request.sampling))
-        if start >= seq.num_prompt_tokens:
-            self._num_decode_tokens += 1
-        else:
-            self._num_prefill_tokens += 1   # a prompt's last token, alone in its chunk
-        self._budget -= 1
-        if seq.block_table is not table:    # it took a block, which may have evicted a cached prefix
-            self._record_cache_events(request, self.kv.take_events())
-        return True
+        running, kv, block_size = self.running, self.kv, self.block_size
+        every_token = kv.slot_work_inside_blocks
+        scheduled, items = self._scheduled, self._items
+        budget, num_decode, num_prompt_ends = self._budget, 0, 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            seqs = request.seqs
+            if len(seqs) != 1:
+                break
+            seq = seqs[0]
+            start = seq.num_computed_tokens
+            token_ids = seq.token_ids
+            if len(token_ids) - start != 1:
+                break
+            table = seq.block_table
+            # Inside a block the sample's table already holds the token's slot (its previous token is in the same
+            # block): the KV cache manager is asked only at a block's first slot, unless it works at every token.
+            if not start % block_size or every_token:
+                self._current = request
+                if not kv.append_slot(seq):
+                    break
+            index += 1
+            budget -= 1
+            scheduled.append((request, seq, 1))
+            # BatchItem's fields in order, through tuple.__new__: its own constructor costs twice as much.
+            items.append(_new_tuple(BatchItem, (seq.seq_id, request.request_id, (token_ids[start],), start,
+                                                seq.block_table, _FIRST_SAMPLE, request.params, seq.group_tables,
+                                                request.sampling)))
+            if start >= seq.num_prompt_tokens:
+                num_decode += 1
+            else:
+                num_prompt_ends += 1    # a prompt's last token, alone in its chunk
+            if seq.block_table is not table:    # it took a block, which may have evicted a cached prefix
+                self._record_cache_events(request, kv.take_events())
+        self._budget = budget
+        self._num_decode_tokens += num_decode
+        self._num_prefill_tokens += num_prompt_ends
+        return index
 
     def _schedule_swapped(self) -> None:
         while self.swapped and self._budget > 0 and len(self.running) < self.max_num_seqs:
@@ -317,7 +328,7 @@ class Scheduler:
         view of every request the step scheduled or preempted: no other request changed."""
         now = time.time()
         outputs: list[RequestOutput] = []
-        failed = self._fail_items(output, runner_output, now, outputs) if None in runner_output else ()
+        failed = self._fail_items(output.scheduled, runner_output, now, outputs) if None in runner_output else ()
         grouped: dict[Request, int | None] = {}   # n > 1 requests that sampled, with sample 0's token
         commit = self.kv.commit
         num_generated = 0
@@ -355,18 +366,6 @@ class Scheduler:
             request.view = None
         return StepUpdate(outputs, num_generated)
 
-    def _fail_items(self, output: SchedulerOutput, runner_output: RunnerOutput, now: float,
-                    outputs: list[RequestOutput]) -> set[Request]:
-        """Requests the runner returned None for finish with an error; the rest of the batch goes on."""
-        failed = {request for (request, _, _), sampled in zip(output.scheduled, runner_output) if sampled is None}
-        for request in failed:
-            request.error = _RUNNER_FAILED
-            blocks = request.device_blocks()
-            self.events.append(EngineEvent(EventKind.ERROR, request.request_id, blocks, _RUNNER_FAILED))
-            self._end(request, FinishReason.ERROR, now)
-            outputs.append(request.output(()))
-        return failed
-
     def _fork(self, request: Request) -> None:
         parent = request.seqs[0]
         for child in request.seqs[1:]:
@@ -383,73 +382,3 @@ class Scheduler:
         request.finished_time = now
         self._remove(request)
         self.events.append(EngineEvent(EventKind.FINISH, request.request_id, blocks, seq.finish_reason))
-
-    # ---- ending requests early ----------------------------------------------------------------------
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish a request wherever it is and free its blocks: its final output, or None if it is unknown or
-        already finished."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        blocks = request.device_blocks()
-        self._end(request, FinishReason.ABORT, time.time())
-        self.events.append(EngineEvent(EventKind.ABORT, request_id, blocks))
-        return request.output(())
-
-    def _end(self, request: Request, reason: FinishReason, now: float) -> None:
-        for seq in request.seqs:
-            if seq.finish_reason is None:
-                seq.finish(reason)
-        self.kv.free_request(request)
-        request.finished_time = now
-        self._remove(request)
-
-    def _remove(self, request: Request) -> None:
-        status = request.status
-        if status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif status == RequestStatus.WAITING:
-            self.waiting.remove(request)
-        elif status == RequestStatus.SWAPPED:
-            self.swapped.remove(request)
-        request.status = RequestStatus.FINISHED
-        del self.requests[request.request_id]
-
-    def fail_step(self, error: str) -> list[RequestOutput]:
-        """The step raised part-way. Finish every request it touched (scheduled, preempted, or being worked on
-        when it stopped) with FinishReason.ERROR, and rebuild the pools from the requests that go on: those
-        were not touched, so they go on as if the step never ran. Spared: requests the update had already
-        finished, and recompute victims, which are back in waiting with nothing in the cache to lose.
-        Returns the final outputs of the touched requests that are finished now."""
-        touched = [request for request, _, _ in self._scheduled] + self._preempted
-        if self._current is not None:
-            touched.append(self._current)
-        touched = list(dict.fromkeys(touched))
-        for request in touched:
-            request.view = None
-        failed = [r for r in touched if r.status != RequestStatus.FINISHED and not self._cleanly_requeued(r)]
-        gone = set(failed)
-        self.waiting = deque(r for r in self.waiting if r not in gone)
-        self.running = [r for r in self.running if r not in gone]
-        self.swapped = [r for r in self.swapped if r not in gone]
-        now = time.time()
-        for request in failed:
-            self.events.append(EngineEvent(EventKind.ERROR, request.request_id, request.device_blocks(), error))
-            request.error = error
-            request.finished_time = now
-            request.status = RequestStatus.FINISHED
-            self.requests.pop(request.request_id, None)
-            for seq in request.live_seqs():
-                seq.finish(FinishReason.ERROR)
-        self.kv.recover(keep=[seq for r in self.requests.values() for seq in r.seqs],
-                        drop=[seq for r in failed for seq in r.seqs])
-        self._record_cache_events(None, self.kv.take_events())  # what it cached, and dropped as half written
-        self._scheduled, self._preempted, self._current = [], [], None
-        return [request.output(()) for request in touched if request.status == RequestStatus.FINISHED]
-
-    def _cleanly_requeued(self, request: Request) -> bool:
-        """A recompute victim whose preemption completed: waiting, holding no blocks, nothing computed."""
-        return (request.status == RequestStatus.WAITING and request in self.waiting
-                and all(not seq.block_table and not seq.host_block_table and not seq.num_computed_tokens
-                        for seq in request.seqs))

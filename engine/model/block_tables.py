@@ -33,14 +33,14 @@ class BlockTables:
     def rows(self, items: Sequence[BatchItem]) -> np.ndarray:
         """The row of each item's table, written first where the table changed since it was last seen."""
         written, group = self._written, self.group
-        rows = np.empty(len(items), dtype=np.int64)
-        for i, item in enumerate(items):
+        rows = []
+        for item in items:
             entry = written.get(item.seq_id)
             table = item.block_table if group is None else item.group_tables[group]
             if entry is None or entry[1] is not table:
                 entry = self._write(item, table, items, entry)
-            rows[i] = entry[0]
-        return rows
+            rows.append(entry[0])
+        return np.array(rows, dtype=np.int64)   # one conversion: a numpy store per item costs more
 
     def _write(self, item: BatchItem, table: tuple[int, ...], items: Sequence[BatchItem],
                entry) -> tuple[int, tuple[int, ...]]:
@@ -51,10 +51,12 @@ class BlockTables:
         else:
             row = entry[0]
         if len(table) > self.table.shape[1]:
-            grown = np.zeros((self.table.shape[0], len(table)), dtype=np.int32)
+            grown = np.empty((self.table.shape[0], len(table)), dtype=np.int32)
             grown[:, :self.table.shape[1]] = self.table
+            grown[:, self.table.shape[1]:] = self.table[:, :1]  # every row stays padded (padded() says why)
             self.table = grown
         self.table[row, :len(table)] = table
+        self.table[row, len(table):] = table[0] if table else 0
         self.lengths[row] = len(table)
         entry = self._written[item.seq_id] = (row, table)
         return entry
@@ -79,16 +81,20 @@ class BlockTables:
         checking (torch's would raise).
         """
         needed = -(-context_lens // block_size)
-        if (needed > self.lengths[rows]).any():
+        lengths = self.lengths[rows]
+        if (needed > lengths).any():
             raise IndexError("a block table is shorter than its context (an engine bug)")
         width = int(needed.max())
-        tables = self.table[rows, :width]
-        padded = np.where(np.arange(width)[None, :] < needed[:, None], tables, tables[:, :1])
+        # Rows are kept padded past their table's end (_write), so a row whose context needs its whole table is
+        # ready as it is; only a table holding blocks past its context (reserved, not written yet) is padded here.
+        padded = self.table[rows, :width]
+        if (needed < lengths).any():
+            padded = np.where(np.arange(width)[None, :] < needed[:, None], padded, padded[:, :1])
         if self.sliding:
             # The kernels never read the entries of blocks the window freed; they get the row's first block still
             # held there all the same (written whole, as above), so no id outside the pool reaches a kernel.
-            num_freed = np.argmax(tables != NULL_BLOCK, axis=1)    # freed entries lead; a row's last is held
-            first_held = tables[np.arange(len(rows)), num_freed]
+            num_freed = np.argmax(padded != NULL_BLOCK, axis=1)    # freed entries lead; a row's last is held
+            first_held = padded[np.arange(len(rows)), num_freed]
             padded = np.where(padded == NULL_BLOCK, first_held[:, None], padded)
         if padded.min() < 0 or padded.max() >= num_blocks:
             raise IndexError(f"a block table names a block outside the pool of {num_blocks} (an engine bug)")

@@ -215,3 +215,16 @@ def test_evicting_cached_blocks_emits_an_event_prefix_end_first():
     first_block, second_block = (block for _, block in sorted(cached, key=lambda hb: hb[1]))
     assert [(e.request_id, e.blocks) for e in evictions] == [("big", (second_block, first_block))]
     assert result.stats.num_cached_free_blocks == 0
+
+
+def test_a_decode_asks_the_kv_cache_for_a_slot_only_where_a_block_starts():
+    """Inside a block a decoding sample's table already holds its next slot, so schedule() skips the call that
+    would say so: that check ran for every request every step (the fake runner still verifies every KV read)."""
+    engine, _ = make_engine()   # blocks of 4
+    kv = engine.scheduler.kv
+    asked, append_slot = [], kv.append_slot
+    kv.append_slot = lambda seq: asked.append(seq.num_computed_tokens) or append_slot(seq)
+    engine.add_request(list(range(6)), params(9))
+    while engine.has_unfinished_requests():
+        step(engine)
+    assert asked == [8, 12]     # decodes at positions 6..13

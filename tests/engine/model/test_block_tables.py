@@ -42,9 +42,22 @@ def test_many_sequences_evict_the_ones_a_batch_does_not_hold_and_come_back_rewri
             if seq_id not in live or rng.random() < 0.2:
                 live[seq_id] = tuple(int(b) for b in rng.integers(0, 50, size=rng.integers(1, 6)))
         items = [item(int(s), live[s]) for s in batch_ids]
-        lens = np.array([len(live[s]) * 16 - int(rng.integers(0, 16)) for s in batch_ids])
+        # Mostly contexts in a table's last block, as decodes have; sometimes short of it, as a reservation is.
+        lens = np.array([len(live[s]) * 16 - int(rng.integers(0, 16 if rng.random() < 0.9 else len(live[s]) * 16))
+                         for s in batch_ids])
         got = tables.padded(tables.rows(items), lens, 16, num_blocks=50)
         assert got.tolist() == flattened([live[s] for s in batch_ids], lens, 16).tolist()
+
+
+def test_a_table_holding_blocks_past_its_context_pads_them_with_its_first_block():
+    """Rows are kept padded past their table's end; a contiguous reservation also holds blocks its context has
+    not reached, and those are padded too, while a batch with none takes its rows as they are."""
+    tables = BlockTables(width=2)
+    reserved, short, mid = (4, 5, 6, 7), (8,), (1, 2, 3)
+    for batch, lens in [([reserved, short], [20, 10]), ([mid, short], [40, 10]), ([short, mid], [16, 33])]:
+        rows = tables.rows([item(k, table) for k, table in enumerate(batch)])
+        padded = tables.padded(rows, np.array(lens), 16, num_blocks=10)
+        assert padded.tolist() == flattened(batch, lens, 16).tolist()
 
 
 def test_a_block_outside_the_pool_or_a_table_shorter_than_its_context_is_refused():
