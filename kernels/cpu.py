@@ -32,7 +32,7 @@ from kvscope.kernels.reference import copy_blocks, store_kv, swap_blocks
 
 __all__ = ["available", "bind_threads", "copy_blocks", "huge_page_zeros", "is_packed_linear_weight", "linear",
            "linear_available", "pack_linear_weight", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-           "sample_nucleus", "status", "store_kv", "supports", "swap_blocks", "unpack_linear_weight"]
+           "first_argmax", "sample_nucleus", "status", "store_kv", "supports", "swap_blocks", "unpack_linear_weight"]
 
 # One library: attention (its ops, decode and prefill), the packed linear, RMSNorm, the sampler, thread pinning.
 SOURCES = tuple(Path(__file__).with_name(name)
@@ -214,6 +214,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm formula in one op (``norm_cpu.cpp``): ``weight * normalized(x).to(x.dtype)``."""
     return torch.ops.kvscope_cpu.rms_norm(x, weight, eps)
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum in fp32 ``logits`` [rows, vocab] (``sampler_cpu.cpp``); -1 for a row holding NaN."""
+    return torch.ops.kvscope_cpu.first_argmax(logits)
 
 
 def sample_nucleus(logits: torch.Tensor, scales: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,

@@ -1,4 +1,5 @@
-// The sampler's random rows in one op for CPUs: temperature, min-p, a draw, and top-p, a row at a time.
+// The sampler's rows in two ops for CPUs: greedy (the first maximum), and random rows (temperature, min-p, a draw,
+// top-p), a row at a time.
 //
 // engine/model/sampler.py's torch path does the same as tensor ops over the whole batch: every stage is a pass
 // over [rows, vocab] floats from memory (about 50 MB at batch 256), and top-p's test costs three more passes per
@@ -33,26 +34,31 @@ struct RowBuffer {
   std::vector<double> chunk_sums;
 };
 
-// The row's maximum, or NaN when the row holds one.
-float row_max(const float* x, int64_t vocab) {
-  vfloat top = splat(-std::numeric_limits<float>::infinity());
+// The row's maximum, and whether it holds NaN; with `chunk_maxima`, each chunk's maximum too.
+float row_max(const float* x, int64_t vocab, bool& any_nan, float* chunk_maxima = nullptr) {
+  const float lowest = -std::numeric_limits<float>::infinity();
   vint32 nan{};
-  int64_t i = 0;
-  for (; i + kLanes <= vocab; i += kLanes) {
-    const vfloat v = load(x + i);
-    nan |= v != v;
-    top = v > top ? v : top;
+  float best = lowest;
+  for (int64_t begin = 0; begin < vocab; begin += kChunk) {
+    const int64_t end = std::min(begin + kChunk, vocab);
+    vfloat top = splat(lowest);
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) {
+      const vfloat v = load(x + i);
+      nan |= v != v;
+      top = v > top ? v : top;
+    }
+    float chunk = kvscope_attention::max(top);
+    for (; i < end; ++i) {
+      nan[0] |= std::isnan(x[i]);
+      chunk = std::max(chunk, x[i]);
+    }
+    if (chunk_maxima) chunk_maxima[begin / kChunk] = chunk;
+    best = std::max(best, chunk);
   }
-  float best = kvscope_attention::max(top);
-  bool any_nan = false;
+  any_nan = false;
   for (int lane = 0; lane < kLanes; ++lane) any_nan |= nan[lane] != 0;
-  for (; i < vocab; ++i) {
-    any_nan |= std::isnan(x[i]);
-    best = std::max(best, x[i]);
-  }
-  // A row of -inf (everything banned) has nothing to draw either.
-  const bool empty = best == -std::numeric_limits<float>::infinity();
-  return any_nan || empty ? std::numeric_limits<float>::quiet_NaN() : best;
+  return best;
 }
 
 // p = exp((x - top) * scale), zero under min_p; fills the chunk sums, returns the row's mass.
@@ -155,8 +161,9 @@ float nucleus_floor(const RowBuffer& buffer, double limit) {
 
 int64_t sample_row(const float* x, int64_t vocab, float scale, float top_p, float min_p, const float* uniforms,
                    int64_t rounds, RowBuffer& buffer) {
-  const float top = row_max(x, vocab);
-  if (std::isnan(top)) return -1;
+  bool nan = false;
+  const float top = row_max(x, vocab, nan);
+  if (nan || top == -std::numeric_limits<float>::infinity()) return -1;  // NaN, or nothing drawable
   const double base = exponentiate(x, vocab, top, scale, min_p, buffer);
   double total = base;
   const double limit = static_cast<double>(top_p) * base;
@@ -197,12 +204,44 @@ at::Tensor sample_nucleus(const at::Tensor& logits, const at::Tensor& scales, co
   return tokens;
 }
 
+// Greedy: each row's first maximum (one read of the row; the second look is at one chunk), -1 where it holds NaN.
+at::Tensor first_argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
+              "kvscope_cpu: first_argmax takes float32 CPU logits [rows, vocab]");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const at::Tensor x = logits.contiguous();
+  at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> chunk_maxima(chunks);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * vocab;
+      bool nan = false;
+      const float top = row_max(row, vocab, nan, chunk_maxima.data());
+      if (nan) {
+        out[r] = -1;
+        continue;
+      }
+      int64_t chunk = 0;
+      while (chunk_maxima[chunk] != top) ++chunk;
+      int64_t i = chunk * kChunk;
+      while (row[i] != top) ++i;
+      out[r] = i;
+    }
+  });
+  return tokens;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvscope_cpu, m) {
   m.def("sample_nucleus(Tensor logits, Tensor scales, Tensor top_ps, Tensor min_ps, Tensor uniforms) -> Tensor");
+  m.def("first_argmax(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvscope_cpu, CPU, m) {
   m.impl("sample_nucleus", &sample_nucleus);
+  m.impl("first_argmax", &first_argmax);
 }

@@ -21,7 +21,8 @@ tensor op over the batch, and the vocabulary is read in chunks so the costly pas
 On a CPU with kvscope's C++ kernels, random rows without top-k take kernels/sampler_cpu.cpp instead: the
 same algorithm and uniforms, a row at a time, so a row's probabilities stay in cache between the stages instead
 of crossing memory once per stage (about 10 ms instead of 25-50 at batch 256 over SmolLM2's vocabulary, one
-thread). Other devices, and rows with top-k, take the tensor ops.
+thread). Other devices, and rows with top-k, take the tensor ops. Greedy rows there take the kernel's first
+maximum: one read of each row, where the chunked tensor version reads the picked chunks a second time.
 
 Rows of requests with penalties, a logit bias, bans, a grammar or log-probabilities pass through
 engine/model/logits_processing.py first; the other rows never do.
@@ -101,7 +102,10 @@ def first_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's first maximum, and which rows hold NaN."""
+    """Each row's first maximum, and which rows hold NaN (the CPU kernel answers -1 for those)."""
+    if logits.device.type == "cpu" and cpu_kernels.available():
+        tokens = cpu_kernels.first_argmax(logits)
+        return tokens, tokens < 0
     tokens, row_max = first_argmax(logits)
     return tokens, torch.isnan(row_max)
 
