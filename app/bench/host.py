@@ -24,7 +24,7 @@ to what the engine does in a step belongs in the matching function:
   measured step is a keyframe, so the column's p90 or max shows a keyframe where few steps are measured.
 - sampler (``time_sampler``): the real Sampler over random float32 logits of SmolLM2's vocabulary (49,152) on CPU
   with one torch thread, greedy and at temperature 0.7 / top-p 0.95. It depends on the batch alone, so it is
-  measured once per batch and shown on that batch's rows.
+  measured once per batch and shown on that batch's rows. The title says whether the C++ kernels served it.
 
 "engine" is the sum of schedule, prepare, update, snapshot and events in each step: the engine thread's share.
 
@@ -256,6 +256,13 @@ def time_sampler(batch: int, settings: HostSettings) -> dict[str, Spread]:
         torch.set_num_threads(threads)
 
 
+def _sampler_path() -> str:
+    """Which path served the sampler on this CPU: the C++ kernels, or the tensor ops where they are not built."""
+    from kvscope.kernels import cpu
+
+    return "C++ sampler kernels" if cpu.available() else "tensor ops (no C++ kernels)"
+
+
 def run_host_bench(settings: HostSettings, progress: Callable[[str], None] | None = None) -> tuple[list[HostRow], str]:
     """Every (pool, batch, context) cell; returns the rows and the tokenizer's name."""
     tokenizer, tokenizer_name = text_tokenizer()
@@ -285,7 +292,8 @@ def format_table(rows: list[HostRow], settings: HostSettings, tokenizer_name: st
         "kvscope bench host: one decode step's host work by phase, forward excluded; thread CPU ms, "
         "median (p10-p90)",
         f"  {settings.steps} steps a cell after {settings.warmup} warm-up; FakeRunner; text by {tokenizer_name} "
-        f"tokenizer; sampler over {settings.vocab:,} logits, one torch thread, {settings.sampler_repeats} calls",
+        f"tokenizer; sampler over {settings.vocab:,} logits, one torch thread, {settings.sampler_repeats} calls, "
+        f"{_sampler_path()}",
     ]
     return titled_table(title, header, cells, "engine = schedule + prepare + update + snapshot + events, per step; "
                         "run-log is the writer thread's encoding of the step; the sampler depends on the batch only "

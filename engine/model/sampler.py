@@ -18,6 +18,12 @@ tensor op over the batch, and the vocabulary is read in chunks so the costly pas
   only rows whose nucleus is a few tokens, and a partial top-k of 64 costs more on a CPU (about 30 ms at
   batch 256) than this whole path.
 
+On a CPU with kvscope's C++ kernels, random rows without top-k take kernels/sampler_cpu.cpp instead: the
+same algorithm and uniforms, a row at a time, so a row's probabilities stay in cache between the stages instead
+of crossing memory once per stage (about 10 ms instead of 25-50 at batch 256 over SmolLM2's vocabulary, one
+thread). Other devices, and rows with top-k, take the tensor ops. Greedy rows there take the kernel's first
+maximum: one read of each row, where the chunked tensor version reads the picked chunks a second time.
+
 Rows of requests with penalties, a logit bias, bans, a grammar or log-probabilities pass through
 engine/model/logits_processing.py first; the other rows never do.
 
@@ -37,6 +43,7 @@ import torch.nn.functional as F
 from kvscope.engine.config import SamplingParams
 from kvscope.engine.model.logits_processing import ContextRow, LogitsProcessor, token_logprobs
 from kvscope.engine.outputs import TokenLogprob
+from kvscope.kernels import cpu as cpu_kernels
 
 CHUNK = 1024            # tokens per chunk of the vocabulary
 REJECTION_ROUNDS = 4    # top-p draws before a row falls back to sorting its own row
@@ -95,7 +102,10 @@ def first_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's first maximum, and which rows hold NaN."""
+    """Each row's first maximum, and which rows hold NaN (the CPU kernel answers -1 for those)."""
+    if logits.device.type == "cpu" and cpu_kernels.available():
+        tokens = cpu_kernels.first_argmax(logits)
+        return tokens, tokens < 0
     tokens, row_max = first_argmax(logits)
     return tokens, torch.isnan(row_max)
 
@@ -171,17 +181,39 @@ class Sampler:
         return probs
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens for the non-greedy ``rows`` (one per row of ``logits``), and which rows hold NaN."""
-        device, count = logits.device, len(rows)
+        """Tokens for the non-greedy ``rows`` (one per row of ``logits``), and which rows hold NaN. On a CPU with
+        the C++ kernels, rows without top-k take the fused kernel (sampler_cpu.cpp: the same algorithm, a row
+        at a time in cache); the others, and every row on another device, take the tensor ops below."""
+        count = len(rows)
         params = [row.params for row in rows]
-        temperatures = np.fromiter((p.temperature for p in params), dtype=np.float64, count=count)
-        top_ks = np.fromiter((p.top_k for p in params), dtype=np.int64, count=count)
-        top_ps = np.fromiter((p.top_p for p in params), dtype=np.float64, count=count)
-        min_ps = np.fromiter((p.min_p for p in params), dtype=np.float64, count=count)
-        uniforms = torch.from_numpy(row_uniforms(
-            self._keys(params), np.fromiter((r.position for r in rows), dtype=np.int64, count=count),
-            np.fromiter((r.sample_index for r in rows), dtype=np.int64, count=count),
-            REJECTION_ROUNDS + 1)).float().to(device)
+        knobs = _Knobs(
+            np.fromiter((p.temperature for p in params), dtype=np.float64, count=count),
+            np.fromiter((p.top_k for p in params), dtype=np.int64, count=count),
+            np.fromiter((p.top_p for p in params), dtype=np.float64, count=count),
+            np.fromiter((p.min_p for p in params), dtype=np.float64, count=count),
+            row_uniforms(self._keys(params), np.fromiter((r.position for r in rows), dtype=np.int64, count=count),
+                         np.fromiter((r.sample_index for r in rows), dtype=np.int64, count=count),
+                         REJECTION_ROUNDS + 1))
+        if logits.device.type != "cpu" or not cpu_kernels.available():
+            return self._sample_tensors(logits, knobs)
+        limited = (knobs.top_ks > 0) & (knobs.top_ks < logits.shape[1])
+        if not limited.any():
+            return _sample_fused(logits, knobs)
+        tokens = torch.empty(count, dtype=torch.int64)
+        bad = torch.empty(count, dtype=torch.bool)
+        for chosen in (np.flatnonzero(~limited), np.flatnonzero(limited)):
+            if chosen.size:
+                index = torch.from_numpy(chosen)
+                part, part_knobs = logits[index], knobs.take(chosen)
+                sample = self._sample_tensors if limited[chosen[0]] else _sample_fused
+                tokens[index], bad[index] = sample(part, part_knobs)
+        return tokens, bad
+
+    def _sample_tensors(self, logits: torch.Tensor, knobs: _Knobs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensor-op path over the whole batch (any device)."""
+        device, count = logits.device, logits.shape[0]
+        temperatures, top_ks, top_ps, min_ps = knobs.temperatures, knobs.top_ks, knobs.top_ps, knobs.min_ps
+        uniforms = torch.from_numpy(knobs.uniforms).float().to(device)
         vocab = logits.shape[1]
         row_max = logits.amax(dim=-1)     # the random rows' one pass of their own over the logits
         probs = self._probabilities(logits, row_max, temperatures)
@@ -209,6 +241,28 @@ class Sampler:
         unseeded = sum(p.seed is None for p in params)
         drawn = iter(torch.randint(0, 2 ** 62, (unseeded,), generator=self.generator).tolist())
         return np.array([p.seed if p.seed is not None else next(drawn) for p in params], dtype=np.uint64)
+
+
+class _Knobs(NamedTuple):
+    """The random rows' settings as arrays, and their uniforms [rows, REJECTION_ROUNDS + 1]."""
+    temperatures: np.ndarray
+    top_ks: np.ndarray
+    top_ps: np.ndarray
+    min_ps: np.ndarray
+    uniforms: np.ndarray
+
+    def take(self, index: np.ndarray) -> _Knobs:
+        return _Knobs(*(values[index] for values in self))
+
+
+def _sample_fused(logits: torch.Tensor, knobs: _Knobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, min-p and top-p in the CPU kernel; it answers -1 for a row it cannot draw from."""
+    def floats(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).float()
+
+    tokens = cpu_kernels.sample_nucleus(logits, floats(1.0 / knobs.temperatures), floats(knobs.top_ps),
+                                        floats(knobs.min_ps), floats(knobs.uniforms))
+    return tokens, tokens < 0
 
 
 def _rows(probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,24 @@
 import dataclasses
 import math
 
+import pytest
 import torch
 
 from kvscope.engine.config import SamplingParams
+from kvscope.engine.model import sampler as sampler_module
 from kvscope.engine.model.sampler import Sampler, SampleRow
+from kvscope.kernels import cpu as cpu_kernels
+
+
+@pytest.fixture(autouse=True, params=["fused", "tensors"])
+def random_path(request, monkeypatch):
+    """Every test runs on both random-row paths: the C++ kernel (sampler_cpu.cpp) and the tensor ops that any
+    device takes."""
+    if request.param == "fused" and not cpu_kernels.available():
+        pytest.skip(f"C++ kernels unavailable: {cpu_kernels.status()}")
+    if request.param == "tensors":
+        monkeypatch.setattr(sampler_module.cpu_kernels, "available", lambda: False)
+    return request.param
 
 
 def rows(params, count=1, position=10):
@@ -127,3 +141,43 @@ def test_min_p_cuts_what_lies_under_its_share_of_the_best():
     logits_row = torch.tensor([2.0, 1.0, 0.0, -3.0] + [-9.0] * 1200)
     shares = drawn_shares(logits_row, WithMinP(temperature=1.0, min_p=0.3))
     assert shares[0] > 0.6 and shares[1] > 0.2 and shares[2:].sum() == 0
+
+
+def test_tied_tokens_enter_the_nucleus_together():
+    # The nucleus is every token whose mass strictly above is under top_p: four tied best tokens (a fifth of
+    # the mass each) all pass at top_p=0.3, though two of them already reach it.
+    logits_row = torch.tensor([2.0] * 4 + [-9.0] * 1500)
+    logits_row[4:] = math.log(0.2 / 1500) + 2.0 - math.log(0.2)
+    shares = drawn_shares(logits_row, SamplingParams(temperature=1.0, top_p=0.3))
+    assert shares[4:].sum() == 0
+    assert (shares[:4] - 0.25).abs().max() < 0.03
+
+
+def test_a_mixed_batch_splits_between_the_paths_and_each_row_keeps_its_draw():
+    # Rows with top-k take the tensor ops, the others the kernel; a row's token must not depend on that split.
+    logits = torch.randn(8, 3000, generator=torch.Generator().manual_seed(7)) * 2
+    kinds = [SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.1, top_k=50),
+             WithMinP(temperature=1.0, min_p=0.05), SamplingParams(temperature=0.0)]
+    batch = [SampleRow(dataclasses.replace(kinds[i % 4], seed=7 + i), 0, 3) for i in range(8)]
+    together = Sampler(0).sample(logits, batch)
+    assert together == [Sampler(1).sample(logits[i:i + 1], [row])[0] for i, row in enumerate(batch)]
+    assert all(token is not None for token in together)
+
+
+def test_a_nan_row_gives_no_token_and_spares_the_others():
+    logits = torch.randn(3, 2000, generator=torch.Generator().manual_seed(8))
+    logits[1, 999] = float("nan")
+    tokens = Sampler(0).sample(logits, rows(SamplingParams(temperature=0.8, top_p=0.9, seed=3), 3))
+    assert tokens[1] is None and tokens[0] is not None and tokens[2] is not None
+
+
+def test_the_kernel_draws_what_the_tensor_ops_draw_for_the_same_uniforms(random_path, monkeypatch):
+    if random_path == "tensors":
+        pytest.skip("compares the kernel with the tensor ops")
+    # The same algorithm and uniforms: only the exponential's last bits differ, so nearly every token agrees.
+    logits = torch.randn(400, 5000, generator=torch.Generator().manual_seed(9)) * 2.5
+    batch = [SampleRow(SamplingParams(temperature=0.7, top_p=0.95, seed=i), 0, 11) for i in range(400)]
+    fused = Sampler(0).sample(logits, batch)
+    monkeypatch.setattr(sampler_module.cpu_kernels, "available", lambda: False)
+    tensors = Sampler(0).sample(logits, batch)
+    assert sum(a == b for a, b in zip(fused, tensors)) >= 396
