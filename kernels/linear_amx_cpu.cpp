@@ -7,8 +7,8 @@
 // they are (or rounded once, when the caller asks for bf16).
 //
 // The weight needs no repacking: a packed bf16 panel [K/2][16][2] is AMX's VNNI layout for B, a B tile being 16
-// consecutive k pairs of one panel, 1 KiB in one piece. The activations are rounded to bf16 pairs straight into
-// A tiles laid out one after another ([row tiles][k steps][16 rows][16 pairs]), so every tile load reads 1 KiB
+// consecutive k pairs of one panel, 1 KiB in one piece. The activations go as bf16 pairs (an fp32 one as two
+// parts, see a_tiles) straight into A tiles laid out one after another ([row tiles][k steps][16 rows][16 pairs]), so every tile load reads 1 KiB
 // in one piece too. The micro-kernel blocks 2 x 2: two A tiles (32 rows) against two B tiles (a work item's
 // panel pair) into four fp32 C tiles, so each tile loaded feeds two products.
 //
@@ -25,6 +25,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -69,21 +70,35 @@ struct alignas(64) TileConfig {
   }
 };
 
-// x rounded to bf16 pairs as A tiles: [ceil(m / 16)][steps][16 rows][16 pairs], zero-padded.
-std::vector<uint32_t> a_tiles(const at::Tensor& x, int64_t steps) {
-  const int64_t m = x.size(0), k = x.size(1);
-  std::vector<uint32_t> tiles((m + kTileRows - 1) / kTileRows * steps * kTileValues, 0);
-  auto* values = reinterpret_cast<c10::BFloat16*>(tiles.data());
+// x as A tiles of bf16 pairs: [ceil(m / 16)][steps][16 rows][16 pairs], zero-padded. An fp32 x is split in two,
+// its bf16 rounding (hi) and the bf16 rounding of what that left out (lo), so that W hi + W lo carries about 16
+// of the activations' 24 mantissa bits: near the exact path's fp32 product, not a bf16 linear's. Measured on
+// SmolLM2's real chat prompts (tests/engine/model/test_truth.py), the rounded activations alone flipped a near
+// tie of a first token that fp32 and the vdpbf16ps path both got right. A bf16 x is exact as it is: no lo.
+struct ATiles {
+  std::vector<uint32_t> hi, lo;   // lo empty for a bf16 x
+};
+
+ATiles a_tiles(const at::Tensor& x, int64_t steps) {
+  const int64_t m = x.size(0), k = x.size(1), size = (m + kTileRows - 1) / kTileRows * steps * kTileValues;
+  const bool split = x.scalar_type() == at::kFloat;
+  ATiles tiles{std::vector<uint32_t>(size, 0), std::vector<uint32_t>(split ? size : 0, 0)};
+  auto* hi = reinterpret_cast<c10::BFloat16*>(tiles.hi.data());
+  auto* lo = reinterpret_cast<c10::BFloat16*>(tiles.lo.data());
   at::parallel_for(0, m, kTileRows, [&](int64_t begin, int64_t end) {
+    float left[2 * kTilePairs];
     for (int64_t r = begin; r < end; ++r) {
-      c10::BFloat16* tile_row = values + 2 * ((r / kTileRows * steps * kTileRows + r % kTileRows) * kTilePairs);
+      const int64_t row_at = 2 * ((r / kTileRows * steps * kTileRows + r % kTileRows) * kTilePairs);
       for (int64_t s = 0; s < steps; ++s) {
         const int64_t k0 = s * 2 * kTilePairs, count = std::min<int64_t>(2 * kTilePairs, k - k0);
-        c10::BFloat16* dst = tile_row + s * 2 * kTileValues;
-        if (x.scalar_type() == at::kFloat) {
-          round_to_bf16(x.data_ptr<float>() + r * k + k0, count, dst);
+        const int64_t at = row_at + s * 2 * kTileValues;
+        if (split) {
+          const float* src = x.data_ptr<float>() + r * k + k0;
+          round_to_bf16(src, count, hi + at);
+          for (int64_t i = 0; i < count; ++i) left[i] = src[i] - static_cast<float>(hi[at + i]);
+          round_to_bf16(left, count, lo + at);
         } else {
-          std::memcpy(dst, x.data_ptr<c10::BFloat16>() + r * k + k0, count * sizeof(c10::BFloat16));
+          std::memcpy(hi + at, x.data_ptr<c10::BFloat16>() + r * k + k0, count * sizeof(c10::BFloat16));
         }
       }
     }
@@ -108,18 +123,22 @@ inline void step(const uint32_t* a, int64_t steps, const c10::BFloat16* b0, cons
 
 // Sums of 16 or 32 rows (from the row tile at a) by the panel pair (w0, w1) into sums [32][kBlockCols].
 template <bool TwoRowTiles>
-inline void row_block(const uint32_t* a, int64_t steps, const c10::BFloat16* w0, const c10::BFloat16* w1,
-                      int64_t full_steps, const c10::BFloat16 (*tail)[kPanelStep], float* sums) {
+inline void row_block(const uint32_t* a, const uint32_t* a_lo, int64_t steps, const c10::BFloat16* w0,
+                      const c10::BFloat16* w1, int64_t full_steps, const c10::BFloat16 (*tail)[kPanelStep],
+                      float* sums) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (TwoRowTiles) {
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t s = 0; s < full_steps; ++s) {
-    step<TwoRowTiles>(a + s * kTileValues, steps, w0 + s * kPanelStep, w1 + s * kPanelStep);
+  for (const uint32_t* part : {a, a_lo}) {
+    if (part == nullptr) continue;
+    for (int64_t s = 0; s < full_steps; ++s) {
+      step<TwoRowTiles>(part + s * kTileValues, steps, w0 + s * kPanelStep, w1 + s * kPanelStep);
+    }
+    if (tail) step<TwoRowTiles>(part + full_steps * kTileValues, steps, tail[0], tail[1]);
   }
-  if (tail) step<TwoRowTiles>(a + full_steps * kTileValues, steps, tail[0], tail[1]);
   constexpr int64_t stride = kBlockCols * 4;
   _tile_stored(0, sums, stride);
   _tile_stored(1, sums + kLanes, stride);
@@ -144,7 +163,7 @@ void amx_linear(const at::Tensor& x, const c10::BFloat16* packed, int64_t panels
   const int64_t pair_count = panels / 2, groups = (pair_count + kPairsPerItem - 1) / kPairsPerItem;
   const int64_t full_steps = pairs / kTilePairs, tail_pairs = pairs % kTilePairs;
   const int64_t steps = full_steps + (tail_pairs ? 1 : 0);
-  const std::vector<uint32_t> tiles = a_tiles(x, steps);
+  const ATiles tiles = a_tiles(x, steps);
   const int64_t panel_values = pairs * 2 * kLanes;
   const TileConfig config;
   parallel_items(groups * chunks, [&](int64_t item) {
@@ -167,15 +186,17 @@ void amx_linear(const at::Tensor& x, const c10::BFloat16* packed, int64_t panels
     // Rows outside, panel pairs inside: 32 rows of A tiles stay in L1 while the item's panel pairs stream by.
     for (int64_t r0 = first; r0 < last; r0 += 2 * kTileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(2 * kTileRows, last - r0));
-      const uint32_t* a = tiles.data() + r0 / kTileRows * steps * kTileValues;
+      const int64_t tile_at = r0 / kTileRows * steps * kTileValues;
+      const uint32_t* a = tiles.hi.data() + tile_at;
+      const uint32_t* a_lo = tiles.lo.empty() ? nullptr : tiles.lo.data() + tile_at;
       for (int64_t q = 0; q < pairs_here; ++q) {
         const int64_t p = 2 * (first_pair + q);
         const c10::BFloat16 *w0 = packed + p * panel_values, *w1 = w0 + panel_values;
         const c10::BFloat16 (*tail_q)[kPanelStep] = tail_pairs ? tail[q] : nullptr;
         if (rows > kTileRows) {
-          row_block<true>(a, steps, w0, w1, full_steps, tail_q, sums);
+          row_block<true>(a, a_lo, steps, w0, w1, full_steps, tail_q, sums);
         } else {
-          row_block<false>(a, steps, w0, w1, full_steps, tail_q, sums);
+          row_block<false>(a, a_lo, steps, w0, w1, full_steps, tail_q, sums);
         }
         store_block(sums, rows, r0, p, n, bias, out);
       }

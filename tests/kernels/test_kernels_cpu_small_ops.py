@@ -46,12 +46,20 @@ def _check_linear(x, weight, bias, packed, exact, amx_min_rows):
     (m, k), n = x.shape, weight.shape[0]
     out = cpu.linear(x, packed, n, bias, out_dtype=torch.float32, exact=exact, amx_min_rows=amx_min_rows)
     assert out.shape == (m, n) and out.dtype == torch.float32
-    # bf16 dot products round the input to bf16 first (as a stock bf16 linear does); the oracle does too.
-    rounded = x if exact or weight.dtype == torch.float32 else x.to(torch.bfloat16)
+    # vdpbf16ps rounds the input to bf16 first (as a stock bf16 linear does); AMX takes an fp32 input as two bf16
+    # parts, its rounding and the rounding of what that left out. The oracle rounds as the path does.
+    rounded = x if exact or weight.dtype == torch.float32 else _as_bf16_parts(x, amx=m >= amx_min_rows)
     torch.testing.assert_close(out.double(), _oracle(rounded, weight, bias), rtol=1e-5, atol=1e-4 * k ** 0.5)
     # A bf16 output is those fp32 sums rounded once, at the end.
     as_bf16 = cpu.linear(x, packed, n, bias, out_dtype=torch.bfloat16, exact=exact, amx_min_rows=amx_min_rows)
     assert torch.equal(as_bf16, out.to(torch.bfloat16))
+
+
+def _as_bf16_parts(x: torch.Tensor, amx: bool) -> torch.Tensor:
+    hi = x.to(torch.bfloat16)
+    if not (amx and cpu.has_amx() and x.dtype == torch.float32):
+        return hi
+    return hi.double() + (x - hi.float()).to(torch.bfloat16).double()
 
 
 @needs_cpp
