@@ -16,8 +16,9 @@ interleaved call by call so that a noisy moment hits them all, and each after a 
 model the other layers' weights pass through the core's cache between two calls on one layer, and without it
 whichever path ran second read a weight the first had just brought in (1.6x faster at one row). Wall time and
 the process's CPU time per call (the fairer figure on a shared machine), the ratio of CPU times against
-oneDNN's, and the largest |error| of each output against a float64 product of the same bf16-rounded inputs:
-oneDNN's includes its rounding to bf16.
+oneDNN's, and the largest |error| of each output against the float64 product of the fp32 input and the bf16
+weight, the product the model means: vdpbf16ps and oneDNN round the input to bf16 (and oneDNN its output), AMX
+takes it as two bf16 parts.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def run_linear_bench(shapes=SHAPES, rows=ROWS, repeats: int = 20, warmup: int = 
         weight = (torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5).to(torch.bfloat16)
         for m in rows:
             x = torch.randn(m, in_features, generator=gen)
-            reference = x.to(torch.bfloat16).double() @ weight.double().T
+            reference = x.double() @ weight.double().T
             calls = linear_calls(x, weight)
             wall, cpu_times = _time_interleaved(calls, repeats, warmup)
             baseline = next(statistics.median(cpu_times[name]) for name in ("oneDNN", "torch") if name in calls)
@@ -108,6 +109,6 @@ def format_table(rows: list[dict]) -> str:
     amx = f"AMX from {cpu.AMX_MIN_ROWS} rows" if cpu.linear_available() and cpu.has_amx() else "no AMX"
     title = (f"bf16 linear, SmolLM2-135M's shapes, one call · kvscope fp32 out ({amx}) vs oneDNN bf16 out · "
              f"{torch.get_num_threads()} torch threads")
-    note = ("x oneDNN: CPU time against oneDNN's; max |err|: against a float64 product of the same bf16 inputs "
-            "(oneDNN's includes its rounding of the output to bf16)")
+    note = ("x oneDNN: CPU time against oneDNN's; max |err|: against the float64 product of the fp32 input and "
+            "the bf16 weight (vdpbf16ps and oneDNN round the input to bf16, oneDNN its output too)")
     return "\n".join([title, header, *(table_row(row, _COLUMNS) for row in rows), note])

@@ -12,7 +12,9 @@ So in a reduced-precision model kvscope keeps, without any per-architecture code
   promotes to fp32 and every norm returns fp32 (its weight times an fp32 tensor);
 - the weights and the matmuls in the model's dtype: each linear layer's input is rounded to it (kvscope's C++
   linear does that itself; on oneDNN's the layer casts it first), so memory and the linears' speed stay those
-  of bf16;
+  of bf16. On AMX (from a few rows up: prefill, batched decode) the C++ linear takes the input as two bf16
+  parts instead, its rounding and the rounding of the rest: twice the tile work, still several times faster
+  than the bf16 dot products of fewer rows, and near the fp32 input's product (kernels/linear_amx_cpu.cpp);
 - the linears' outputs in fp32 where kvscope's C++ linear serves (``packed_linear.fp32_output``): its fp32 sums
   as they are, where a bf16 linear (transformers', or oneDNN's) rounds them. So the MLP's ``act(gate) * up`` is
   fp32 too, rounded once where the down projection takes it, and every sublayer reaches the residual stream

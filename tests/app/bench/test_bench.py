@@ -26,6 +26,7 @@ from kvscope.app.bench.workloads import (
 )
 from kvscope.app.runlog import RunLogReader, record_run
 from kvscope.engine.fake_runner import fake_engine
+from kvscope.kernels import cpu
 
 # ---- workloads ------------------------------------------------------------------------------------
 
@@ -270,9 +271,12 @@ def test_linear_bench_times_kvscope_beside_onednn_with_each_ones_error():
     assert [(r["rows"], r["path"]) for r in rows] == [(m, path) for m in (1, 5) for path in paths]
     assert all(r["median_ms"] > 0 and r["cpu_ms"] >= 0 for r in rows)
     errors = {r["path"]: r["max_abs_error"] for r in rows}
-    # kvscope keeps fp32 sums: its error is fp32's, oneDNN's (bf16 out) that of one bf16 rounding
+    # Against the fp32 input's product: vdpbf16ps and oneDNN round the input to bf16; kvscope on AMX (5 rows) takes
+    # it as two bf16 parts and keeps fp32 sums, so its error is far below one rounding's.
     if "kvscope" in errors and "oneDNN" in errors:
-        assert errors["kvscope"] < 1e-5 < errors["oneDNN"] and errors.get("vdpbf16ps", 0) < 1e-5
+        assert errors["oneDNN"] > 1e-4 and errors.get("vdpbf16ps", 1) > 1e-4
+        if cpu.has_amx():
+            assert errors["kvscope"] < 1e-4
     lines = linear_bench.format_table(rows).splitlines()
     assert "x oneDNN" in lines[1] and len(lines) == 3 + len(rows)
 
