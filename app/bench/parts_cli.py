@@ -208,10 +208,16 @@ def run_attach(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_lessons(subparsers) -> None:
-    parser = add_bench(subparsers, "lessons", run_lessons)
-    add_dtype_flag(parser, "the model's own", many=False)
+def _add_one_model_bench(subparsers, name: str, run, dtype_default: str) -> argparse.ArgumentParser:
+    """A bench of one engine: the model and device flags, --threads, and one --dtype."""
+    parser = add_bench(subparsers, name, run)
+    add_dtype_flag(parser, dtype_default, many=False)
     add_model_flags(parser)
+    return parser
+
+
+def register_lessons(subparsers) -> None:
+    parser = _add_one_model_bench(subparsers, "lessons", run_lessons, "the model's own")
     parser.add_argument("--db", default=None, help="run log SQLite file (default: in the user data dir)")
     parser.add_argument("--no-log", action="store_true", help="do not keep the lessons' runs")
 
@@ -232,9 +238,7 @@ def run_lessons(args: argparse.Namespace) -> int:
 
 
 def register_startup(subparsers) -> None:
-    parser = add_bench(subparsers, "startup", run_startup)
-    add_dtype_flag(parser, "bfloat16", many=False)
-    add_model_flags(parser)
+    parser = _add_one_model_bench(subparsers, "startup", run_startup, "bfloat16")
     add_repeats_flag(parser, "fresh processes", 3)
 
 

@@ -21,9 +21,12 @@ class ChatMessage(BaseModel):
     content: str
 
 
-class ChatChoice(protocol.Choice):
-    message: ChatMessage
+class _ChatChoice(protocol.Choice):
     logprobs: ChatLogprobs | None = None
+
+
+class ChatChoice(_ChatChoice):
+    message: ChatMessage
 
 
 class ChatCompletion(protocol.Envelope):
@@ -37,9 +40,8 @@ class Delta(BaseModel):
     content: str
 
 
-class DeltaChoice(protocol.Choice):
+class DeltaChoice(_ChatChoice):
     delta: Delta
-    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(protocol.Envelope):
