@@ -34,27 +34,23 @@ struct RowBuffer {
   std::vector<double> chunk_sums;
 };
 
-// The row's maximum, and whether it holds NaN; with `chunk_maxima`, each chunk's maximum too.
-float row_max(const float* x, int64_t vocab, bool& any_nan, float* chunk_maxima = nullptr) {
+// The row's maximum, and whether it holds NaN (two chains of lanes, so neither waits on the other's compare).
+float row_max(const float* x, int64_t vocab, bool& any_nan) {
   const float lowest = -std::numeric_limits<float>::infinity();
   vint32 nan{};
-  float best = lowest;
-  for (int64_t begin = 0; begin < vocab; begin += kChunk) {
-    const int64_t end = std::min(begin + kChunk, vocab);
-    vfloat top = splat(lowest);
-    int64_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) {
-      const vfloat v = load(x + i);
+  vfloat top[2] = {splat(lowest), splat(lowest)};
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= vocab; i += 2 * kLanes) {
+    for (int c = 0; c < 2; ++c) {
+      const vfloat v = load(x + i + c * kLanes);
       nan |= v != v;
-      top = v > top ? v : top;
+      top[c] = v > top[c] ? v : top[c];
     }
-    float chunk = kvscope_attention::max(top);
-    for (; i < end; ++i) {
-      nan[0] |= std::isnan(x[i]);
-      chunk = std::max(chunk, x[i]);
-    }
-    if (chunk_maxima) chunk_maxima[begin / kChunk] = chunk;
-    best = std::max(best, chunk);
+  }
+  float best = std::max(kvscope_attention::max(top[0]), kvscope_attention::max(top[1]));
+  for (; i < vocab; ++i) {
+    nan[0] |= std::isnan(x[i]);
+    best = std::max(best, x[i]);
   }
   any_nan = false;
   for (int lane = 0; lane < kLanes; ++lane) any_nan |= nan[lane] != 0;
@@ -204,32 +200,66 @@ at::Tensor sample_nucleus(const at::Tensor& logits, const at::Tensor& scales, co
   return tokens;
 }
 
-// Greedy: each row's first maximum (one read of the row; the second look is at one chunk), -1 where it holds NaN.
+// One row's first maximum in one read, or -1 where it holds NaN. Four chains of lanes each keep their best value
+// and the index where it first stood (a strictly greater value replaces it), so no chain waits on another's
+// compare; the answer is the smallest index among the lanes that hold the row's maximum.
+int64_t row_first_argmax(const float* row, int64_t vocab) {
+  constexpr int kChains = 4;
+  const float lowest = -std::numeric_limits<float>::infinity();
+  vint32 lane_index;
+  for (int lane = 0; lane < kLanes; ++lane) lane_index[lane] = lane;
+  vfloat best[kChains];
+  vint32 at[kChains];
+  vint32 nan{};
+  for (int c = 0; c < kChains; ++c) {
+    best[c] = splat(lowest);
+    at[c] = vint32{} + std::numeric_limits<int32_t>::max();
+  }
+  int64_t i = 0;
+  for (; i + kChains * kLanes <= vocab; i += kChains * kLanes) {
+    for (int c = 0; c < kChains; ++c) {
+      const vfloat v = load(row + i + c * kLanes);
+      nan |= v != v;
+      const vint32 greater = v > best[c];
+      best[c] = greater ? v : best[c];
+      at[c] = greater ? lane_index + static_cast<int32_t>(i + c * kLanes) : at[c];
+    }
+  }
+  float top = lowest;
+  int64_t found = std::numeric_limits<int64_t>::max();
+  for (int c = 0; c < kChains; ++c) {
+    for (int lane = 0; lane < kLanes; ++lane) {
+      if (nan[lane]) return -1;
+      const float v = best[c][lane];
+      if (v > top || (v == top && at[c][lane] < found)) {
+        top = v;
+        found = at[c][lane];
+      }
+    }
+  }
+  for (; i < vocab; ++i) {   // the tail comes after every index above, so only a strictly greater value wins
+    if (std::isnan(row[i])) return -1;
+    if (row[i] > top) {
+      top = row[i];
+      found = i;
+    }
+  }
+  return top == lowest ? 0 : found;   // a row of -inf only: its first maximum is token 0
+}
+
+// Greedy: each row's first maximum, -1 where it holds NaN.
 at::Tensor first_argmax(const at::Tensor& logits) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
               "kvscope_cpu: first_argmax takes float32 CPU logits [rows, vocab]");
+  TORCH_CHECK(logits.size(1) < std::numeric_limits<int32_t>::max(), "kvscope_cpu: first_argmax's vocabulary "
+              "fits int32");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const at::Tensor x = logits.contiguous();
   at::Tensor tokens = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
-  const int64_t chunks = (vocab + kChunk - 1) / kChunk;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> chunk_maxima(chunks);
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * vocab;
-      bool nan = false;
-      const float top = row_max(row, vocab, nan, chunk_maxima.data());
-      if (nan) {
-        out[r] = -1;
-        continue;
-      }
-      int64_t chunk = 0;
-      while (chunk_maxima[chunk] != top) ++chunk;
-      int64_t i = chunk * kChunk;
-      while (row[i] != top) ++i;
-      out[r] = i;
-    }
+    for (int64_t r = begin; r < end; ++r) out[r] = row_first_argmax(xp + r * vocab, vocab);
   });
   return tokens;
 }

@@ -151,3 +151,18 @@ def test_only_norms_that_agree_with_the_op_are_swapped_and_restore_undoes_it():
         assert torch.equal(model[1](x), before[1])
     fused_ops.restore(model)
     assert not fused_ops.is_fused(model[0]) and "forward" not in model[0].__dict__
+
+
+@needs_cpp
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 300), levels=st.integers(1, 4),
+       seed=st.integers(0, 2**31 - 1), nan_at=st.one_of(st.none(), st.integers(0, 299)))
+def test_first_argmax_is_torch_argmax_with_every_tie_and_tail(rows, vocab, levels, seed, nan_at):
+    # Few distinct values, so a row's maximum stands in several lanes and chains, and in the tail past 64.
+    logits = torch.randint(0, levels, (rows, vocab), generator=torch.Generator().manual_seed(seed)).float()
+    logits[0] = float("-inf") if levels == 1 else logits[0]
+    if nan_at is not None and nan_at < vocab:
+        logits[rows - 1, nan_at] = float("nan")
+    expected = logits.argmax(dim=1)
+    expected[torch.isnan(logits).any(dim=1)] = -1
+    assert cpu.first_argmax(logits).tolist() == expected.tolist()
