@@ -106,11 +106,10 @@ ATiles a_tiles(const at::Tensor& x, int64_t steps) {
   return tiles;
 }
 
-// One k step: A tile(s) a (and a + steps tiles: the next 16 rows) times the B tiles of both panels.
+// One k step of the 2 x 2 block: the A tile(s) at a (and a + steps tiles: the next 16 rows) times the B tiles
+// of both panels, b0 and b1, already loaded in tiles 6 and 7.
 template <bool TwoRowTiles>
-inline void step(const uint32_t* a, int64_t steps, const c10::BFloat16* b0, const c10::BFloat16* b1) {
-  _tile_loadd(6, b0, 64);
-  _tile_loadd(7, b1, 64);
+inline void a_step(const uint32_t* a, int64_t steps) {
   _tile_loadd(4, a, 64);
   _tile_dpbf16ps(0, 4, 6);
   _tile_dpbf16ps(1, 4, 7);
@@ -119,6 +118,17 @@ inline void step(const uint32_t* a, int64_t steps, const c10::BFloat16* b0, cons
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
+}
+
+// One k step: the B tiles of both panels loaded once, then every part of x (hi, and lo where x is fp32) against
+// them. Loading B once per step for both parts halves its traffic against a pass per part.
+template <bool TwoRowTiles>
+inline void step(const uint32_t* a, const uint32_t* a_lo, int64_t steps, const c10::BFloat16* b0,
+                 const c10::BFloat16* b1) {
+  _tile_loadd(6, b0, 64);
+  _tile_loadd(7, b1, 64);
+  a_step<TwoRowTiles>(a, steps);
+  if (a_lo) a_step<TwoRowTiles>(a_lo, steps);
 }
 
 // Sums of 16 or 32 rows (from the row tile at a) by the panel pair (w0, w1) into sums [32][kBlockCols].
@@ -132,12 +142,13 @@ inline void row_block(const uint32_t* a, const uint32_t* a_lo, int64_t steps, co
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (const uint32_t* part : {a, a_lo}) {
-    if (part == nullptr) continue;
-    for (int64_t s = 0; s < full_steps; ++s) {
-      step<TwoRowTiles>(part + s * kTileValues, steps, w0 + s * kPanelStep, w1 + s * kPanelStep);
-    }
-    if (tail) step<TwoRowTiles>(part + full_steps * kTileValues, steps, tail[0], tail[1]);
+  for (int64_t s = 0; s < full_steps; ++s) {
+    step<TwoRowTiles>(a + s * kTileValues, a_lo ? a_lo + s * kTileValues : nullptr, steps, w0 + s * kPanelStep,
+                      w1 + s * kPanelStep);
+  }
+  if (tail) {
+    step<TwoRowTiles>(a + full_steps * kTileValues, a_lo ? a_lo + full_steps * kTileValues : nullptr, steps,
+                      tail[0], tail[1]);
   }
   constexpr int64_t stride = kBlockCols * 4;
   _tile_stored(0, sums, stride);
