@@ -54,7 +54,8 @@ def random_snapshots(seed: int, num_frames: int, num_blocks: int) -> list[CacheS
                                for t in view.block_tables)
                 view = view._replace(queue="running", block_tables=tables,
                                      num_output_tokens=view.num_output_tokens + 1,
-                                     num_computed_tokens=view.num_computed_tokens + 7)
+                                     # now and then a prefill chunk: a difference no byte holds
+                                     num_computed_tokens=view.num_computed_tokens + (7 if rng.random() < 0.9 else 700))
             elif roll < 0.6:  # preempted or swapped out: the table shrinks or moves to the host
                 view = view._replace(queue=str(rng.choice(["waiting", "swapped"])),
                                      block_tables=((),) * len(view.block_tables),
