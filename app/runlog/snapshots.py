@@ -14,9 +14,7 @@ a frame the writer had to drop does not break the chain.
 
 from __future__ import annotations
 
-import itertools
 import json
-import operator
 import struct
 import typing
 import zlib
@@ -67,18 +65,7 @@ def _grew(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) ->
     return len(old) == len(new) and all(n[:len(o)] == o for o, n in zip(old, new, strict=True))
 
 
-def _getter(names: tuple[str, ...]):
-    """A C-speed reader of several fields of a RequestView at once, by position (a view is a tuple: indexing it
-    skips the field descriptors), always returning a tuple."""
-    if len(names) == 1:
-        index = RequestView._fields.index(names[0])
-        return lambda view: (view[index],)
-    return operator.itemgetter(*map(RequestView._fields.index, names))
-
-
 _OTHER_FIELDS = TABLE_FIELDS + VALUE_FIELDS
-_counters_of = _getter(COUNTER_FIELDS)
-_others_of = _getter(_OTHER_FIELDS)
 
 
 def _other_changes(old: tuple | None, new: tuple) -> dict:
@@ -155,10 +142,12 @@ class SnapshotEncoder:
         return arrays
 
     def _encode_requests(self, snapshot: CacheSnapshot, header: dict) -> dict[str, np.ndarray]:
-        views = snapshot.requests
-        order = [view.request_id for view in views]
-        counters = _matrix(map(_counters_of, views), len(views))
-        others = list(map(_others_of, views))
+        # Read as columns: a step's views are not built for the log (engine/request_columns.py).
+        order, *columns = snapshot.request_columns(("request_id", *COUNTER_FIELDS, *_OTHER_FIELDS))
+        counters = np.empty((len(order), len(COUNTER_FIELDS)), dtype=np.int64)
+        for index, column in enumerate(columns[:len(COUNTER_FIELDS)]):
+            counters[:, index] = column
+        others = list(zip(*columns[len(COUNTER_FIELDS):])) if order else []
         previous_order, previous_counters, previous_others = (self._previous_order, self._previous_counters,
                                                               self._previous_others)
         self._previous_order, self._previous_counters, self._previous_others = order, counters, others
@@ -187,13 +176,6 @@ class SnapshotEncoder:
         # names the type, so a reader takes any.
         small = np.int8 if -128 <= deltas.min() and deltas.max() <= 127 else np.int32
         return {"changed": changed.astype(np.int32), "counter_deltas": deltas.astype(small)}
-
-
-def _matrix(rows, count: int) -> np.ndarray:
-    """int64 [count, len(COUNTER_FIELDS)] from ``count`` tuples of counters: np.array over a list of tuples
-    discovers their shape element by element, several times slower than reading them flat."""
-    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=count * len(COUNTER_FIELDS))
-    return flat.reshape(count, len(COUNTER_FIELDS))
 
 
 class SnapshotDecoder:
