@@ -254,6 +254,11 @@ class CacheSnapshot:
                             ("kv_cache_groups", tuple(kv_cache_groups))):
             object.__setattr__(self, name, value)
 
+    @property
+    def num_requests(self) -> int:
+        """len(requests), without building a step's views."""
+        return len(self._requests)
+
     def request_columns(self, names: tuple[str, ...]) -> list[list]:
         """RequestView's fields ``names`` of every request, a list each in ``requests`` order; a step's views are
         not built for it."""

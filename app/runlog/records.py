@@ -44,7 +44,7 @@ def record_bytes(record: RequestAdded | StepResult | ObservedStep) -> int:
     result = record.result if isinstance(record, ObservedStep) else record
     snapshot = result.snapshot
     return (1024 + snapshot.blocks.held_bytes
-            + 256 * (len(snapshot.requests) + len(result.outputs) + len(result.events) + len(result.kv_events)))
+            + 256 * (snapshot.num_requests + len(result.outputs) + len(result.events) + len(result.kv_events)))
 
 
 @dataclass
