@@ -14,7 +14,7 @@ from typing import NamedTuple
 from kvscope.engine.kv_cache_manager import KVCacheState
 from kvscope.engine.outputs import CacheSnapshot, RequestView, StepStats
 from kvscope.engine.request import Request, Sequence
-from kvscope.engine.request_columns import CapturedViews, one_sample_requests, one_sample_view
+from kvscope.engine.request_columns import CapturedViews, one_sample_view
 from kvscope.engine.scheduler import Scheduler
 
 
@@ -32,10 +32,9 @@ def build_snapshot(scheduler: Scheduler, cache: KVCacheState, step: int, allocat
     running = scheduler.running
     rest = [request_view(request, scheduler, cache) for queue in (scheduler.swapped, scheduler.waiting)
             for request in queue]
-    if one_sample_requests(running, scheduler.kv.groups):
-        # Each running request changed this step (most do): its view is built when a consumer asks.
-        requests = CapturedViews(list(running), tuple(rest), scheduler.block_size)
-    else:
+    # Each running request changed this step (most do): its view is built when a consumer asks.
+    requests = CapturedViews.capture(running, tuple(rest), scheduler.block_size, scheduler.kv.groups)
+    if requests is None:
         requests = (*(request_view(request, scheduler, cache) for request in running), *rest)
     return CacheSnapshot(step=step, block_size=scheduler.block_size, num_blocks=cache.num_blocks,
                          allocator=allocator, blocks=cache.blocks, requests=requests,
