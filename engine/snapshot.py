@@ -4,7 +4,8 @@ Both only read: the scheduler's queues, and one published version of the KV cach
 (Scheduler.cache_state(): the blocks changed since the last version, the whole arrays built only when read).
 The snapshot reuses each waiting or swapped request's view until the scheduler drops it
 (Scheduler.update_from_output), so a step that touched few of them builds few views; the running requests' views,
-which a decode step changes all of, are captured as columns and built when read (engine/request_columns.py).
+which a decode step changes all of, are captured in a few values each and built when read
+(engine/request_columns.py).
 """
 
 from __future__ import annotations
