@@ -112,6 +112,7 @@ class CapturedViews:
             "prompt_preview": lambda: [request.prompt_preview for request in requests],
             "group_block_tables": lambda: [()] * len(requests),
         }
-        rest = view_columns(self._rest, names)
-        return [captured[name]() + column for name, column in zip(names, rest, strict=True)]
+        if not self._rest:
+            return [captured[name]() for name in names]
+        return [captured[name]() + column for name, column in zip(names, view_columns(self._rest, names), strict=True)]
 

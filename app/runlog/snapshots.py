@@ -144,9 +144,7 @@ class SnapshotEncoder:
     def _encode_requests(self, snapshot: CacheSnapshot, header: dict) -> dict[str, np.ndarray]:
         # Read as columns: a step's views are not built for the log (engine/request_columns.py).
         order, *columns = snapshot.request_columns(("request_id", *COUNTER_FIELDS, *_OTHER_FIELDS))
-        counters = np.empty((len(order), len(COUNTER_FIELDS)), dtype=np.int64)
-        for index, column in enumerate(columns[:len(COUNTER_FIELDS)]):
-            counters[:, index] = column
+        counters = np.array(columns[:len(COUNTER_FIELDS)], dtype=np.int64).T
         others = list(zip(*columns[len(COUNTER_FIELDS):])) if order else []
         previous_order, previous_counters, previous_others = (self._previous_order, self._previous_counters,
                                                               self._previous_others)
@@ -165,7 +163,8 @@ class SnapshotEncoder:
         deltas = counters - old_counters
         other_changed = [i for i, (new, old) in enumerate(zip(others, old_others)) if new != old]
         moved = deltas.any(axis=1)
-        moved[other_changed] = True
+        if other_changed:
+            moved[other_changed] = True
         changed = np.flatnonzero(moved)
         if not changed.size:
             return {}
@@ -174,8 +173,9 @@ class SnapshotEncoder:
         deltas = deltas[changed]
         # The smallest type that holds them (a decode step's are 0s and 1s): less for zlib to read; the header
         # names the type, so a reader takes any.
-        small = np.int8 if -128 <= deltas.min() and deltas.max() <= 127 else np.int32
-        return {"changed": changed.astype(np.int32), "counter_deltas": deltas.astype(small)}
+        small = deltas.astype(np.int8)
+        return {"changed": changed.astype(np.int32),
+                "counter_deltas": small if np.array_equal(small, deltas) else deltas.astype(np.int32)}
 
 
 class SnapshotDecoder:
