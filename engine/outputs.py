@@ -11,15 +11,19 @@ dataclasses.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from kvscope.engine.block_changes import BlockArrays
 from kvscope.engine.kv_cache_groups import KVCacheGroup
+
+if TYPE_CHECKING:
+    from kvscope.engine.request_columns import CapturedViews
 
 # Values of CacheSnapshot.block_state.
 BLOCK_FREE = 0      # ref count 0, holds no cached prefix
@@ -204,6 +208,11 @@ class RequestView(NamedTuple):
     group_block_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
 
+def view_columns(views, names: tuple[str, ...]) -> list[list]:
+    """RequestView's fields ``names`` of ``views``, a list each."""
+    return [list(map(operator.itemgetter(RequestView._fields.index(name)), views)) for name in names]
+
+
 def _block_array(index: int) -> property:
     return property(lambda snapshot: snapshot.blocks.arrays()[index])
 
@@ -219,7 +228,9 @@ class CacheSnapshot:
     num_blocks: int
     allocator: str                      # "paged" | "contiguous"
     blocks: BlockArrays
-    requests: tuple[RequestView, ...] = field(default_factory=tuple)
+    # A field read through a property: a step's views are built on first read (engine/request_columns.py).
+    requests: tuple[RequestView, ...] = property(lambda snapshot: snapshot._requests if type(snapshot._requests)
+                                                 is tuple else snapshot._requests.views())
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
     kv_cache_groups: tuple[KVCacheGroup, ...] = ()     # empty: one group, every layer full
@@ -229,7 +240,7 @@ class CacheSnapshot:
                  ref_counts: np.ndarray | None = None,      # int32 [num_blocks]
                  block_fill: np.ndarray | None = None,      # int16 [num_blocks], token slots written
                  block_hashes: np.ndarray | None = None,    # uint64 [num_blocks], 0 = no cached hash
-                 requests: tuple[RequestView, ...] = (), num_host_blocks: int = 0,
+                 requests: tuple[RequestView, ...] | CapturedViews = (), num_host_blocks: int = 0,
                  num_free_host_blocks: int = 0, blocks: BlockArrays | None = None,
                  kv_cache_groups: tuple[KVCacheGroup, ...] = ()) -> None:
         given = (block_state, ref_counts, block_fill, block_hashes)
@@ -237,10 +248,22 @@ class CacheSnapshot:
             base = blocks.arrays() if blocks is not None else (None,) * 4
             blocks = BlockArrays.whole(a if a is not None else b for a, b in zip(given, base, strict=True))
         for name, value in (("step", step), ("block_size", block_size), ("num_blocks", num_blocks),
-                            ("allocator", allocator), ("blocks", blocks), ("requests", tuple(requests)),
+                            ("allocator", allocator), ("blocks", blocks),
+                            ("_requests", requests if hasattr(requests, "views") else tuple(requests)),
                             ("num_host_blocks", num_host_blocks), ("num_free_host_blocks", num_free_host_blocks),
                             ("kv_cache_groups", tuple(kv_cache_groups))):
             object.__setattr__(self, name, value)
+
+    @property
+    def num_requests(self) -> int:
+        """len(requests), without building a step's views."""
+        return len(self._requests)
+
+    def request_columns(self, names: tuple[str, ...]) -> list[list]:
+        """RequestView's fields ``names`` of every request, a list each in ``requests`` order; a step's views are
+        not built for it."""
+        source = self._requests
+        return view_columns(source, names) if type(source) is tuple else source.columns(names)
 
     block_state = _block_array(0)
     ref_counts = _block_array(1)

@@ -166,7 +166,14 @@ class Request:
         seqs = self.seqs
         first = seqs[0]
         detokenizer = first.detokenizer
-        delta, text = detokenizer.take() if detokenizer is not None else ("", "")
+        if detokenizer is None:
+            delta = text = ""
+        else:   # detokenizer.take(), inline: this runs for every request every step
+            text, released, taken = detokenizer.text, detokenizer.released, detokenizer.taken
+            delta = text[taken:released] if released != taken else ""
+            detokenizer.taken = released
+            if released != len(text):
+                text = text[:released]
         logprobs = first.logprobs
         token_ids = TokenIds(first.token_ids, first.num_prompt_tokens)
         # tuple.__new__ with the fields in order, and sample 0's built here rather than by _sample_output: this
@@ -176,8 +183,9 @@ class Request:
                                            None if logprobs is None else TokenIds(logprobs, 0)))
         samples = (sample,) if len(seqs) == 1 else (sample, *map(_sample_output, seqs[1:]))
         metrics = self._metrics
-        if (metrics is None or metrics.first_scheduled_time != self.first_scheduled_time
-                or metrics.first_token_time != self.first_token_time or metrics.finished_time != self.finished_time):
+        # The first scheduling and first token times are set once, the first before the second, so metrics holding
+        # a first token time stay right until the request finishes.
+        if metrics is None or metrics[2] is None or self.finished_time is not None:
             metrics = self._metrics = RequestMetrics(self.arrival_time, self.first_scheduled_time,
                                                      self.first_token_time, self.finished_time)
         return _new_tuple(RequestOutput, (

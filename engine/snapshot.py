@@ -2,8 +2,10 @@
 
 Both only read: the scheduler's queues, and one published version of the KV cache's state
 (Scheduler.cache_state(): the blocks changed since the last version, the whole arrays built only when read).
-The snapshot reuses each request's view until the scheduler drops it (Scheduler.update_from_output), so a
-step that touched few requests builds few views.
+The snapshot reuses each waiting or swapped request's view until the scheduler drops it
+(Scheduler.update_from_output), so a step that touched few of them builds few views; the running requests' views,
+which a decode step changes all of, are captured in a few values each and built when read
+(engine/request_columns.py).
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ from typing import NamedTuple
 from kvscope.engine.kv_cache_manager import KVCacheState
 from kvscope.engine.outputs import CacheSnapshot, RequestView, StepStats
 from kvscope.engine.request import Request, Sequence
+from kvscope.engine.request_columns import CapturedViews, one_sample_view
 from kvscope.engine.scheduler import Scheduler
-
-_new_tuple = tuple.__new__
 
 
 class PhaseTimes(NamedTuple):
@@ -29,10 +30,15 @@ class PhaseTimes(NamedTuple):
 
 
 def build_snapshot(scheduler: Scheduler, cache: KVCacheState, step: int, allocator: str) -> CacheSnapshot:
-    queues = (scheduler.running, scheduler.swapped, scheduler.waiting)
-    views = [request_view(request, scheduler, cache) for queue in queues for request in queue]
+    running = scheduler.running
+    rest = [request_view(request, scheduler, cache) for queue in (scheduler.swapped, scheduler.waiting)
+            for request in queue]
+    # Each running request changed this step (most do): its view is built when a consumer asks.
+    requests = CapturedViews.capture(running, tuple(rest), scheduler.block_size, scheduler.kv.groups)
+    if requests is None:
+        requests = (*(request_view(request, scheduler, cache) for request in running), *rest)
     return CacheSnapshot(step=step, block_size=scheduler.block_size, num_blocks=cache.num_blocks,
-                         allocator=allocator, blocks=cache.blocks, requests=tuple(views),
+                         allocator=allocator, blocks=cache.blocks, requests=requests,
                          num_host_blocks=cache.num_host_blocks, num_free_host_blocks=cache.num_free_host_blocks,
                          kv_cache_groups=scheduler.kv.groups)
 
@@ -42,14 +48,11 @@ def request_view(request: Request, scheduler: Scheduler, cache: KVCacheState) ->
     view = request.view
     if view is not None:
         return view
-    block_size = scheduler.block_size
     first = request.seqs[0]
     if len(request.seqs) == 1 and not first.group_tables:
-        block_tables = (first.block_table,)
-        host_block_tables = (first.host_block_table,) if first.host_block_table else ()
-        reserved = len(first.block_table) * block_size
-        used = first.num_computed_tokens if first.block_table else 0
-        group_tables = ()
+        view = one_sample_view(request, request.status, first.block_table, first.host_block_table,
+                               len(first.token_ids), first.num_computed_tokens, request.num_cached_tokens,
+                               request.num_preemptions, scheduler.block_size)
     else:
         # Several samples, or KV-cache groups (a sliding window's freed slots are neither held nor used).
         live = request.live_seqs()
@@ -59,13 +62,12 @@ def request_view(request: Request, scheduler: Scheduler, cache: KVCacheState) ->
         reserved, used = _shared_slots(live, scheduler.block_size, cache.live_fill)
         # Device tables only, as block_tables: a swapped request's are in the host pool.
         group_tables = tuple(seq.group_tables for seq in live) if any(seq.group_tables for seq in live) else ()
-    # tuple.__new__ with the fields in order: this runs for every touched request every step, and the NamedTuple's
-    # own constructor (a Python function) costs twice as much.
-    view = request.view = _new_tuple(RequestView, (
-        request.request_id, request.status, request.arrival_index, block_tables, host_block_tables,
-        first.num_prompt_tokens, len(first.token_ids) - first.num_prompt_tokens, request.params.max_tokens,
-        first.num_computed_tokens, request.num_cached_tokens, request.num_preemptions, request.params.n,
-        reserved, used, request.prompt_preview, group_tables))
+        view = RequestView(
+            request.request_id, request.status, request.arrival_index, block_tables, host_block_tables,
+            first.num_prompt_tokens, len(first.token_ids) - first.num_prompt_tokens, request.params.max_tokens,
+            first.num_computed_tokens, request.num_cached_tokens, request.num_preemptions, request.params.n,
+            reserved, used, request.prompt_preview, group_tables)
+    request.view = view
     return view
 
 

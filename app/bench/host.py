@@ -15,8 +15,9 @@ to what the engine does in a step belongs in the matching function:
   it: token ids, positions, slot mapping and padded block tables as CPU tensors. The runner has no model and a
   pool of the right block count but zero bytes (``input_runner``); no forward runs.
 - update (``phase_update``): Scheduler.update_from_output(): tokens appended, stop checks, detokenizing, outputs.
-- snapshot (``phase_snapshot``): Scheduler.cache_state() and build_snapshot(): the copy of the pool's state and
-  the request views a step publishes.
+- snapshot (``phase_snapshot``): Scheduler.cache_state() and build_snapshot(): the pool's changes and the
+  requests' state a step publishes (the running requests' views are built only when read, which the run log
+  does not).
 - events (``phase_events``): build_stats() and Scheduler.take_events(): the step's counters and events, and the
   StepResult they make.
 - run-log (``phase_run_log``): RowBuilder.add(): what the run log's writer thread makes of the step (its rows and

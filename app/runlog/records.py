@@ -44,7 +44,7 @@ def record_bytes(record: RequestAdded | StepResult | ObservedStep) -> int:
     result = record.result if isinstance(record, ObservedStep) else record
     snapshot = result.snapshot
     return (1024 + snapshot.blocks.held_bytes
-            + 256 * (len(snapshot.requests) + len(result.outputs) + len(result.events) + len(result.kv_events)))
+            + 256 * (snapshot.num_requests + len(result.outputs) + len(result.events) + len(result.kv_events)))
 
 
 @dataclass
@@ -91,15 +91,19 @@ class RowBuilder:
     def _add_step(self, rows: Rows, result: StepResult, observed_tokens: int = 0) -> None:
         step = result.stats.step
         generated = observed_tokens
-        for output in result.outputs:
+        seen = self._tokens_seen
+        for output in result.outputs:     # every request every step: no call per output but the count's
+            request_id = output.request_id
             total = _num_tokens(output)
-            generated += max(0, total - self._tokens_seen.get(output.request_id, 0))
+            new = total - seen.get(request_id, 0)
+            if new > 0:
+                generated += new
             if output.finished:
-                self._tokens_seen.pop(output.request_id, None)
-                self.unfinished.discard(output.request_id)
+                seen.pop(request_id, None)
+                self.unfinished.discard(request_id)
                 rows.finished_requests.append(self._finished_row(output, total))
             else:
-                self._tokens_seen[output.request_id] = total
+                seen[request_id] = total
         stats = result.stats
         if not self._seen_a_step:
             # The config may leave the pool size to the engine; record what it chose.

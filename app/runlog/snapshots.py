@@ -15,7 +15,6 @@ a frame the writer had to drop does not break the chain.
 from __future__ import annotations
 
 import json
-import operator
 import struct
 import typing
 import zlib
@@ -36,11 +35,16 @@ VALUE_FIELDS = tuple(name for name in RequestView._fields
 _HEAD = struct.Struct("<I")
 
 
-def pack(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
+# zlib's level for a keyframe (megabytes of whole arrays, every KEYFRAME_INTERVAL frames: its size counts) and for
+# a delta (a few kilobytes every step: its time counts, and level 3 takes half of level 6's for 7% more bytes).
+KEYFRAME_LEVEL, DELTA_LEVEL = 6, 3
+
+
+def pack(header: dict, arrays: dict[str, np.ndarray], level: int = KEYFRAME_LEVEL) -> bytes:
     header = {**header, "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]}
     head = json.dumps(header, separators=(",", ":")).encode()
     body = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
-    return zlib.compress(_HEAD.pack(len(head)) + head + body, 6)
+    return zlib.compress(_HEAD.pack(len(head)) + head + body, level)
 
 
 def unpack(blob: bytes) -> tuple[dict, dict[str, np.ndarray]]:
@@ -61,17 +65,7 @@ def _grew(old: tuple[tuple[int, ...], ...], new: tuple[tuple[int, ...], ...]) ->
     return len(old) == len(new) and all(n[:len(o)] == o for o, n in zip(old, new, strict=True))
 
 
-def _getter(names: tuple[str, ...]):
-    """A C-speed reader of several fields at once, always returning a tuple."""
-    if len(names) == 1:
-        return lambda view: (getattr(view, names[0]),)
-    return operator.attrgetter(*names)
-
-
 _OTHER_FIELDS = TABLE_FIELDS + VALUE_FIELDS
-_counters_of = _getter(COUNTER_FIELDS)
-_others_of = _getter(_OTHER_FIELDS)
-_NO_COUNTERS = (0,) * len(COUNTER_FIELDS)
 
 
 def _other_changes(old: tuple | None, new: tuple) -> dict:
@@ -96,9 +90,11 @@ class SnapshotEncoder:
         self._keyframe_interval = keyframe_interval
         self._frames_since_keyframe = 0
         self._previous: CacheSnapshot | None = None
+        # The previous frame's requests: their ids in order, their counter fields (a matrix, a row each) and
+        # their other fields (a tuple each). No order: the next frame counts every request as new.
         self._previous_order: list[str] | None = None
-        # request id -> (counter fields, other fields) as of the previous frame
-        self._previous_rows: dict[str, tuple[tuple, tuple]] = {}
+        self._previous_counters: np.ndarray | None = None
+        self._previous_others: list[tuple] = []
 
     def _needs_keyframe(self, snapshot: CacheSnapshot) -> bool:
         previous = self._previous
@@ -116,14 +112,14 @@ class SnapshotEncoder:
             if snapshot.kv_cache_groups:    # absent from one-group runs and from logs written before groups
                 header["groups"] = [[list(g.layers), g.sliding_window] for g in snapshot.kv_cache_groups]
             arrays = {name: getattr(snapshot, name) for name in BLOCK_ARRAYS}
-            self._previous_order, self._previous_rows = None, {}
+            self._previous_order = None
             self._frames_since_keyframe = 0
         else:
             arrays = self._block_deltas(snapshot)
         self._frames_since_keyframe += 1
         arrays.update(self._encode_requests(snapshot, header))
         self._previous = snapshot
-        return keyframe, pack(header, arrays)
+        return keyframe, pack(header, arrays, KEYFRAME_LEVEL if keyframe else DELTA_LEVEL)
 
     def _block_deltas(self, snapshot: CacheSnapshot) -> dict[str, np.ndarray]:
         arrays = {}
@@ -146,27 +142,40 @@ class SnapshotEncoder:
         return arrays
 
     def _encode_requests(self, snapshot: CacheSnapshot, header: dict) -> dict[str, np.ndarray]:
-        order = [view.request_id for view in snapshot.requests]
-        rows = {view.request_id: (_counters_of(view), _others_of(view)) for view in snapshot.requests}
-        previous_rows, previous_order = self._previous_rows, self._previous_order
-        self._previous_rows, self._previous_order = rows, order
-        if order != previous_order:
+        # Read as columns: a step's views are not built for the log (engine/request_columns.py).
+        order, *columns = snapshot.request_columns(("request_id", *COUNTER_FIELDS, *_OTHER_FIELDS))
+        counters = np.array(columns[:len(COUNTER_FIELDS)], dtype=np.int64).T
+        others = list(zip(*columns[len(COUNTER_FIELDS):])) if order else []
+        previous_order, previous_counters, previous_others = (self._previous_order, self._previous_counters,
+                                                              self._previous_others)
+        self._previous_order, self._previous_counters, self._previous_others = order, counters, others
+        if order == previous_order:     # the usual step: compared row by row, counters as one matrix
+            old_counters, old_others = previous_counters, previous_others
+        else:
             header["order"] = order
-        changed = [i for i, rid in enumerate(order) if previous_rows.get(rid) != rows[rid]]
-        if not changed:
+            where = {rid: i for i, rid in enumerate(previous_order or ())}
+            before = [where.get(rid) for rid in order]
+            known = [i for i, b in enumerate(before) if b is not None]
+            old_counters = np.zeros_like(counters)     # a request new to this frame counts from zero
+            if known:
+                old_counters[known] = previous_counters[[before[i] for i in known]]
+            old_others = [None if b is None else previous_others[b] for b in before]
+        deltas = counters - old_counters
+        other_changed = [i for i, (new, old) in enumerate(zip(others, old_others)) if new != old]
+        moved = deltas.any(axis=1)
+        if other_changed:
+            moved[other_changed] = True
+        changed = np.flatnonzero(moved)
+        if not changed.size:
             return {}
-        changes, new_counters, old_counters = {}, [], []
-        for position in changed:
-            counters, others = rows[order[position]]
-            old_counters_, old_others = previous_rows.get(order[position], (_NO_COUNTERS, None))
-            new_counters.append(counters)
-            old_counters.append(old_counters_)
-            if others != old_others:
-                changes[str(position)] = _other_changes(old_others, others)
         header["counters"] = COUNTER_FIELDS
-        header["changes"] = changes
-        deltas = np.array(new_counters, dtype=np.int64) - np.array(old_counters, dtype=np.int64)
-        return {"changed": np.array(changed, dtype=np.int32), "counter_deltas": deltas.astype(np.int32)}
+        header["changes"] = {str(i): _other_changes(old_others[i], others[i]) for i in other_changed}
+        deltas = deltas[changed]
+        # The smallest type that holds them (a decode step's are 0s and 1s): less for zlib to read; the header
+        # names the type, so a reader takes any.
+        small = deltas.astype(np.int8)
+        return {"changed": changed.astype(np.int32),
+                "counter_deltas": small if np.array_equal(small, deltas) else deltas.astype(np.int32)}
 
 
 class SnapshotDecoder:

@@ -244,6 +244,29 @@ def test_step_stats_count_tokens_and_metrics_are_ordered():
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
 
 
+def test_every_output_carries_the_metrics_as_they_stand():
+    """Each step's output has the request's times as of that step: the first token's from its first output on,
+    the finish time only on the final output, whether it finished by length or by an abort."""
+    engine = make_engine()
+    engine.add_request(list(range(10)), greedy(4), request_id="done")
+    engine.add_request(list(range(20, 30)), greedy(50), request_id="aborted")
+    seen = {"done": [], "aborted": []}
+    for _ in range(8):
+        for output in engine.step().outputs:
+            seen[output.request_id].append(output)
+    engine.abort_request("aborted")
+    for output in engine.step().outputs:
+        seen[output.request_id].append(output)
+    for outputs in seen.values():
+        *running, final = outputs
+        first = running[0].metrics
+        assert first.first_scheduled_time is not None and first.first_token_time is not None
+        assert all(o.metrics[:3] == first[:3] and o.metrics.finished_time is None for o in running)
+        assert final.finished and final.metrics[:3] == first[:3]
+        assert final.metrics.finished_time >= first.first_token_time
+    assert seen["aborted"][-1].finish_reason == "abort"
+
+
 def test_engine_builds_a_model_runner_when_none_is_given(monkeypatch):
     built = {}
 

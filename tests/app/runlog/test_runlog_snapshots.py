@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 from synthetic_engine import SyntheticEngine
 
 from kvscope.app.runlog import RunLogReader, RunNotFound, open_run_log
+from kvscope.app.runlog.records import RowBuilder, Rows, record_bytes
 from kvscope.app.runlog.snapshots import SnapshotDecoder, SnapshotEncoder, unpack
 from kvscope.app.widgets.counters import describe_stats
 from kvscope.engine import LLMEngine, SamplingParams
 from kvscope.engine.config import EngineConfig
-from kvscope.engine.fake_runner import FakeRunner
+from kvscope.engine.fake_runner import FakeRunner, fake_engine
 from kvscope.engine.kv_cache_groups import KVCacheGroup
 from kvscope.engine.outputs import CacheSnapshot, RequestView
 
@@ -54,7 +55,8 @@ def random_snapshots(seed: int, num_frames: int, num_blocks: int) -> list[CacheS
                                for t in view.block_tables)
                 view = view._replace(queue="running", block_tables=tables,
                                      num_output_tokens=view.num_output_tokens + 1,
-                                     num_computed_tokens=view.num_computed_tokens + 7)
+                                     # now and then a prefill chunk: a difference no byte holds
+                                     num_computed_tokens=view.num_computed_tokens + (7 if rng.random() < 0.9 else 700))
             elif roll < 0.6:  # preempted or swapped out: the table shrinks or moves to the host
                 view = view._replace(queue=str(rng.choice(["waiting", "swapped"])),
                                      block_tables=((),) * len(view.block_tables),
@@ -249,3 +251,20 @@ def test_engine_frames_encode_from_the_engines_changes_and_decode_to_themselves(
         built_on_delta += not keyframe and snapshot.blocks._arrays is not None
         assert_same_snapshot(decoder.apply(blob), snapshot)
     assert step > 20 and built_on_delta < step // 3
+
+
+def test_logging_a_step_builds_none_of_its_request_views():
+    """The logger sizes a step and the writer encodes it from the running requests' captured columns: the views
+    (a tuple per request) stay unbuilt until someone reads them, and then replay as encoded."""
+    engine = fake_engine(EngineConfig(block_size=4, max_num_batched_tokens=64), num_blocks=64, max_model_len=64)
+    for k in range(6):
+        engine.add_request(list(range(k, k + 9)), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    encoder, decoder, builder = SnapshotEncoder(keyframe_interval=4), SnapshotDecoder(), RowBuilder(run_id=0)
+    for _ in range(12):
+        result = engine.step()
+        snapshot = result.snapshot
+        assert record_bytes(result) > 0 and snapshot.num_requests == 6
+        builder.add(Rows(), result)
+        _, blob = encoder.encode(snapshot)
+        assert snapshot._requests._views is None, "a view was built to log the step"
+        assert_same_snapshot(decoder.apply(blob), snapshot)

@@ -26,6 +26,7 @@ def test_rows_are_written_only_when_a_table_changes_and_pad_with_their_own_first
     rows = tables.rows([item(1, first), item(2, (9,))])
     tables.table[rows[0], 2] = 99       # a row is trusted while its tuple is the one it was written from
     assert tables.rows([item(1, first)])[0] == rows[0] and tables.table[rows[0], 2] == 99
+    tables.table[rows[0], 2] = 7        # and so is the part of it a longer table starts with: only its tail is new
     grown = (5, 6, 7, 8, 10, 11)        # a longer table than the array was made for widens it
     rows = tables.rows([item(1, grown), item(2, (9,))])
     padded = tables.padded(rows, np.array([90, 3]), 16, num_blocks=12)
@@ -77,3 +78,32 @@ def test_a_sliding_groups_freed_entries_reach_the_kernels_as_the_rows_first_bloc
     rows = tables.rows(items)
     padded = tables.padded(rows, np.array([61, 21]), 16, num_blocks=12)
     assert padded.tolist() == [[7, 7, 7, 8], [9, 9, 9, 9]]
+
+
+def test_tables_that_grow_or_change_inside_stay_equal_to_the_book():
+    """A table that took a block has only its new entries written; one changed anywhere else (a copy-on-write in
+    the middle, a sliding window's freed front, a different first block, a shorter table) is written whole."""
+    tables = BlockTables(width=2)
+    rng = np.random.default_rng(1)
+    live = {seq_id: (int(rng.integers(0, 50)),) for seq_id in range(8)}
+    for _ in range(300):
+        seq_id = int(rng.integers(0, 8))
+        table = list(live[seq_id])
+        change = rng.integers(0, 5)
+        if change <= 1:
+            table += [int(b) for b in rng.integers(0, 50, size=int(rng.integers(1, 3)))]
+        elif change == 2:
+            table[int(rng.integers(0, len(table)))] = int(rng.integers(0, 50))
+        elif change == 3 and len(table) > 1:
+            table = table[:int(rng.integers(1, len(table)))]
+        else:
+            table[0] = int(rng.integers(0, 50))
+        live[seq_id] = tuple(table)
+        items = [item(s, live[s]) for s in live]
+        lens = np.array([len(live[s]) * 16 for s in live])
+        got = tables.padded(tables.rows(items), lens, 16, num_blocks=50)
+        assert got.tolist() == flattened([live[s] for s in live], lens, 16).tolist()
+        # Rows stay padded past their table's end with their own first block (padded() relies on it).
+        for s in live:
+            row = tables._written[s][0]
+            assert (tables.table[row, len(live[s]):] == live[s][0]).all()
