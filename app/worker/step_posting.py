@@ -13,12 +13,18 @@ window streams), and drops the request views and every other output. A busy engi
 objects a step; kept alive until the UI gets round to the batch, they outlived the collector's young
 generations, which then walked them again and again on the engine thread (a fifth of its time at 256
 requests). A screen that takes every step whole (a lesson) sets ``whole_steps``.
+
+The results the UI is handed are freed here, on the engine thread, as they are headless (``_free_taken``): a
+whole step is thousands of objects (every request's output and view), and freeing them on the UI thread took
+half a millisecond a step there, cache-cold, out of the budget the window paints with. The thread keeps a
+reference to each step it posts and lets go of it once nobody else holds it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import threading
 import time
 
@@ -29,6 +35,9 @@ MAX_STEPS_AHEAD_OF_UI = 256
 STEPS_POST_INTERVAL = 1 / 20    # seconds: a busy engine tells the UI of new steps at most this often (as often
 # as the window draws at most; with the older steps thinned, a longer batch costs no more to keep)
 WHOLE_STEPS = 2
+# Steps kept for freeing here (``_free_taken``) at most: past that, the oldest is let go of, and whoever holds it
+# last frees it (a UI that keeps many steps: a lesson's).
+MAX_STEPS_TO_FREE = 64
 
 
 def thinned(result: StepResult, watched) -> StepResult:
@@ -43,6 +52,25 @@ def thinned(result: StepResult, watched) -> StepResult:
     return dataclasses.replace(result, outputs=outputs, snapshot=bare)
 
 
+def _references(result) -> int:
+    """The references to ``result`` as sys.getrefcount counts them from here: compared with ALONE, what the same
+    count finds for an object only a list holds, so the call's own (the loop's, the argument's, getrefcount's)
+    cancel out. A snapshot someone else still holds (the window's map draws one) is freed by them."""
+    return sys.getrefcount(result)
+
+
+def _alone_count() -> int:
+    probe = StepResult([], None, None)
+    held = [probe]
+    del probe     # only the list holds it now, as the list of results to free holds a result
+    for result in held:
+        return _references(result)
+    raise AssertionError("unreachable")
+
+
+ALONE = _alone_count()
+
+
 class StepPosting:
     """Needs ``self.target`` (what messages are posted to) and ``self._stopping`` (a threading.Event)."""
 
@@ -55,6 +83,7 @@ class StepPosting:
         # Requests whose every output the UI shows (the chat's turns), and the step count up to which it needs
         # them: a finished one's earlier steps may still be thinned until WHOLE_STEPS newer steps have joined.
         self._watched: dict[str, float] = {}
+        self._to_free: list = []    # the results posted, until only this list holds them (see the module's doc)
 
     def ack(self) -> None:
         """The UI handled one step (an EngineStepped of a StepsReady)."""
@@ -78,18 +107,28 @@ class StepPosting:
         for request_id in [rid for rid, until in watched.items() if until < steps_done]:
             del watched[request_id]
 
+    def _free_taken(self) -> None:
+        """Let go of the posted results nobody else holds any more, so that they are freed on this thread. Only
+        this list can hand such a result on, so no other thread can take it back between the look and the drop."""
+        kept = [result for result in self._to_free if _references(result) > ALONE]
+        if len(kept) > MAX_STEPS_TO_FREE:
+            del kept[0]
+        self._to_free = kept
+
     def _post_step(self, result) -> None:
         while not self._in_flight.acquire(timeout=0.1):
             if self._stopping.is_set():
                 return
+        self._to_free.append(result)
         stepped = EngineStepped(result)
         if self._batch is not None and self._batch.add(stepped):
             if not self.whole_steps:
                 self._batch.thin(WHOLE_STEPS, lambda older: thinned(older, self._watched))
-            return    # joins the steps the UI has not taken yet
-        self._batch, self._batch_posted = StepBatch(), False
-        self._batch.add(stepped)
-        self._tell_steps(now=False)
+        else:
+            self._batch, self._batch_posted = StepBatch(), False
+            self._batch.add(stepped)
+            self._tell_steps(now=False)
+        self._free_taken()    # after the thinning, so the step it thinned is freed now, while still in the cache
 
     def _tell_steps(self, now: bool = True) -> None:
         """Post the batch of steps nobody was told of yet; unless ``now``, only once STEPS_POST_INTERVAL has
