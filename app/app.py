@@ -195,8 +195,9 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
     def on_steps_ready(self, message: StepsReady) -> None:
         main = self.main
         attached = main.is_attached    # steps still arrive while the app shuts down
-        for stepped in message.batch.take():
-            self.worker.ack()
+        steps = message.batch.take()
+        self.worker.ack(len(steps))
+        for stepped in steps:
             if attached:
                 main.ingest(stepped.result)
             if self.lesson_screen is not None:

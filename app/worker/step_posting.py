@@ -85,12 +85,18 @@ class StepPosting:
         self._watched: dict[str, float] = {}
         self._to_free: list = []    # the results posted, until only this list holds them (see the module's doc)
 
-    def ack(self) -> None:
-        """The UI handled one step (an EngineStepped of a StepsReady)."""
+    def ack(self, steps: int = 1) -> None:
+        """The UI handled ``steps`` steps (the EngineStepped of a StepsReady): one release for a whole batch."""
+        if steps < 1:
+            return
         try:
-            self._in_flight.release()
-        except ValueError:
-            pass
+            self._in_flight.release(steps)
+        except ValueError:    # more than were taken (a bounded semaphore releases none then): as many as fit
+            for _ in range(steps):
+                try:
+                    self._in_flight.release()
+                except ValueError:
+                    return
 
     def _watch(self, request_id: str) -> None:
         self._watched[request_id] = math.inf

@@ -129,11 +129,13 @@ def test_the_steps_the_ui_lets_go_of_are_freed_on_the_engine_thread():
     thread.start()
     inbox.wait_for(EngineReady)
     worker.send(AddRequest("load", [5, 6, 7, 8], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
-    worker.send(RunUntil(lambda result: False, 120))
+    worker.send(RunUntil(lambda result: False, 150))
     inbox.wait_for(RunUntilDone)
     worker.send(Stop())
     thread.join(10)
     inbox.done.set()
     inbox.thread.join(10)
-    assert len(inbox.freed_on) > 10
-    assert set(inbox.freed_on[:-4]) == {thread.ident}     # the last few may have been let go of after it stopped
+    # Only the last steps the UI kept, let go of after the engine thread stopped, may be freed on the UI's.
+    on_engine = [index for index, ident in enumerate(inbox.freed_on) if ident == thread.ident]
+    assert len(on_engine) >= 3
+    assert set(inbox.freed_on[:on_engine[-1]]) == {thread.ident}
