@@ -6,13 +6,13 @@ the UI's loop, a system call and a thread switch, and a busy engine takes hundre
 message posts the steps before it and closes their batch, so no step overtakes it. A semaphore bounds how far
 the engine may run ahead of a UI that has stopped taking steps.
 
-Only the newest WHOLE_STEPS of a batch keep their whole result: the UI draws the newest, against the one before
-(the event line). An older step is thinned as soon as a newer one joins (``thinned``): it keeps its block
-changes, stats and events, and the outputs of finished requests and of the chat's turns (the only text the
-window streams), and drops the request views and every other output. A busy engine makes hundreds of those
-objects a step; kept alive until the UI gets round to the batch, they outlived the collector's young
-generations, which then walked them again and again on the engine thread (a fifth of its time at 256
-requests). A screen that takes every step whole (a lesson) sets ``whole_steps``.
+Every step reaches the window with only the outputs it reads (``slimmed``): those of finished requests and of
+the chat's turns (the only text the window streams). Only the newest WHOLE_STEPS of a batch keep their request
+views: the UI draws the newest, against the one before (the event line). An older step is thinned as soon as a
+newer one joins (``thinned``): it keeps its block changes, stats and events, and drops the request views. A
+busy engine makes hundreds of those objects a step; kept alive until the UI gets round to the batch, they
+outlived the collector's young generations, which then walked them again and again on the engine thread (a
+fifth of its time at 256 requests). A screen that takes every step whole (a lesson) sets ``whole_steps``.
 
 The results the UI is handed are freed here, on the engine thread, as they are headless (``_free_taken``): a
 whole step is thousands of objects (every request's output and view), and freeing them on the UI thread took
@@ -40,6 +40,13 @@ WHOLE_STEPS = 2
 MAX_STEPS_TO_FREE = 64
 
 
+def slimmed(result: StepResult, watched) -> StepResult:
+    """``result`` with only the outputs of finished requests and of ``watched`` ones."""
+    outputs = result.outputs
+    kept = [output for output in outputs if output.finished or output.request_id in watched]
+    return result if len(kept) == len(outputs) else dataclasses.replace(result, outputs=kept)
+
+
 def thinned(result: StepResult, watched) -> StepResult:
     """``result`` as a step the UI will not draw: its block arrays without the request views, and only the
     outputs of finished requests and of ``watched`` ones."""
@@ -48,8 +55,7 @@ def thinned(result: StepResult, watched) -> StepResult:
                          blocks=snapshot.blocks, num_host_blocks=snapshot.num_host_blocks,
                          num_free_host_blocks=snapshot.num_free_host_blocks,
                          kv_cache_groups=snapshot.kv_cache_groups)
-    outputs = [output for output in result.outputs if output.finished or output.request_id in watched]
-    return dataclasses.replace(result, outputs=outputs, snapshot=bare)
+    return dataclasses.replace(slimmed(result, watched), snapshot=bare)
 
 
 def _references(result) -> int:
@@ -125,6 +131,8 @@ class StepPosting:
         while not self._in_flight.acquire(timeout=0.1):
             if self._stopping.is_set():
                 return
+        if not self.whole_steps:
+            result = slimmed(result, self._watched)
         self._to_free.append(result)
         stepped = EngineStepped(result)
         if self._batch is not None and self._batch.add(stepped):
