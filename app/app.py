@@ -193,12 +193,17 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
                         severity="warning" if network else "information", timeout=12)
 
     def on_steps_ready(self, message: StepsReady) -> None:
-        for stepped in message.batch.take():
-            self.worker.ack()
-            if self.main.is_attached:  # steps still arrive while the app shuts down
-                self.main.ingest(stepped.result)
+        main = self.main
+        attached = main.is_attached    # steps still arrive while the app shuts down
+        steps = message.batch.take()
+        self.worker.ack(len(steps))
+        for stepped in steps:
+            if attached:
+                main.ingest(stepped.result)
             if self.lesson_screen is not None:
                 self.lesson_screen.ingest(stepped.result)
+        if attached:
+            main.paint()    # on the wake that brought the steps, not on a timer's wake of its own
 
     def on_queue_changed(self, message: QueueChanged) -> None:
         self.main.show_queue(message.snapshot)

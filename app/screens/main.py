@@ -2,7 +2,12 @@
 
 ``ingest`` runs for every step and only does what must not be skipped
 (streaming chat text, the throughput history). ``paint`` draws the newest
-snapshot on a timer; snapshots that arrive between two frames are never drawn.
+snapshot as a batch of steps arrives (the engine thread posts at most
+FRAME_RATE batches a second); snapshots that arrive between two frames are
+never drawn. Every wake of the UI's loop takes the GIL from the engine thread,
+so no timer of its own runs at the frame rate: a slow one (IDLE_TICK_RATE)
+draws what is still due once the steps stop coming (the numbers, a frame the
+budget held back) and the system figures.
 
 The UI shares the CPU (and the GIL) with the engine thread, so painting is
 governed by the UI thread's own CPU time: a frame is skipped while the thread
@@ -47,6 +52,7 @@ FRAME_RATE = 20
 UI_CPU_BUDGET = 0.04  # share of one core the UI thread may use for painting and handling steps
 MIN_FRAME_RATE = 1    # however busy the UI thread is, the view is at most this stale
 TEXT_RATE = 4         # the panels of numbers: as often as a person can read them
+IDLE_TICK_RATE = TEXT_RATE    # the paint timer's: frames the steps' own wakes did not draw are at most this late
 # The map, its event line, legend and block inspector, and the chat beside them, all readable: under this plus
 # the figures and the queues (120x40), the view scrolls and the queues' title shows at the bottom as the cue.
 TOP_MIN_ROWS = 16
@@ -95,7 +101,7 @@ class MainScreen(Screen):
         yield KeyBar(keep_first=FOOTER_RANKS, id="keys")
 
     def on_mount(self) -> None:
-        self.set_interval(1 / FRAME_RATE, self.paint)
+        self.set_interval(1 / IDLE_TICK_RATE, self.paint)
 
     def on_paste(self, event: events.Paste) -> None:
         """A paste that reached no input (the focus on the map, after Esc) goes to the chat, not nowhere."""

@@ -83,6 +83,14 @@ class BlockMap(GroupSelector, CellStyles, ThemeStyled, Widget, can_focus=True):
         self._follow_kinds(snapshot)
         self._recompute()
 
+    def pool_totals(self, snapshot: CacheSnapshot) -> tuple[int, int, np.ndarray] | None:
+        """(blocks in use, tokens in them, every block's fill) of ``snapshot``, from the counts the map keeps:
+        O(cells). None when the map has not counted that snapshot (not drawn yet, or no room to draw)."""
+        aggregates = self._aggregates
+        if aggregates is None or self._counted is not snapshot:
+            return None
+        return aggregates.used_blocks(), aggregates.used_tokens, aggregates.fill
+
     def note_step(self, snapshot: CacheSnapshot) -> None:
         """A step the map may not draw: its block changes are kept, so the next frame applies them instead of
         reading the whole pool again. A window that stops drawing (another screen on top) stops keeping them."""

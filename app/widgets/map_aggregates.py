@@ -97,6 +97,7 @@ class MapAggregates:
         self.counts = np.zeros((self.num_cells, NUM_KINDS), dtype=np.int32)   # blocks of each kind per cell
         self.counts[:, KIND_FREE] = blocks_per_cell
         self.first_used = np.full(self.num_cells, blocks_per_cell, dtype=np.int32)
+        self.used_tokens = 0    # the fill of the blocks in use, kept with the counts (the paged-vs-contiguous panel)
         self.applied: BlockArrays | None = None
         # Holders of a block besides its owner (only shared blocks have any), and which blocks have some.
         self._other_holders: dict[int, set[int]] = {}
@@ -128,13 +129,17 @@ class MapAggregates:
         if chain is None:
             self._resync(blocks.arrays())
         elif chain:
-            indices = np.unique(np.concatenate([v.changes.indices for v in chain]))
+            # Every version's changes at once (a slow frame follows hundreds of steps): a block changed twice
+            # keeps its newest values, from its last place in the versions' order.
+            every = np.concatenate([v.changes.indices for v in chain])
+            indices, from_the_end = np.unique(every[::-1], return_index=True)    # sorted; first places, reversed
+            newest = every.size - 1 - from_the_end
             old = self.kind[indices]
-            for version in chain:    # in order: a block changed twice keeps its newest values
-                changed = version.changes.indices
-                state, refs, fill, _ = version.changes.values
-                self.state[changed], self.refs[changed], self.fill[changed] = state, refs, fill
+            self.used_tokens -= _fill_in_use(self.fill[indices], old)
+            for which, array in enumerate((self.state, self.refs, self.fill)):
+                array[indices] = np.concatenate([v.changes.values[which] for v in chain])[newest]
             self._recount(indices, old)
+            self.used_tokens += _fill_in_use(self.fill[indices], self.kind[indices])
         self.applied = blocks
 
     def _chain_to(self, blocks: BlockArrays, versions) -> list[BlockArrays] | None:
@@ -161,18 +166,26 @@ class MapAggregates:
         rows = self.kind.reshape(self.num_cells, self.blocks_per_cell)
         self.counts = np.stack([(rows == kind).sum(axis=1) for kind in range(NUM_KINDS)], axis=1).astype(np.int32)
         self.first_used = first_in_use(rows, self.blocks_per_cell)
+        self.used_tokens = _fill_in_use(self.fill, self.kind)
 
     def _recount(self, indices: np.ndarray, old: np.ndarray) -> None:
-        """The counts after the blocks at ``indices`` (unique) changed from kinds ``old``."""
+        """The counts after the blocks at ``indices`` (unique, sorted) changed from kinds ``old``."""
         new = kinds_of(self.state[indices], self.refs[indices])
         self.kind[indices] = new
         width = self.blocks_per_cell
         cells = indices // width
-        np.subtract.at(self.counts, (cells, old), 1)
-        np.add.at(self.counts, (cells, new), 1)
+        slots = self.num_cells * NUM_KINDS      # (cell, kind) pairs, counted in one pass each way
+        moved = np.bincount(cells * NUM_KINDS + new, minlength=slots) - np.bincount(cells * NUM_KINDS + old,
+                                                                                    minlength=slots)
+        self.counts += moved.reshape(self.num_cells, NUM_KINDS).astype(np.int32)
         offsets = (indices - cells * width).astype(np.int32)
         used = new >= KIND_USED
-        np.minimum.at(self.first_used, cells[used], offsets[used])
+        # ``indices`` are sorted, so a cell's first entry in use is its lowest offset that became in use.
+        used_cells, used_offsets = cells[used], offsets[used]
+        firsts = np.flatnonzero(np.concatenate(([True], used_cells[1:] != used_cells[:-1]))) if used_cells.size \
+            else np.zeros(0, dtype=np.int64)
+        heads = used_cells[firsts]
+        self.first_used[heads] = np.minimum(self.first_used[heads], used_offsets[firsts])
         # A cell whose first block in use was freed looks again for its first (rare: new blocks land anywhere).
         lost = np.unique(cells[~used & (offsets == self.first_used[cells])])
         if lost.size:
@@ -317,6 +330,10 @@ class MapAggregates:
     def cells_in_use(self) -> np.ndarray:
         return self.counts[:, KIND_USED] + self.counts[:, KIND_SHARED]
 
+    def used_blocks(self) -> int:
+        """Blocks in use in the whole pool: O(cells)."""
+        return int(self.counts[:, KIND_USED].sum(dtype=np.int64) + self.counts[:, KIND_SHARED].sum(dtype=np.int64))
+
 
 class _Changes:
     """Blocks gained (or lost) by the requests of one frame, gathered for one pass over the pool."""
@@ -337,6 +354,11 @@ class _Changes:
         total = sum(self._counts)
         blocks = np.fromiter(itertools.chain.from_iterable(self._parts), dtype=np.int64, count=total)
         return blocks, np.repeat(np.array(self._arrivals, dtype=np.int32), self._counts)
+
+
+def _fill_in_use(fill: np.ndarray, kinds: np.ndarray) -> int:
+    """The tokens in the blocks of ``kinds`` in use."""
+    return int(fill[kinds >= KIND_USED].sum(dtype=np.int64))
 
 
 def _once(blocks: np.ndarray) -> np.ndarray:

@@ -10,8 +10,8 @@ sequence holds counts once in each group that keeps it.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -41,26 +41,60 @@ class AllocationComparison:
         return 1 - self.paged_tokens / self.paged_slots if self.paged_slots else 0.0
 
 
-def compare_allocations(snapshot: CacheSnapshot, max_model_len: int) -> AllocationComparison:
+class PoolTotals(NamedTuple):
+    """What paging holds now: the blocks in use and the tokens in them (a shared block counts once), and every
+    block's fill (read for the requests with several tables)."""
+
+    used_blocks: int
+    used_tokens: int
+    fill: np.ndarray
+
+
+def pool_totals(snapshot: CacheSnapshot) -> PoolTotals:
+    """The totals read from the whole arrays: O(blocks), and it builds them if the snapshot has only changes. The
+    live window passes the block map's running totals instead (MapAggregates.pool_totals)."""
+    used = snapshot.block_state == BLOCK_USED
+    fill = snapshot.block_fill
+    return PoolTotals(int(used.sum()), int(fill[used].astype(np.int64).sum()), fill)
+
+
+def table_tokens(snapshot: CacheSnapshot, fill: np.ndarray | None = None) -> np.ndarray:
+    """int64 tokens each live sequence's table holds, one entry per table (a block shared by two tables counts in
+    each). A request with one table holds ``used_slots`` tokens in it (the view's own count); only the tables of
+    requests with several (samples, KV-cache groups) are summed block by block, so a frame costs O(requests).
+    ``fill``: every block's fill, when the caller keeps it (else the snapshot's)."""
+    tokens: list[int] = []
+    for view in snapshot.requests:
+        tables = view.block_tables
+        if len(tables) == 1 and not view.group_block_tables:
+            if tables[0]:
+                tokens.append(view.used_slots)
+            continue
+        for table in tables:
+            if table:
+                if fill is None:
+                    fill = snapshot.block_fill
+                tokens.append(int(fill[np.fromiter(table, dtype=np.int64, count=len(table))].sum(dtype=np.int64)))
+    return np.array(tokens, dtype=np.int64)
+
+
+def compare_allocations(snapshot: CacheSnapshot, max_model_len: int,
+                        totals: PoolTotals | None = None) -> AllocationComparison:
+    """``totals``: the pool's, when the caller keeps them (else read from the whole arrays)."""
     block_size = snapshot.block_size
     num_groups = len(snapshot.kv_cache_groups) or 1
     slots_per_sequence = -(-max_model_len // block_size) * block_size * num_groups
-    tables = [table for view in snapshot.requests for table in view.block_tables if table]
-    # Every table's tokens in one gather and one segmented sum (this runs every frame).
-    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    entries = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lengths.sum()))
-    per_table = np.add.reduceat(snapshot.block_fill.astype(np.int64)[entries], np.cumsum(lengths) - lengths) \
-        if tables else np.zeros(0, dtype=np.int64)
+    per_table = table_tokens(snapshot, totals.fill if totals is not None else None)
     num_tokens = int(per_table.sum())
     if snapshot.allocator == "contiguous":
         # The engine itself reserves whole rows; paging would hold each sequence's filled blocks only.
         paged_slots = int((-(-per_table // block_size) * block_size).sum())
         paged_tokens = num_tokens
     else:
-        used = snapshot.block_state == BLOCK_USED
-        paged_slots = int(used.sum()) * block_size
-        paged_tokens = int(snapshot.block_fill[used].astype(np.int64).sum())
-    return AllocationComparison(len(tables), num_tokens, len(tables) * slots_per_sequence,
+        totals = totals if totals is not None else pool_totals(snapshot)
+        paged_slots = totals.used_blocks * block_size
+        paged_tokens = totals.used_tokens
+    return AllocationComparison(per_table.size, num_tokens, per_table.size * slots_per_sequence,
                                 paged_slots, paged_tokens, slots_per_sequence, num_groups)
 
 
@@ -92,8 +126,8 @@ class PagedVsContiguous(LinePanel):
     PLACEHOLDER = "no live requests yet"
     comparison: AllocationComparison | None = None
 
-    def show_snapshot(self, snapshot: CacheSnapshot, max_model_len: int) -> None:
-        comparison = compare_allocations(snapshot, max_model_len)
+    def show_snapshot(self, snapshot: CacheSnapshot, max_model_len: int, totals: PoolTotals | None = None) -> None:
+        comparison = compare_allocations(snapshot, max_model_len, totals)
         if comparison != self.comparison:
             self.comparison = comparison
             text = describe_comparison(comparison, snapshot.allocator, snapshot.block_size)

@@ -44,7 +44,7 @@ from kvscope.app.widgets.box import Box, titled
 from kvscope.app.widgets.counters import Counters
 from kvscope.app.widgets.event_line import EventLine
 from kvscope.app.widgets.group_kinds import attention_kinds
-from kvscope.app.widgets.paged_vs_contiguous import PagedVsContiguous
+from kvscope.app.widgets.paged_vs_contiguous import PagedVsContiguous, PoolTotals
 from kvscope.app.widgets.queues import QueuesTable
 from kvscope.engine.outputs import BLOCK_FREE, CacheSnapshot, EngineEvent, StepStats
 
@@ -164,7 +164,9 @@ class SnapshotView(Box):
                      previous: CacheSnapshot | None = None) -> None:
         """The panels of numbers and rows: counters, paged vs contiguous, block table, queues, event line."""
         self.counters.show_stats(stats, snapshot.kv_cache_groups)
-        self.paged.show_snapshot(snapshot, self._contiguous_row(snapshot))
+        totals = self.block_map.pool_totals(snapshot)    # the map's counts, when it drew this snapshot
+        self.paged.show_snapshot(snapshot, self._contiguous_row(snapshot),
+                                 PoolTotals(*totals) if totals is not None else None)
         self.block_table.show_snapshot(snapshot)
         self.queues.show_snapshot(snapshot, events)
         self.event_line.show_step(stats, events, snapshot, previous)

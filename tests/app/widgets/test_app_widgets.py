@@ -19,17 +19,17 @@ from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView
 
 
-def view(request_id: str, arrival: int, *tables: tuple[int, ...], queue: str = "running") -> RequestView:
+def view(request_id: str, arrival: int, *tables: tuple[int, ...], queue: str = "running", used: int = 0) -> RequestView:
     return RequestView(request_id=request_id, queue=queue, arrival_index=arrival, block_tables=tables,
                        host_block_tables=(), num_prompt_tokens=20, num_output_tokens=5, max_tokens=64,
                        num_computed_tokens=25, num_cached_tokens=0, num_preemptions=0,
                        num_samples=len(tables),
-                       reserved_slots=0, used_slots=0)
+                       reserved_slots=0, used_slots=used)
 
 
 def snapshot(num_blocks: int = 8, block_size: int = 4, allocator: str = "paged", kv_cache_groups=()) -> CacheSnapshot:
     """Blocks 0-1: r0's full blocks, 1 shared with r1; 2: r0's half-full last block; 3: r1's last (1/4);
-    4: cached free; the rest free."""
+    4: cached free; the rest free. Each view's used_slots is what its table's blocks hold, as the engine's are."""
     state = np.full(num_blocks, BLOCK_FREE, dtype=np.int8)
     state[[0, 1, 2, 3]] = BLOCK_USED
     state[4] = BLOCK_CACHED
@@ -43,7 +43,8 @@ def snapshot(num_blocks: int = 8, block_size: int = 4, allocator: str = "paged",
     hashes[[0, 1, 4]] = [11, 22, 44]
     return CacheSnapshot(step=7, block_size=block_size, num_blocks=num_blocks, allocator=allocator,
                          block_state=state, ref_counts=refs, block_fill=fill, block_hashes=hashes,
-                         requests=(view("r0", 0, (0, 1, 2)), view("r1", 1, (1, 3))), kv_cache_groups=kv_cache_groups)
+                         requests=(view("r0", 0, (0, 1, 2), used=4 + 4 + 2), view("r1", 1, (1, 3), used=4 + 1)),
+                         kv_cache_groups=kv_cache_groups)
 
 
 def glyphs(codes: np.ndarray) -> str:

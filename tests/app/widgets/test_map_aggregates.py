@@ -19,11 +19,13 @@ from kvscope.app.widgets.map_aggregates import (
     kinds_of,
     owners_recounted,
 )
+from kvscope.app.widgets.paged_vs_contiguous import AllocationComparison, PoolTotals, compare_allocations
 from kvscope.engine import EngineConfig, SamplingParams
 from kvscope.engine.block_pool import NULL_BLOCK
 from kvscope.engine.config import RequestError
 from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.kv_cache_groups import KVCacheGroup
+from kvscope.engine.outputs import BLOCK_USED
 
 # Two kinds (full, a window of 4 tokens), and one (a window on every layer).
 FULL_AND_SLIDING = (KVCacheGroup((0,), None), KVCacheGroup((1,), 4))
@@ -46,6 +48,9 @@ def assert_recounted(aggregates: MapAggregates, snapshot) -> None:
     assert np.array_equal(aggregates.first_used, first)
     assert np.array_equal(first_in_use(rows, width), first)
     assert np.array_equal(aggregates.owner[:n], owners_recounted(snapshot))
+    in_use = snapshot.block_state == BLOCK_USED
+    assert aggregates.used_blocks() == int(in_use.sum())
+    assert aggregates.used_tokens == int(snapshot.block_fill[in_use].sum())
     if snapshot.kv_cache_groups:     # each held block counted once, under its group's attention kind
         kind_of = kind_of_group(snapshot.kv_cache_groups)
         held_kind = np.full(aggregates.num_cells * width, -1)
@@ -61,6 +66,21 @@ def assert_recounted(aggregates: MapAggregates, snapshot) -> None:
     layout = cells.MapLayout(n, 8, 1, width)
     assert np.array_equal(cells.codes(cells.pool_cells(aggregates), snapshot.block_size),
                           cells.cell_codes(snapshot, layout))
+
+
+def compared_over_every_entry(snapshot, max_model_len: int) -> AllocationComparison:
+    """The paged-vs-contiguous figures by their definition: every table entry's fill, and the whole pool."""
+    block_size, num_groups = snapshot.block_size, len(snapshot.kv_cache_groups) or 1
+    per_table = np.array([int(snapshot.block_fill[list(table)].sum()) for view in snapshot.requests
+                          for table in view.block_tables if table], dtype=np.int64)
+    in_use = snapshot.block_state == BLOCK_USED
+    if snapshot.allocator == "contiguous":
+        paged_slots, paged_tokens = int((-(-per_table // block_size) * block_size).sum()), int(per_table.sum())
+    else:
+        paged_slots, paged_tokens = int(in_use.sum()) * block_size, int(snapshot.block_fill[in_use].sum())
+    per_sequence = -(-max_model_len // block_size) * block_size * num_groups
+    return AllocationComparison(per_table.size, int(per_table.sum()), per_table.size * per_sequence, paged_slots,
+                                paged_tokens, per_sequence, num_groups)
 
 
 @st.composite
@@ -104,3 +124,8 @@ def test_the_maps_counts_equal_a_full_recount_after_random_steps(workload):
             aggregates.update(result.snapshot, kept)
             kept = []
             assert_recounted(aggregates, result.snapshot)
+            # The panel's figures from the requests' views and the map's counts equal their definition.
+            expected = compared_over_every_entry(result.snapshot, 40)
+            totals = PoolTotals(aggregates.used_blocks(), aggregates.used_tokens, aggregates.fill)
+            assert compare_allocations(result.snapshot, 40, totals) == expected
+            assert compare_allocations(result.snapshot, 40) == expected
