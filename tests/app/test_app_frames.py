@@ -90,7 +90,9 @@ async def test_the_window_freezes_what_its_first_busy_frames_made_once_per_engin
             frozen.append(gc.get_freeze_count())
         settle = main_screen.SETTLE_FRAMES - 1
         assert frozen[settle] > frozen[settle - 1]
-        assert len(set(frozen[:settle])) == 1 and len(set(frozen[settle:])) == 1
+        # No freeze before the settling frame nor after it: a later freeze would raise the count, while a frozen
+        # object that dies (a step's lazily built views let go of their lock) lowers it.
+        assert len(set(frozen[:settle])) == 1 and max(frozen[settle:]) == frozen[settle]
 
 
 class PanelApp(App):
