@@ -16,6 +16,7 @@ import sys
 
 from kvscope import __version__
 from kvscope.app.arguments import CommandLine, FlagRefused
+from kvscope.app.collector import tune_for_engine_loop
 from kvscope.app.flags import (
     add_engine_flags,
     add_log_flags,
@@ -330,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     except FlagRefused as exc:
         print(f"kvscope: error: {exc}", file=sys.stderr)
         return 2
+    tune_for_engine_loop()
     try:
         return args.func(args)
     except USER_ERRORS as exc:
