@@ -37,7 +37,7 @@ class LLMEngine:
         self.config = config
         if runner is None:
             from kvscope.engine.model.model_runner import ModelRunner  # torch and transformers load only when needed
-            runner = ModelRunner(config, model=model, tokenizer=tokenizer)
+            runner = ModelRunner.built_apart(config, model=model, tokenizer=tokenizer)
         self.runner = runner
         self.info: RunnerInfo = runner.info
         self.tokenizer = tokenizer if tokenizer is not None else runner.tokenizer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import threading
 
 import torch
 
@@ -73,7 +74,8 @@ class ModelRunner:
             model, tokenizer = load_model(config.model, self.dtype, self.device)
         elif tokenizer is None:
             raise ConfigError("a model passed in needs its tokenizer too: LLMEngine(config, model=m, tokenizer=t)")
-        self.bound_cores = threads.bind(config.cpu_threads_bind) if self.device.type == "cpu" else []
+        self.bound_cores: list[int] = []       # pinned by the stepping thread, at its first step
+        self._stepping_thread: int | None = None
         self.model_name = _display_name(config.model, model)
         self.model = patches.apply(model, self.device, self.dtype)
         self.tokenizer = tokenizer
@@ -148,8 +150,18 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    @classmethod
+    def built_apart(cls, config: EngineConfig, model=None, tokenizer=None) -> ModelRunner:
+        """A runner built on a thread that ends with the build, so that the thread stepping it is the only one
+        holding an OpenMP team (engine/model/threads.py)."""
+        return threads.built_apart(lambda: cls(config, model=model, tokenizer=tokenizer))
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        if self._stepping_thread != threading.get_ident():
+            self._stepping_thread = threading.get_ident()
+            if self.device.type == "cpu":
+                self.bound_cores = threads.bind(self.config.cpu_threads_bind)
         self._move_blocks(batch)
         return self._run(batch, self.kv_cache)
 

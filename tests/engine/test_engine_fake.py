@@ -276,7 +276,7 @@ def test_engine_builds_a_model_runner_when_none_is_given(monkeypatch):
 
     # Stand in for engine.model.model_runner without importing torch.
     monkeypatch.setitem(sys.modules, "kvscope.engine.model.model_runner",
-                        types.SimpleNamespace(ModelRunner=model_runner))
+                        types.SimpleNamespace(ModelRunner=types.SimpleNamespace(built_apart=model_runner)))
     config = EngineConfig(block_size=4)
     engine = LLMEngine(config, model="m", tokenizer=None)
     assert built["args"] == (config, "m", None) and engine.num_blocks == 8
