@@ -58,7 +58,7 @@ def test_decode_steps_of_a_big_batch_set_off_a_tenth_of_the_young_collections(de
     by_default = young_collections(engine, STEPS)
     tune_for_engine_loop()
     tuned = young_collections(engine, STEPS)
-    assert by_default >= STEPS          # at least one a step: what the policy is for
+    assert by_default >= STEPS // 2     # about one a step (29-41 in 30 steps here): what the policy is for
     assert tuned <= by_default // 10
     assert gc.get_threshold()[1:] == (10, 10)     # the older generations keep their ratios
 
