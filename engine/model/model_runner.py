@@ -69,6 +69,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        # Checked here, so a core this process may not use is refused at start-up; pinned at the first step.
+        self._cores = threads.chosen_cores(config.cpu_threads_bind) if self.device.type == "cpu" else []
         self.dtype = resolve_dtype(config.dtype, self.device, model)
         if model is None:
             model, tokenizer = load_model(config.model, self.dtype, self.device)
@@ -160,8 +162,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         if self._stepping_thread != threading.get_ident():
             self._stepping_thread = threading.get_ident()
-            if self.device.type == "cpu":
-                self.bound_cores = threads.bind(self.config.cpu_threads_bind)
+            self.bound_cores = threads.pin(self._cores)
         self._move_blocks(batch)
         return self._run(batch, self.kv_cache)
 

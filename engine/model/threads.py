@@ -62,9 +62,9 @@ def chosen_cores(setting: str, threads: int | None = None) -> list[int]:
     return cores
 
 
-def bind(setting: str) -> list[int]:
-    """Pin torch's compute threads as ``setting`` says; returns the cores they are on (empty: not pinned)."""
-    cores = chosen_cores(setting)
+def pin(cores: list[int]) -> list[int]:
+    """Pin the calling thread's compute threads to ``cores`` (chosen_cores); returns the cores they are on
+    (empty: not pinned)."""
     if not cores or not cpu_kernels.available():
         return []
     bound = cpu_kernels.bind_threads(cores)

@@ -4,12 +4,15 @@ with the build, and the thread that steps it is the one pinned."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 
 import pytest
+from models import tiny_model
 
+from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
 from kvscope.engine.config import ConfigError
 from kvscope.engine.model.threads import built_apart
 
@@ -32,6 +35,16 @@ def test_what_a_build_raises_reaches_the_caller_as_it_is():
 
     with pytest.raises(ConfigError, match="no such directory"):
         built_apart(build)
+
+
+def test_a_core_this_process_may_not_use_is_refused_at_build_not_at_the_first_step():
+    outside = max(os.sched_getaffinity(0)) + 1
+    model, tokenizer = tiny_model()
+    with pytest.raises(ConfigError, match=rf"core\(s\) \[{outside}\] are not available to this process"):
+        LLMEngine(EngineConfig(cpu_threads_bind=str(outside), num_blocks=16), model=model, tokenizer=tokenizer)
+    engine = LLMEngine(EngineConfig(num_blocks=16), model=model, tokenizer=tokenizer)    # the same model serves
+    [output] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(output.token_ids) == 3
 
 
 # The default model, built on the main thread's call and stepped from another thread, as `kvscope serve` and the
