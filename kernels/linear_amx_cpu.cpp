@@ -26,6 +26,7 @@
 
 #include <cstring>
 #include <initializer_list>
+#include <memory>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -76,29 +77,61 @@ struct alignas(64) TileConfig {
 // SmolLM2's real chat prompts (tests/engine/model/test_truth.py), the rounded activations alone flipped a near
 // tie of a first token that fp32 and the vdpbf16ps path both got right. A bf16 x is exact as it is: no lo.
 struct ATiles {
-  std::vector<uint32_t> hi, lo;   // lo empty for a bf16 x
+  std::unique_ptr<uint32_t[]> hi, lo;   // lo null for a bf16 x
 };
 
+// Values [count, 32) of a k step's 32 (the last step's, past k) and whole padded rows are zeros: only those are
+// written so, where zero-filling the whole buffer first cost a serial pass over it on every call.
+inline void zero_tail(c10::BFloat16* dst, int64_t count) {
+  std::memset(dst + count, 0, (2 * kTilePairs - count) * sizeof(c10::BFloat16));
+}
+
+inline __m512 widen_bf16(__m256i values) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(values), 16));
+}
+
+// x's 32 values at src as bf16 pairs at hi (their rounding) and lo (the rounding of what that left out). The
+// scalar form (the last step's tail) computes the same, value by value.
+inline void split_step(const float* src, int64_t count, c10::BFloat16* hi, c10::BFloat16* lo) {
+  if (count == 2 * kTilePairs) {
+    const __m512 x0 = _mm512_loadu_ps(src), x1 = _mm512_loadu_ps(src + kLanes);
+    const __m512bh rounded_bh = _mm512_cvtne2ps_pbh(x1, x0);
+    const __m512i rounded = reinterpret_cast<const __m512i&>(rounded_bh);
+    // a bf16 value back to fp32 is its 16 bits moved up
+    const __m512 h0 = widen_bf16(_mm512_castsi512_si256(rounded));
+    const __m512 h1 = widen_bf16(_mm512_extracti64x4_epi64(rounded, 1));
+    const __m512bh rest = _mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
+    _mm512_storeu_si512(hi, rounded);
+    _mm512_storeu_si512(lo, reinterpret_cast<const __m512i&>(rest));
+    return;
+  }
+  float left[2 * kTilePairs];
+  round_to_bf16(src, count, hi);
+  for (int64_t i = 0; i < count; ++i) left[i] = src[i] - static_cast<float>(hi[i]);
+  round_to_bf16(left, count, lo);
+  zero_tail(hi, count);
+  zero_tail(lo, count);
+}
+
 ATiles a_tiles(const at::Tensor& x, int64_t steps) {
-  const int64_t m = x.size(0), k = x.size(1), size = (m + kTileRows - 1) / kTileRows * steps * kTileValues;
+  const int64_t m = x.size(0), k = x.size(1), padded = (m + kTileRows - 1) / kTileRows * kTileRows;
+  const int64_t size = padded * steps * kTilePairs;
   const bool split = x.scalar_type() == at::kFloat;
-  ATiles tiles{std::vector<uint32_t>(size, 0), std::vector<uint32_t>(split ? size : 0, 0)};
-  auto* hi = reinterpret_cast<c10::BFloat16*>(tiles.hi.data());
-  auto* lo = reinterpret_cast<c10::BFloat16*>(tiles.lo.data());
-  at::parallel_for(0, m, kTileRows, [&](int64_t begin, int64_t end) {
-    float left[2 * kTilePairs];
+  ATiles tiles{std::unique_ptr<uint32_t[]>(new uint32_t[size]),
+               split ? std::unique_ptr<uint32_t[]>(new uint32_t[size]) : nullptr};
+  auto* hi = reinterpret_cast<c10::BFloat16*>(tiles.hi.get());
+  auto* lo = reinterpret_cast<c10::BFloat16*>(tiles.lo.get());
+  at::parallel_for(0, padded, kTileRows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t row_at = 2 * ((r / kTileRows * steps * kTileRows + r % kTileRows) * kTilePairs);
       for (int64_t s = 0; s < steps; ++s) {
-        const int64_t k0 = s * 2 * kTilePairs, count = std::min<int64_t>(2 * kTilePairs, k - k0);
+        const int64_t k0 = s * 2 * kTilePairs, count = r < m ? std::min<int64_t>(2 * kTilePairs, k - k0) : 0;
         const int64_t at = row_at + s * 2 * kTileValues;
         if (split) {
-          const float* src = x.data_ptr<float>() + r * k + k0;
-          round_to_bf16(src, count, hi + at);
-          for (int64_t i = 0; i < count; ++i) left[i] = src[i] - static_cast<float>(hi[at + i]);
-          round_to_bf16(left, count, lo + at);
+          split_step(x.data_ptr<float>() + r * k + k0, count, hi + at, lo + at);
         } else {
           std::memcpy(hi + at, x.data_ptr<c10::BFloat16>() + r * k + k0, count * sizeof(c10::BFloat16));
+          zero_tail(hi + at, count);
         }
       }
     }
@@ -198,8 +231,8 @@ void amx_linear(const at::Tensor& x, const c10::BFloat16* packed, int64_t panels
     for (int64_t r0 = first; r0 < last; r0 += 2 * kTileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(2 * kTileRows, last - r0));
       const int64_t tile_at = r0 / kTileRows * steps * kTileValues;
-      const uint32_t* a = tiles.hi.data() + tile_at;
-      const uint32_t* a_lo = tiles.lo.empty() ? nullptr : tiles.lo.data() + tile_at;
+      const uint32_t* a = tiles.hi.get() + tile_at;
+      const uint32_t* a_lo = tiles.lo ? tiles.lo.get() + tile_at : nullptr;
       for (int64_t q = 0; q < pairs_here; ++q) {
         const int64_t p = 2 * (first_pair + q);
         const c10::BFloat16 *w0 = packed + p * panel_values, *w1 = w0 + panel_values;

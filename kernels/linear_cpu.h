@@ -9,8 +9,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -34,6 +35,21 @@ template <typename Out>
 inline void store_block(const float* sums, int rows, int64_t r0, int64_t p, int64_t n, const float* bias, Out* out) {
   const int64_t col0 = p * kLanes;
   const int64_t cols = std::min<int64_t>(kBlockCols, n - col0);
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<Out, float>) {
+    if (cols == kBlockCols) {
+      const __m512 b0 = bias ? _mm512_loadu_ps(bias + col0) : _mm512_setzero_ps();
+      const __m512 b1 = bias ? _mm512_loadu_ps(bias + col0 + kLanes) : _mm512_setzero_ps();
+      for (int r = 0; r < rows; ++r) {
+        float* o = out + (r0 + r) * n + col0;
+        const float* s = sums + r * kBlockCols;
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(s), b0));
+        _mm512_storeu_ps(o + kLanes, _mm512_add_ps(_mm512_loadu_ps(s + kLanes), b1));
+      }
+      return;
+    }
+  }
+#endif
   for (int r = 0; r < rows; ++r) {
     Out* o = out + (r0 + r) * n + col0;
     const float* s = sums + r * kBlockCols;
