@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (paged attention, the packed linear, RMSNorm, the sampler's random rows, thread pinning):
-built once per machine, loaded as torch ops.
+"""The C++ CPU kernels (paged attention, the packed linear, RMSNorm, rotary, the sampler's random rows, thread
+pinning): built once per machine, loaded as torch ops.
 
 The torch reference path moves every context byte several times (gather, upcast, matmul, softmax,
 embedding_bag); the C++ kernels read each key and value row out of the pool once. They are compiled on first
@@ -32,14 +32,15 @@ from kvscope.kernels.reference import copy_blocks, store_kv, swap_blocks
 
 __all__ = ["available", "bind_threads", "copy_blocks", "cpu_flags", "first_argmax", "has_amx", "huge_page_zeros",
            "is_packed_linear_weight", "linear", "linear_available", "pack_linear_weight", "paged_decode_attention",
-           "paged_prefill_attention", "rms_norm", "sample_nucleus", "status", "store_kv", "supports", "swap_blocks",
-           "unpack_linear_weight"]
+           "paged_prefill_attention", "rms_norm", "rotary", "sample_nucleus", "status", "store_kv", "supports",
+           "swap_blocks", "unpack_linear_weight"]
 
-# One library: attention (its ops, decode and prefill), the packed linear, RMSNorm, the sampler, thread pinning.
+# One library: attention (its ops, decode and prefill), the packed linear, RMSNorm, rotary, the sampler, thread
+# pinning.
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_attention_cpu.cpp", "paged_decode_cpu.cpp", "paged_prefill_cpu.cpp",
-                             "linear_cpu.cpp", "linear_amx_cpu.cpp", "norm_cpu.cpp", "sampler_cpu.cpp",
-                             "threads_cpu.cpp"))
+                             "linear_cpu.cpp", "linear_amx_cpu.cpp", "norm_cpu.cpp", "rotary_cpu.cpp",
+                             "sampler_cpu.cpp", "threads_cpu.cpp"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.h", "linear_cpu.h"))
 DTYPES = (torch.float32, torch.bfloat16)
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the C++ code's instances: head_dim is a compile-time constant there
@@ -228,6 +229,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm formula in one op (``norm_cpu.cpp``): ``weight * normalized(x).to(x.dtype)``."""
     return torch.ops.kvscope_cpu.rms_norm(x, weight, eps)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' rotate-half rotary in one op (``rotary_cpu.cpp``): ``x * cos + rotate_half(x) * sin`` for q and
+    k [batch, heads, tokens, dim] in fp32, with cos and sin [batch, tokens, dim]; every bit the stock formula's."""
+    return torch.ops.kvscope_cpu.rotary(q, k, cos, sin)
 
 
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:

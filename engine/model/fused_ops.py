@@ -1,4 +1,5 @@
-"""Small ops in one C++ call each: a model's RMSNorm modules on ``kernels.cpu.rms_norm``, without per-model code.
+"""Small ops in one C++ call each, without per-model code: a model's RMSNorm modules on ``kernels.cpu.rms_norm``, and
+its rotary embedding on ``kernels.cpu.rotary``.
 
 A transformers decoder step is dozens of small ops per layer (norms, casts, rotary, the MLP's activation), each a
 few microseconds of Python and dispatch before its arithmetic; on a 2-core CPU that was a quarter of a decode
@@ -9,10 +10,19 @@ Nothing is replaced on trust: each candidate is run both ways on a probe input, 
 fp32 (the residual stream of a bf16 model, engine/model/precision.py), and keeps its own forward unless the two agree
 to within a rounding step. A norm with another formula (Gemma's ``1 + weight``, for one) keeps its own forward.
 ``restore`` takes every replacement back, so the model can return to stock transformers code.
+
+Rotary is a function, not a module: each architecture's modeling file defines its own ``apply_rotary_pos_emb``
+and the attention's forward looks it up there at every call. So the function is replaced in that file, for as
+long as any patched model of the architecture lives (counted; the last ``restore`` puts the stock one back), and
+only where it computes the rotate-half formula bit for bit like the C++ op on a probe. The replacement hands
+anything but fp32 CPU tensors of the usual shapes to the stock function, so another model of the same
+architecture in the process computes exactly what it would have.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import types
 
 import torch
@@ -22,6 +32,10 @@ from kvscope.kernels import cpu as cpu_kernels
 
 _FUSED = "_kvscope_fused_forward"
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+_ROTARY = "apply_rotary_pos_emb"
+_ROTARY_FILES = "_kvscope_rotary_files"    # on a model: the modeling files whose rotary it put on the C++ op
+# modeling file -> [its stock apply_rotary_pos_emb, how many patched models use the C++ one there]
+_rotary_users: dict[types.ModuleType, list] = {}
 
 
 def available(device: torch.device) -> bool:
@@ -45,11 +59,44 @@ def is_fused(module: nn.Module) -> bool:
     return _FUSED in module.__dict__
 
 
+def fuse_rotary(model: nn.Module) -> int:
+    """Put the rotary of every modeling file ``model``'s modules come from on the C++ op, where it computes the
+    same bits; returns how many files."""
+    files = []
+    for name in sorted({type(module).__module__ for module in model.modules()}):
+        file = sys.modules.get(name)
+        if file in _rotary_users:
+            _rotary_users[file][1] += 1
+        elif callable(stock := getattr(file, _ROTARY, None)) and _rotary_agrees(stock):
+            setattr(file, _ROTARY, _fast_rotary(stock))
+            _rotary_users[file] = [stock, 1]
+        else:
+            continue
+        files.append(file)
+    model.__dict__[_ROTARY_FILES] = files
+    return len(files)
+
+
 def restore(model: nn.Module) -> None:
     """Give every fused module its class's forward back (a no-op on a model never fused)."""
     for module in model.modules():
         if module.__dict__.pop(_FUSED, None):
             del module.forward
+
+
+def rotary_is_fused(model: nn.Module) -> bool:
+    return bool(model.__dict__.get(_ROTARY_FILES))
+
+
+def restore_rotary(model: nn.Module) -> None:
+    """Give the modeling files of ``model`` their stock rotary once no patched model uses the C++ one (a no-op on a
+    model never fused)."""
+    for file in model.__dict__.pop(_ROTARY_FILES, ()):
+        users = _rotary_users[file]
+        users[1] -= 1
+        if users[1] == 0:
+            setattr(file, _ROTARY, users[0])
+            del _rotary_users[file]
 
 
 def _rms_norm_eps(module: nn.Module) -> float | None:
@@ -90,3 +137,45 @@ def _agrees(module: nn.Module, eps: float) -> bool:
                                                                     rtol=tolerance, atol=tolerance):
                 return False
     return True
+
+
+def _fast_rotary(stock):
+    @functools.wraps(stock)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if args or kwargs not in ({}, {"unsqueeze_dim": 1}) or not _rotary_fits(q, k, cos, sin):
+            return stock(q, k, cos, sin, *args, **kwargs)
+        return cpu_kernels.rotary(q, k, cos, sin)
+
+    return apply_rotary_pos_emb
+
+
+def _rotary_fits(q, k, cos, sin) -> bool:
+    """What the C++ op takes: fp32 CPU tensors, q and k [batch, heads, tokens, dim] with unit stride along an even
+    dim, cos and sin [batch, tokens, dim], and no gradient wanted."""
+    tensors = (q, k, cos, sin)
+    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if cos.dim() != 3 or sin.shape != cos.shape:
+        return False
+    batch, tokens, dim = cos.shape
+    return dim % 2 == 0 and all(x.dim() == 4 and x.stride(3) == 1 and (x.shape[0], x.shape[2], x.shape[3]) ==
+                                (batch, tokens, dim) for x in (q, k))
+
+
+def _rotary_agrees(stock) -> bool:
+    """``stock`` gives the C++ op's bits on a probe (grouped heads, a transposed layout, zeros of both signs)."""
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 5, 4, 64, generator=generator).transpose(1, 2)
+    k = torch.randn(1, 5, 2, 64, generator=generator).transpose(1, 2)
+    q[0, 0, 0, :2], q[0, 0, 0, 32:34] = 0.0, -0.0
+    angles = torch.randn(1, 5, 64, generator=generator) * 3
+    with torch.inference_mode():
+        try:
+            expected = stock(q, k, angles.cos(), angles.sin())
+            actual = cpu_kernels.rotary(q, k, angles.cos(), angles.sin())
+        except (TypeError, RuntimeError, ValueError):
+            return False
+    return (isinstance(expected, tuple) and len(expected) == 2 and
+            all(torch.equal(e, a) and torch.equal(e.signbit(), a.signbit()) for e, a in zip(expected, actual)))

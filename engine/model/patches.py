@@ -28,12 +28,19 @@ def _fuse_norms(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
         fused_ops.fuse_norms(model)
 
 
+def _fuse_rotary(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    if fused_ops.available(device):
+        fused_ops.fuse_rotary(model)
+
+
 PATCHES: tuple[Patch, ...] = (
     # Weights in the engine's dtype on its device, linears packed for the CPU's C++ matmul where that helps.
     Patch("linears", lambda model, device, dtype: packed_linear.pack_for(model, device, dtype),
           packed_linear.unpack_linears),
     # RMSNorm on one C++ op each, where the op agrees with the module's own formula.
     Patch("norms", _fuse_norms, fused_ops.restore),
+    # Rotary on one C++ op, where it gives the modeling file's own function's bits.
+    Patch("rotary", _fuse_rotary, fused_ops.restore_rotary),
     # In bf16/fp16: an fp32 residual stream and fp32 logits (engine/model/precision.py).
     Patch("precision", lambda model, device, dtype: precision.keep_fp32(model, dtype), precision.restore),
     # Attention reads and writes the paged KV pool (engine/model/attention.py).

@@ -166,3 +166,32 @@ def test_first_argmax_is_torch_argmax_with_every_tie_and_tail(rows, vocab, level
     expected = logits.argmax(dim=1)
     expected[torch.isnan(logits).any(dim=1)] = -1
     assert cpu.first_argmax(logits).tolist() == expected.tolist()
+
+
+@needs_cpp
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(tokens=st.integers(1, 40), kv_heads=st.integers(1, 3), group=st.integers(1, 3),
+       half=st.sampled_from([4, 16, 20, 32, 64]), seed=st.integers(0, 2**31 - 1))
+def test_rotary_gives_every_bit_of_transformers_formula(tokens, kv_heads, group, half, seed):
+    # Halves that are not a multiple of 16 run the masked tail; q and k come as the model makes them (transposed
+    # views), with zeros of both signs, whose sign a subtraction instead of a negation would get wrong.
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, tokens, kv_heads * group, 2 * half, generator=generator).transpose(1, 2)
+    k = torch.randn(1, tokens, kv_heads, 2 * half, generator=generator).transpose(1, 2)
+    q[0, 0, 0, :2], k[0, 0, 0, half:half + 2] = 0.0, -0.0
+    angles = torch.randn(1, tokens, 2 * half, generator=generator) * 4
+    expected = apply_rotary_pos_emb(q, k, angles.cos(), angles.sin())
+    actual = cpu.rotary(q, k, angles.cos(), angles.sin())
+    for want, got in zip(expected, actual):
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
+@needs_cpp
+def test_rotary_refuses_what_it_cannot_compute_in_one_line():
+    q, cos = torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8)
+    with pytest.raises(RuntimeError, match="rotary's q must be a float32"):
+        cpu.rotary(q.bfloat16(), q, cos, cos)
+    with pytest.raises(RuntimeError, match="disagree in shape"):
+        cpu.rotary(q, q, torch.randn(1, 4, 8), torch.randn(1, 4, 8))

@@ -18,6 +18,7 @@ def _touched(model) -> dict[str, bool]:
     return {
         "linears": any(packed_linear.is_packed(m) for m in model.modules()),
         "norms": any(fused_ops.is_fused(m) for m in model.modules()),
+        "rotary": fused_ops.rotary_is_fused(model),
         "attention": model.config._attn_implementation == attention.ATTENTION_NAME,
         "precision": precision.is_patched(model),
     }
@@ -39,4 +40,4 @@ def test_restore_gives_back_the_stock_model_after_one_or_two_applies(dtype):
 
 
 def test_the_patches_are_listed_in_their_apply_order():
-    assert [patch.name for patch in patches.PATCHES] == ["linears", "norms", "precision", "attention"]
+    assert [patch.name for patch in patches.PATCHES] == ["linears", "norms", "rotary", "precision", "attention"]

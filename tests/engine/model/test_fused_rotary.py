@@ -1,0 +1,111 @@
+"""Rotary on the C++ op: swapped into a modeling file only where it gives that file's own bits, counted across the
+models that use it, and handed back when the last one is restored; anything the op does not take goes to the
+stock function."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from models import tiny_model
+from transformers.models.llama import modeling_llama
+
+from kvscope.engine.model import fused_ops, patches
+from kvscope.kernels import cpu
+
+needs_cpp = pytest.mark.skipif(not cpu.available(), reason=f"C++ kernels unavailable: {cpu.status()}")
+CPU = torch.device("cpu")
+
+
+@needs_cpp
+def test_the_modeling_file_gets_its_stock_rotary_back_when_the_last_model_is_restored():
+    stock = modeling_llama.apply_rotary_pos_emb
+    first = patches.apply(tiny_model("llama")[0], CPU, torch.float32)
+    second = patches.apply(tiny_model("llama")[0], CPU, torch.float32)
+    try:
+        assert fused_ops.rotary_is_fused(first) and modeling_llama.apply_rotary_pos_emb is not stock
+        patches.restore(first)
+        assert modeling_llama.apply_rotary_pos_emb is not stock   # the second model still uses it
+    finally:
+        patches.restore(first)
+        patches.restore(second)
+    assert modeling_llama.apply_rotary_pos_emb is stock
+
+
+@needs_cpp
+def test_a_patched_model_computes_the_same_logits_with_and_without_the_op():
+    model, _ = tiny_model("llama")
+    ids = torch.tensor([[1, 5, 9, 14, 3, 8, 2]])
+    patches.apply(model, CPU, torch.float32)
+    try:
+        assert fused_ops.rotary_is_fused(model)
+        patched = modeling_llama.apply_rotary_pos_emb
+        calls = []
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return patched(*args, **kwargs)
+
+        modeling_llama.apply_rotary_pos_emb = counted
+        with torch.inference_mode():
+            fused = _sdpa_logits(model, ids)
+        modeling_llama.apply_rotary_pos_emb = patched.__wrapped__
+        with torch.inference_mode():
+            stock = _sdpa_logits(model, ids)
+        modeling_llama.apply_rotary_pos_emb = patched
+    finally:
+        patches.restore(model)
+    assert calls and torch.equal(fused, stock)
+
+
+def _sdpa_logits(model, ids):
+    """The model's logits through transformers' own attention, so that only rotary differs between two runs."""
+    stock = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        return model(ids).logits
+    finally:
+        model.set_attn_implementation(stock)
+
+
+@needs_cpp
+def test_a_file_whose_rotary_is_another_formula_keeps_it():
+    def interleaved(q, k, cos, sin, unsqueeze_dim=1):     # GPT-J's pairs (0, 1), (2, 3), ...: not rotate-half
+        def rotate(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+    file = types.ModuleType("kvscope_test_interleaved_rotary")
+    file.apply_rotary_pos_emb = interleaved
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model[0].__class__ = type("Linear", (torch.nn.Linear,), {"__module__": file.__name__})
+    import sys
+
+    sys.modules[file.__name__] = file
+    try:
+        assert fused_ops.fuse_rotary(model) == 0
+        assert file.apply_rotary_pos_emb is interleaved
+    finally:
+        del sys.modules[file.__name__]
+
+
+@needs_cpp
+def test_what_the_op_does_not_take_goes_to_the_stock_function():
+    seen = []
+
+    def stock(q, k, cos, sin, unsqueeze_dim=1):
+        seen.append(q.dtype)
+        return q, k
+
+    fast = fused_ops._fast_rotary(stock)
+    q, cos = torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8)
+    fast(q, q, cos, cos)
+    assert seen == []
+    fast(q.bfloat16(), q.bfloat16(), cos.bfloat16(), cos.bfloat16())     # bf16
+    fast(q.transpose(1, 2), q.transpose(1, 2), cos, cos, unsqueeze_dim=2)   # heads on another axis
+    fast(q[..., :6], q[..., :6], cos[..., :6], cos[..., :6])          # a head dim the op could take: it does
+    fast(q, q, cos[..., :4], cos[..., :4])                            # partial rotary (cos shorter than the head)
+    assert seen == [torch.bfloat16, torch.float32, torch.float32]
