@@ -13,10 +13,11 @@ to within a rounding step. A norm with another formula (Gemma's ``1 + weight``, 
 
 Rotary is a function, not a module: each architecture's modeling file defines its own ``apply_rotary_pos_emb``
 and the attention's forward looks it up there at every call. So the function is replaced in that file, for as
-long as any patched model of the architecture lives (counted; the last ``restore`` puts the stock one back), and
-only where it computes the rotate-half formula bit for bit like the C++ op on a probe. The replacement hands
-anything but fp32 CPU tensors of the usual shapes to the stock function, so another model of the same
-architecture in the process computes exactly what it would have.
+long as any patched model of the architecture lives (counted; the last ``restore``, or the collection of the
+last patched model nobody restored, puts the stock one back), and only where it computes the rotate-half
+formula bit for bit like the C++ op on a probe. The replacement hands anything but fp32 CPU tensors of the usual
+shapes to the stock function, so another model of the same architecture in the process computes exactly what it
+would have.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -33,7 +35,7 @@ from kvscope.kernels import cpu as cpu_kernels
 _FUSED = "_kvscope_fused_forward"
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 _ROTARY = "apply_rotary_pos_emb"
-_ROTARY_FILES = "_kvscope_rotary_files"    # on a model: the modeling files whose rotary it put on the C++ op
+_ROTARY_FILES = "_kvscope_rotary_files"    # on a model: a release per modeling file whose rotary it swapped
 # modeling file -> [its stock apply_rotary_pos_emb, how many patched models use the C++ one there]
 _rotary_users: dict[types.ModuleType, list] = {}
 
@@ -61,8 +63,8 @@ def is_fused(module: nn.Module) -> bool:
 
 def fuse_rotary(model: nn.Module) -> int:
     """Put the rotary of every modeling file ``model``'s modules come from on the C++ op, where it computes the
-    same bits; returns how many files."""
-    files = []
+    same bits; returns how many files. The file keeps it until ``model`` is restored or collected."""
+    releases = []
     for name in sorted({type(module).__module__ for module in model.modules()}):
         file = sys.modules.get(name)
         if file in _rotary_users:
@@ -72,9 +74,10 @@ def fuse_rotary(model: nn.Module) -> int:
             _rotary_users[file] = [stock, 1]
         else:
             continue
-        files.append(file)
-    model.__dict__[_ROTARY_FILES] = files
-    return len(files)
+        # Runs once: at restore_rotary, or when a model nobody restored is collected (an engine just dropped).
+        releases.append(weakref.finalize(model, _release_rotary, file))
+    model.__dict__[_ROTARY_FILES] = releases
+    return len(releases)
 
 
 def restore(model: nn.Module) -> None:
@@ -91,12 +94,16 @@ def rotary_is_fused(model: nn.Module) -> bool:
 def restore_rotary(model: nn.Module) -> None:
     """Give the modeling files of ``model`` their stock rotary once no patched model uses the C++ one (a no-op on a
     model never fused)."""
-    for file in model.__dict__.pop(_ROTARY_FILES, ()):
-        users = _rotary_users[file]
-        users[1] -= 1
-        if users[1] == 0:
-            setattr(file, _ROTARY, users[0])
-            del _rotary_users[file]
+    for release in model.__dict__.pop(_ROTARY_FILES, ()):
+        release()
+
+
+def _release_rotary(file: types.ModuleType) -> None:
+    users = _rotary_users[file]
+    users[1] -= 1
+    if users[1] == 0:
+        setattr(file, _ROTARY, users[0])
+        del _rotary_users[file]
 
 
 def _rms_norm_eps(module: nn.Module) -> float | None:

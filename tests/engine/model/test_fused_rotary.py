@@ -4,6 +4,8 @@ stock function."""
 
 from __future__ import annotations
 
+import gc
+import sys
 import types
 
 import pytest
@@ -18,19 +20,41 @@ needs_cpp = pytest.mark.skipif(not cpu.available(), reason=f"C++ kernels unavail
 CPU = torch.device("cpu")
 
 
-@needs_cpp
-def test_the_modeling_file_gets_its_stock_rotary_back_when_the_last_model_is_restored():
+@pytest.fixture
+def modeling_file():
+    """A modeling file of its own (no other test's model shares it), whose rotary is transformers' Llama one, and
+    a class of module that comes from it."""
+    file = types.ModuleType("kvscope_test_modeling_file")
     stock = modeling_llama.apply_rotary_pos_emb
-    first = patches.apply(tiny_model("llama")[0], CPU, torch.float32)
-    second = patches.apply(tiny_model("llama")[0], CPU, torch.float32)
-    try:
-        assert fused_ops.rotary_is_fused(first) and modeling_llama.apply_rotary_pos_emb is not stock
-        patches.restore(first)
-        assert modeling_llama.apply_rotary_pos_emb is not stock   # the second model still uses it
-    finally:
-        patches.restore(first)
-        patches.restore(second)
-    assert modeling_llama.apply_rotary_pos_emb is stock
+    file.apply_rotary_pos_emb = getattr(stock, "__wrapped__", stock)     # stock, even while a Llama is patched
+    file.Layer = type("Layer", (torch.nn.Linear,), {"__module__": file.__name__})
+    sys.modules[file.__name__] = file
+    yield file
+    del sys.modules[file.__name__]
+
+
+@needs_cpp
+def test_the_file_gets_its_stock_rotary_back_when_the_last_model_is_restored(modeling_file):
+    stock = modeling_file.apply_rotary_pos_emb
+    first, second = modeling_file.Layer(2, 2), modeling_file.Layer(2, 2)
+    assert fused_ops.fuse_rotary(first) == 1 and fused_ops.fuse_rotary(second) == 1
+    assert fused_ops.rotary_is_fused(first) and modeling_file.apply_rotary_pos_emb is not stock
+    fused_ops.restore_rotary(first)
+    fused_ops.restore_rotary(first)     # twice is once
+    assert modeling_file.apply_rotary_pos_emb is not stock     # the second model still uses it
+    fused_ops.restore_rotary(second)
+    assert modeling_file.apply_rotary_pos_emb is stock and not fused_ops.rotary_is_fused(second)
+
+
+@needs_cpp
+def test_a_model_dropped_without_restore_gives_the_stock_rotary_back_when_collected(modeling_file):
+    stock = modeling_file.apply_rotary_pos_emb
+    model = modeling_file.Layer(2, 2)
+    fused_ops.fuse_rotary(model)
+    assert modeling_file.apply_rotary_pos_emb is not stock
+    del model
+    gc.collect()
+    assert modeling_file.apply_rotary_pos_emb is stock
 
 
 @needs_cpp
@@ -82,8 +106,6 @@ def test_a_file_whose_rotary_is_another_formula_keeps_it():
     file.apply_rotary_pos_emb = interleaved
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     model[0].__class__ = type("Linear", (torch.nn.Linear,), {"__module__": file.__name__})
-    import sys
-
     sys.modules[file.__name__] = file
     try:
         assert fused_ops.fuse_rotary(model) == 0
