@@ -121,6 +121,8 @@ ATiles a_tiles(const at::Tensor& x, int64_t steps) {
                split ? std::unique_ptr<uint32_t[]>(new uint32_t[size]) : nullptr};
   auto* hi = reinterpret_cast<c10::BFloat16*>(tiles.hi.get());
   auto* lo = reinterpret_cast<c10::BFloat16*>(tiles.lo.get());
+  const float* x_fp32 = split ? x.data_ptr<float>() : nullptr;
+  const c10::BFloat16* x_bf16 = split ? nullptr : x.data_ptr<c10::BFloat16>();
   at::parallel_for(0, padded, kTileRows, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t row_at = 2 * ((r / kTileRows * steps * kTileRows + r % kTileRows) * kTilePairs);
@@ -128,9 +130,9 @@ ATiles a_tiles(const at::Tensor& x, int64_t steps) {
         const int64_t k0 = s * 2 * kTilePairs, count = r < m ? std::min<int64_t>(2 * kTilePairs, k - k0) : 0;
         const int64_t at = row_at + s * 2 * kTileValues;
         if (split) {
-          split_step(x.data_ptr<float>() + r * k + k0, count, hi + at, lo + at);
+          split_step(x_fp32 + r * k + k0, count, hi + at, lo + at);
         } else {
-          std::memcpy(hi + at, x.data_ptr<c10::BFloat16>() + r * k + k0, count * sizeof(c10::BFloat16));
+          std::memcpy(hi + at, x_bf16 + r * k + k0, count * sizeof(c10::BFloat16));
           zero_tail(hi + at, count);
         }
       }

@@ -71,12 +71,14 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const int64_t xb = x.stride(0), xh = x.stride(1), xt = x.stride(2);
+  const int64_t ob = out.stride(0), oh = out.stride(1), ot = out.stride(2);
+  const int64_t cb = cos.stride(0), ct = cos.stride(1);   // sin is laid out as cos: both made contiguous
   at::parallel_for(0, batch * tokens * heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / (tokens * heads), t = row / heads % tokens, h = row % heads;
-      const int64_t position = b * cos.stride(0) + t * cos.stride(1);
-      rotate_row(xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2), cp + position, sp + position, half,
-                 op + b * out.stride(0) + h * out.stride(1) + t * out.stride(2));
+      const int64_t position = b * cb + t * ct;
+      rotate_row(xp + b * xb + h * xh + t * xt, cp + position, sp + position, half, op + b * ob + h * oh + t * ot);
     }
   });
   return out;

@@ -16,7 +16,7 @@ and the attention's forward looks it up there at every call. So the function is 
 long as any patched model of the architecture lives (counted; the last ``restore``, or the collection of the
 last patched model nobody restored, puts the stock one back), and only where it computes the rotate-half
 formula bit for bit like the C++ op on a probe. The replacement hands anything but fp32 CPU tensors of the usual
-shapes to the stock function, so another model of the same architecture in the process computes exactly what it
+shapes (which the op refuses) to the stock function, so another model of the same architecture in the process computes exactly what it
 would have.
 """
 
@@ -149,26 +149,17 @@ def _agrees(module: nn.Module, eps: float) -> bool:
 def _fast_rotary(stock):
     @functools.wraps(stock)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if args or kwargs not in ({}, {"unsqueeze_dim": 1}) or not _rotary_fits(q, k, cos, sin):
-            return stock(q, k, cos, sin, *args, **kwargs)
-        return cpu_kernels.rotary(q, k, cos, sin)
+        # The op checks what it takes (fp32 CPU tensors of the usual shapes) and refuses anything else in one
+        # error: that, another broadcast axis, or a call that wants gradients is the stock function's.
+        usual_call = not args and kwargs in ({}, {"unsqueeze_dim": 1})
+        if usual_call and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+            try:
+                return cpu_kernels.rotary(q, k, cos, sin)
+            except (RuntimeError, TypeError):
+                pass
+        return stock(q, k, cos, sin, *args, **kwargs)
 
     return apply_rotary_pos_emb
-
-
-def _rotary_fits(q, k, cos, sin) -> bool:
-    """What the C++ op takes: fp32 CPU tensors, q and k [batch, heads, tokens, dim] with unit stride along an even
-    dim, cos and sin [batch, tokens, dim], and no gradient wanted."""
-    tensors = (q, k, cos, sin)
-    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
-        return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    if cos.dim() != 3 or sin.shape != cos.shape:
-        return False
-    batch, tokens, dim = cos.shape
-    return dim % 2 == 0 and all(x.dim() == 4 and x.stride(3) == 1 and (x.shape[0], x.shape[2], x.shape[3]) ==
-                                (batch, tokens, dim) for x in (q, k))
 
 
 def _rotary_agrees(stock) -> bool:

@@ -130,4 +130,7 @@ def test_what_the_op_does_not_take_goes_to_the_stock_function():
     fast(q.transpose(1, 2), q.transpose(1, 2), cos, cos, unsqueeze_dim=2)   # heads on another axis
     fast(q[..., :6], q[..., :6], cos[..., :6], cos[..., :6])          # a head dim the op could take: it does
     fast(q, q, cos[..., :4], cos[..., :4])                            # partial rotary (cos shorter than the head)
-    assert seen == [torch.bfloat16, torch.float32, torch.float32]
+    wants_grad = q.clone().requires_grad_()
+    with torch.enable_grad():
+        fast(wants_grad, q, cos, cos)                                 # the op has no backward
+    assert seen == [torch.bfloat16, torch.float32, torch.float32, torch.float32]
