@@ -16,8 +16,8 @@ and the attention's forward looks it up there at every call. So the function is 
 long as any patched model of the architecture lives (counted; the last ``restore``, or the collection of the
 last patched model nobody restored, puts the stock one back), and only where it computes the rotate-half
 formula bit for bit like the C++ op on a probe. The replacement hands anything but fp32 CPU tensors of the usual
-shapes (which the op refuses) to the stock function, so another model of the same architecture in the process computes exactly what it
-would have.
+shapes (which the op refuses) to the stock function, so another model of the same architecture in the process
+computes exactly what it would have.
 """
 
 from __future__ import annotations
