@@ -5,15 +5,20 @@ tests/gpu/test_cuda.py runs them under pytest where a GPU is. Each returns an Ou
   window, softcap and sinks) against the torch oracle, fp32 and bf16, two block sizes;
 - greedy tokens of the engine on cuda against transformers' own generate on the same weights (fp32, chunked
   prefill), with how many different tokens came out (a model that repeats one token would prove nothing);
-- the KV pool sized from --gpu-memory-utilization: it grows by the memory the utilisation adds.
+- the KV pool sized from --gpu-memory-utilization: it grows by the memory the utilisation adds;
+- the sampler on the device (issue 34's part 3): greedy is the first maximum, a seeded row draws the same token
+  in a batch of 256 as alone, and what a call costs at batch 256 over SmolLM2's vocabulary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +142,44 @@ def pool_sizing(model, tokenizer, utilisations: tuple[float, float] = (0.3, 0.6)
     return Outcome(passed, f"{utilisations[0]}: {low_blocks:,} blocks ({low_bytes / gib:.1f} GiB), "
                            f"{utilisations[1]}: {high_blocks:,} ({high_bytes / gib:.1f} GiB); the difference "
                            f"{(high_bytes - low_bytes) / gib:.1f} GiB, expected {expected_growth / gib:.1f}")
+
+
+SAMPLER_BATCH = 256
+SAMPLER_VOCAB = 49_152      # SmolLM2's vocabulary
+SAMPLER_KNOBS = {"greedy": SamplingParams(temperature=0.0),
+                 "t0.7/p0.95": SamplingParams(temperature=0.7, top_p=0.95),
+                 "t1.0": SamplingParams(temperature=1.0)}
+
+
+def sampler_on_device(device: str = "cuda", batch: int = SAMPLER_BATCH, vocab: int = SAMPLER_VOCAB,
+                      repeats: int = 20) -> Outcome:
+    """The engine's Sampler over random fp32 logits on ``device``: greedy rows give each row's first maximum; seeded
+    random rows draw in the whole batch what each draws alone (its uniforms are keyed by seed, not by the batch);
+    the median wall time of a call, the returned ids on the host included (the step's one synchronisation)."""
+    from kvscope.engine.model.sampler import Sampler, SampleRow
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn((batch, vocab), generator=generator) * 3).to(device)
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1      # a tie: the first maximum wins
+    times, ok = {}, True
+    for name, params in SAMPLER_KNOBS.items():
+        rows = [SampleRow(dataclasses.replace(params, seed=row).normalized(), 0, 100 + row) for row in range(batch)]
+        sampler = Sampler(0)
+        tokens = sampler.sample(logits, rows)
+        if params.greedy:
+            ok &= tokens == [7, *logits[1:].argmax(dim=-1).tolist()]
+        else:
+            alone = [sampler.sample(logits[row:row + 1], rows[row:row + 1])[0] for row in range(0, batch, 37)]
+            ok &= alone == tokens[::37] and len(set(tokens)) > batch // 2
+        spent = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            sampler.sample(logits, rows)
+            spent.append(time.perf_counter() - start)
+        times[name] = statistics.median(spent) * 1000
+    detail = ", ".join(f"{name} {ms:.2f} ms" for name, ms in times.items())
+    return Outcome(ok, f"batch {batch} x {vocab:,} on {device}: greedy = first maxima, seeded rows equal alone and "
+                       f"batched{'' if ok else ' (NOT!)'}; a call, ids on the host: {detail}")
 
 
 def free_gpu_memory() -> None:

@@ -9,7 +9,8 @@ that fails is a row saying why, and the others still run:
 
 1. environment: torch, triton and transformers as found, the GPU, and what the installed wheels need that the
    machine's Python lacks (tests/gpu/gpu_wheels.py);
-2. the compiled Triton kernels against the torch oracle (tests/gpu/cuda_checks.py);
+2. the compiled Triton kernels against the torch oracle, and the sampler on the device: its greedy and seeded draws,
+   and what a call costs at batch 256 (tests/gpu/cuda_checks.py);
 3. the models: kvscope's default model where it is installed, else a random-weight model of its shape, and a
    random-weight model of a 1B Llama's (Llama-3.2-1B) shape (tests/gpu/random_models.py), built on the GPU;
 4. per model: exact greedy tokens against transformers on cuda (fp32);
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if environment(table, args.site, args.device):
         if args.device == "cuda":
             table.run("Triton kernels vs torch oracle", "-", cuda_checks.kernels_against_oracle)
+        table.run("sampler on the device", "-", cuda_checks.sampler_on_device, args.device)
         with tempfile.TemporaryDirectory(prefix="kvscope-gpu-models-") as scratch:
             try:
                 chosen = models(args.models or Path(scratch), args.quick, args.device)

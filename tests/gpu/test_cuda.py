@@ -28,6 +28,11 @@ def test_compiled_decode_and_prefill_match_the_torch_oracle():
     assert outcome.passed, outcome.text
 
 
+def test_the_sampler_on_cuda_keeps_first_maxima_and_seeded_rows():
+    outcome = cuda_checks.sampler_on_device("cuda")
+    assert outcome.passed, outcome.text
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_generation_on_cuda_is_token_identical_to_transformers(arch):
     model, tok = tiny_model(arch)

@@ -122,3 +122,9 @@ def test_a_failing_bench_runs_again_without_its_last_peer_but_a_timeout_does_not
     gpu_check.bench(table, "m", "folder", "cuda", None)
     assert [(row[0], row[2], row[3]) for row in table.rows] == [
         ("bench mixed bf16 kvscope-paged,hf-static,hf-cb", "FAILED", "timed out")]
+
+
+def test_the_sampler_part_on_the_cpu_keeps_first_maxima_and_seeded_rows():
+    outcome = cuda_checks.sampler_on_device("cpu", batch=64, vocab=4096, repeats=1)
+    assert outcome.passed, outcome.text
+    assert "greedy" in outcome.text and "t0.7/p0.95" in outcome.text
