@@ -94,6 +94,11 @@ class EngineConfig:
     allocator: Literal["paged", "contiguous"] = field(default="paged", metadata=_help(
         "contiguous reserves max_model_len per request: the pre-paging baseline"))
     seed: int = field(default=0, metadata=_help("seed of the sampler for requests without their own"))
+    # On until a GPU run has checked the graphs (engine/model/cuda_graphs.py says what ran where); vLLM's default,
+    # graphs on, is the one to come.
+    enforce_eager: bool = field(default=True, metadata=_help(
+        "CUDA: run decode steps eagerly; --no-enforce-eager replays them from CUDA graphs captured at start-up "
+        "(not yet run on a GPU, so off by default)"))
     cpu_threads_bind: str = field(default="none", metadata=_help(
         "CPU: pin the compute threads, one per core, as vLLM does: none (the OS places them), auto (torch's "
         "thread count on the first cores, if there are enough), or cores like 0-1", "CORES"))

@@ -17,6 +17,7 @@ from kvscope.engine.batch import BatchItem, ScheduledBatch
 from kvscope.engine.config import ConfigError, EngineConfig, SamplingParams
 from kvscope.engine.kv_cache_groups import KVCacheGroup, group_layers, layers_per_block
 from kvscope.engine.model import patches, threads
+from kvscope.engine.model.cuda_graphs import DecodeGraphs
 from kvscope.engine.model.layer_kinds import layer_attention_kinds
 from kvscope.engine.model.loader import load_model
 from kvscope.engine.model.logits_processing import ContextRow, prompt_logprobs
@@ -100,6 +101,7 @@ class ModelRunner:
                                   self.head_dim, element)
         self.bytes_per_block = self.kv_layout.bytes_per_token * self.block_size
         self.sampler = Sampler(config.seed)
+        self.graphs: DecodeGraphs | None = None     # captured once the pool exists
         self.num_device_blocks, self.num_host_blocks = size_pool(self)
         self.kv_cache = self._allocate_cache(self.num_device_blocks)
         self.host_cache = self._allocate_host_cache()
@@ -107,6 +109,9 @@ class ModelRunner:
         self.banner = format_banner(self.num_device_blocks, self.block_size, self.kv_cache_bytes,
                                     self.max_model_len, str(self.device), self.kv_cache_groups,
                                     config.max_num_batched_tokens)
+        self.graphs, graphs_note = self._capture_graphs()
+        if graphs_note:
+            self.banner += "\n" + graphs_note
         self.info = RunnerInfo(
             model_name=self.model_name, device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
             block_size=self.block_size, num_device_blocks=self.num_device_blocks,
@@ -115,6 +120,25 @@ class ModelRunner:
             sampling_defaults=sampling_defaults(self.model.generation_config), kv_layout=self.kv_layout,
             kv_cache_groups=self.kv_cache_groups, max_num_batched_tokens=config.max_num_batched_tokens)
         _freeze_heap()
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> tuple[DecodeGraphs | None, str]:
+        """Decode's CUDA graphs (engine/model/cuda_graphs.py), on CUDA for a model with one KV-cache group, and a
+        line for the banner. A model whose forward cannot be captured still runs, eagerly, and the line says why."""
+        if not self._graphs_wanted():
+            return None, ""
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.layer_windows, self.config.max_num_seqs,
+                              self.max_model_len, self.block_size)
+        try:
+            graphs.capture()
+        except RuntimeError as exc:
+            torch.cuda.synchronize(self.device)
+            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            return None, f"Decode CUDA graphs could not be captured, so decode runs eagerly: {reason}"
+        return graphs, graphs.note()
+
+    def _graphs_wanted(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager and len(self.kv_cache_groups) <= 1
 
     def _resolve_max_model_len(self, text_config) -> int:
         limit = getattr(text_config, "max_position_embeddings", None) or 2048
@@ -181,8 +205,11 @@ class ModelRunner:
         if prompt_spans:    # the LM head over those prompts too, only because they asked
             logit_rows = torch.cat([logit_rows, torch.cat([torch.arange(start, start + len(item.token_ids))
                                                            for _, start, item in prompt_spans]).to(self.device)])
-        hidden_logits = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logit_rows,
-                                   kvscope_ctx=ctx, use_cache=False).logits[0]
+        if self.graphs is not None and not prompt_spans and self.graphs.takes(ctx, input_ids, logit_rows):
+            hidden_logits = self.graphs.replay(ctx, input_ids, positions)
+        else:
+            hidden_logits = self.model(input_ids=input_ids, position_ids=positions, logits_to_keep=logit_rows,
+                                       kvscope_ctx=ctx, use_cache=False).logits[0]
         logprobs: dict[int, ItemLogprobs] = {}
         if prompt_spans:
             logprobs = self._prompt_logprobs(hidden_logits[num_sampled_rows:], prompt_spans)

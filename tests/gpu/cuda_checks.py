@@ -5,6 +5,8 @@ tests/gpu/test_cuda.py runs them under pytest where a GPU is. Each returns an Ou
   window, softcap and sinks) against the torch oracle, fp32 and bf16, two block sizes;
 - greedy tokens of the engine on cuda against transformers' own generate on the same weights (fp32, chunked
   prefill), with how many different tokens came out (a model that repeats one token would prove nothing);
+- greedy tokens with decode replayed from CUDA graphs (engine/model/cuda_graphs.py) against transformers', as the
+  batch shrinks through padded bucket sizes, and how often the graphs served;
 - the KV pool sized from --gpu-memory-utilization: it grows by the memory the utilisation adds;
 - the sampler on the device (issue 34's part 3): greedy is the first maximum, a seeded row draws the same token
   in a batch of 256 as alone, and what a call costs at batch 256 over SmolLM2's vocabulary.
@@ -25,6 +27,7 @@ import torch
 
 from kvscope.app.bench.accuracy import transformers_greedy
 from kvscope.engine import EngineConfig, LLMEngine, SamplingParams
+from kvscope.engine.model import patches
 from kvscope.kernels.testing import TOLERANCE, make_query, random_layout
 
 CHUNK = 64      # the exactness run's step budget: long prompts prefill in chunks, as under load
@@ -105,14 +108,15 @@ def _decode_with_a_padded_row(decode: tuple, variant: dict, partition: int) -> t
 
 def exact_tokens(model, tokenizer, requests: int = 8, tokens: int = 16, seed: int = 0) -> Outcome:
     """``model`` (fp32, on its device: cuda, or the CPU for the check's dry run): the engine's greedy tokens for
-    ``requests`` prompts in one batch against transformers' generate of each alone."""
+    ``requests`` prompts in one batch against transformers' generate of each alone, every step eager
+    (``graphs_exact_tokens`` checks the graphs)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(3, 200))] for _ in range(requests)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     expected = [transformers_greedy(model, prompt, tokens, pad) for prompt in prompts]
     engine = LLMEngine(EngineConfig(device=model.device.type, dtype="float32", num_blocks=requests * 16,
-                                    max_model_len=256,
-                                    max_num_batched_tokens=CHUNK), model=model, tokenizer=tokenizer)
+                                    max_model_len=256, max_num_batched_tokens=CHUNK, enforce_eager=True),
+                       model=model, tokenizer=tokenizer)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
                                                       detokenize=False))
     equal = sum(1 for output, reference in zip(outputs, expected) if list(output.token_ids) == reference)
@@ -122,6 +126,51 @@ def exact_tokens(model, tokenizer, requests: int = 8, tokens: int = 16, seed: in
     return Outcome(equal == requests and distinct > tokens // 2,
                    f"{equal}/{requests} requests token-identical over {tokens} tokens (fp32, steps of {CHUNK} "
                    f"tokens); {distinct} different tokens")
+
+
+def graphs_exact_tokens(model, tokenizer, requests: int = 7, seed: int = 1) -> Outcome:
+    """``model`` (fp32, on cuda): ``requests`` prompts whose max_tokens all differ, so the decode batch shrinks
+    one request at a time through sizes that pad their bucket (7 in 8, 6 in 8, 3 in 4); the engine's tokens
+    against transformers' generate of each alone, and the decode steps the graphs replayed."""
+    patches.restore(model)     # stock transformers for the reference, whatever engine had the model before
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randint(3, 120))] for _ in range(requests)]
+    lengths = [6 + 3 * index for index in range(requests)]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    expected = [transformers_greedy(model, prompt, tokens, pad) for prompt, tokens in zip(prompts, lengths)]
+    engine = LLMEngine(EngineConfig(device=model.device.type, dtype="float32", num_blocks=requests * 16,
+                                    max_model_len=256, max_num_seqs=requests, max_num_batched_tokens=CHUNK,
+                                    enforce_eager=False), model=model, tokenizer=tokenizer)
+    graphs = engine.runner.graphs
+    if graphs is None:
+        del engine
+        free_gpu_memory()
+        return Outcome(False, "no CUDA graphs were captured (the banner says why)")
+    served = {"steps": 0, "padded": 0}
+    replay, sizes = graphs.replay, graphs.sizes
+
+    def counted(ctx, input_ids, positions):
+        served["steps"] += 1
+        served["padded"] += input_ids.shape[1] not in sizes
+        return replay(ctx, input_ids, positions)
+
+    graphs.replay = counted
+    outputs = [None] * requests
+    ids = [engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                                                     detokenize=False))
+           for prompt, tokens in zip(prompts, lengths)]
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            if output.finished:
+                outputs[ids.index(output.request_id)] = list(output.token_ids)
+    equal = sum(1 for output, reference in zip(outputs, expected) if output == reference)
+    note = graphs.note()
+    del engine, graphs
+    free_gpu_memory()
+    passed = equal == requests and served["padded"] > 0
+    return Outcome(passed, f"{equal}/{requests} requests token-identical (fp32, max_tokens {lengths[0]}-"
+                           f"{lengths[-1]}); {served['steps']} decode steps replayed, {served['padded']} of them "
+                           f"padded; {note}")
 
 
 def pool_sizing(model, tokenizer, utilisations: tuple[float, float] = (0.3, 0.6)) -> Outcome:

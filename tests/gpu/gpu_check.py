@@ -13,10 +13,11 @@ that fails is a row saying why, and the others still run:
    and what a call costs at batch 256 (tests/gpu/cuda_checks.py);
 3. the models: kvscope's default model where it is installed, else a random-weight model of its shape, and a
    random-weight model of a 1B Llama's (Llama-3.2-1B) shape (tests/gpu/random_models.py), built on the GPU;
-4. per model: exact greedy tokens against transformers on cuda (fp32);
+4. per model: exact greedy tokens against transformers on cuda (fp32), with every decode step eager and with
+   decode replayed from CUDA graphs through padded batch sizes;
 5. the pool sized from --gpu-memory-utilization;
-6. per model, bf16: a decode step at batch 64 and 256: step ms, tok/s, host ms, GPU busy share, kernels a step
-   (tests/gpu/step_profile.py);
+6. per model, bf16: a decode step at batch 64 and 256, from CUDA graphs and eager (--enforce-eager): step ms,
+   tok/s, host ms, GPU busy share, kernels a step (tests/gpu/step_profile.py);
 7. per model, bf16: `kvscope bench throughput` on the mixed workload, kvscope against transformers' static
    batches (hf-static) and continuous batching (hf-cb), with the accuracy columns against transformers fp32.
 """
@@ -142,19 +143,22 @@ def per_model_checks(table: Table, label: str, folder: str, first: bool, device:
 def _per_model_checks(table: Table, label: str, folder: str, first: bool, device: str, batches) -> None:
     fp32, tokenizer = load_model(folder, torch.float32, device)
     table.run("exact tokens vs transformers", label, cuda_checks.exact_tokens, fp32, tokenizer)
+    if device == "cuda":
+        table.run("exact tokens, decode from CUDA graphs", label, cuda_checks.graphs_exact_tokens, fp32, tokenizer)
     del fp32
     cuda_checks.free_gpu_memory()
     bf16, tokenizer = load_model(folder, torch.bfloat16, device)
     if first and device == "cuda":
         table.run("pool from --gpu-memory-utilization", label, cuda_checks.pool_sizing, bf16, tokenizer)
     for batch in batches:
-        table.run(f"decode step, batch {batch}", label, _profile, bf16, tokenizer, batch, device)
+        table.run(f"decode step, batch {batch}, graphs", label, _profile, bf16, tokenizer, batch, device, False)
+        table.run(f"decode step, batch {batch}, eager", label, _profile, bf16, tokenizer, batch, device, True)
     del bf16
     cuda_checks.free_gpu_memory()
 
 
-def _profile(model, tokenizer, batch: int, device: str) -> cuda_checks.Outcome:
-    profile = step_profile.decode_profile(model, tokenizer, batch, device=device)
+def _profile(model, tokenizer, batch: int, device: str, enforce_eager: bool) -> cuda_checks.Outcome:
+    profile = step_profile.decode_profile(model, tokenizer, batch, device=device, enforce_eager=enforce_eager)
     return cuda_checks.Outcome(True, profile.text())
 
 

@@ -101,14 +101,16 @@ class DecodeProfile:
 
 
 def decode_profile(model, tokenizer, batch: int, *, device: str = "cuda", dtype: str = "bfloat16",
-                   prompt_len: int = 128, seed: int = 0) -> DecodeProfile:
-    """``batch`` requests of ``prompt_len`` random prompt tokens, prefilled, then timed and traced decode steps."""
+                   prompt_len: int = 128, seed: int = 0, enforce_eager: bool = False) -> DecodeProfile:
+    """``batch`` requests of ``prompt_len`` random prompt tokens, prefilled, then timed and traced decode steps
+    (replayed from CUDA graphs unless ``enforce_eager``)."""
     prefill_steps = -(-batch * prompt_len // STEP_BUDGET) + 1
     max_tokens = prefill_steps + WARM_UP + 2 * STEPS + 8     # every request still decoding when the trace ends
     blocks = batch * -(-(prompt_len + max_tokens) // BLOCK_SIZE)
     engine = LLMEngine(EngineConfig(device=device, dtype=dtype, block_size=BLOCK_SIZE, num_blocks=blocks,
                                     max_model_len=prompt_len + max_tokens, max_num_seqs=batch,
-                                    max_num_batched_tokens=STEP_BUDGET, enable_prefix_caching=False),
+                                    max_num_batched_tokens=STEP_BUDGET, enable_prefix_caching=False,
+                                    enforce_eager=enforce_eager),
                        model=model, tokenizer=tokenizer)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)

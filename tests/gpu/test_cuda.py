@@ -58,6 +58,12 @@ def test_the_smollm2_shape_on_cuda_is_token_identical_to_transformers(smollm2_sh
     assert outcome.passed, outcome.text
 
 
+def test_decode_replayed_from_cuda_graphs_is_token_identical_to_transformers(smollm2_shape):
+    model, tokenizer = load_model(smollm2_shape, torch.float32, "cuda")
+    outcome = cuda_checks.graphs_exact_tokens(model, tokenizer)
+    assert outcome.passed, outcome.text
+
+
 def test_the_pool_grows_with_gpu_memory_utilization(smollm2_shape):
     model, tokenizer = load_model(smollm2_shape, torch.bfloat16, "cuda")
     outcome = cuda_checks.pool_sizing(model, tokenizer)

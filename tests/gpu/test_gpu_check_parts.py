@@ -10,6 +10,7 @@ import pytest
 import random_models
 import step_profile
 import torch
+from graph_stand_in import graphs_on_cpu, skip_padded_slots
 
 from kvscope.engine.model.loader import load_model
 
@@ -128,3 +129,17 @@ def test_the_sampler_part_on_the_cpu_keeps_first_maxima_and_seeded_rows():
     outcome = cuda_checks.sampler_on_device("cpu", batch=64, vocab=4096, repeats=1)
     assert outcome.passed, outcome.text
     assert "greedy" in outcome.text and "t0.7/p0.95" in outcome.text
+
+
+def test_the_graphs_exactness_part_counts_padded_replays_with_stand_in_graphs(tmp_path, monkeypatch):
+    """The check's graphs part on the CPU, over stand-in graphs (tests/support/graph_stand_in.py): the batch
+    shrinks through padded buckets and the tokens equal transformers'; with no graphs it fails, saying so."""
+    shape = random_models.SMOLLM2_135M
+    folder = random_models.build(shape, tmp_path / "model", **random_models.tiny(shape))
+    model, tokenizer = load_model(str(folder), torch.float32, "cpu")
+    assert not cuda_checks.graphs_exact_tokens(model, tokenizer, requests=3).passed
+    graphs_on_cpu(monkeypatch)
+    skip_padded_slots(monkeypatch)
+    outcome = cuda_checks.graphs_exact_tokens(model, tokenizer, requests=3)
+    assert outcome.passed, outcome.text
+    assert outcome.text.startswith("3/3 requests token-identical") and "padded" in outcome.text
