@@ -37,6 +37,11 @@ class LessonPanel(LinePanel, can_focus=True):
     def on_resize(self) -> None:
         self.call_after_refresh(self._cue_more)
 
+    def watch_virtual_size(self) -> None:
+        # Text that re-wraps to more or fewer rows without the panel resizing (a scrollbar taking a column, a
+        # theme change) moves the bottom too: the cue from the last resize or beat would be stale.
+        self.call_after_refresh(self._cue_more)
+
     def _cue_more(self) -> None:
         self.border_subtitle = MORE if self.more_below else ""
 
