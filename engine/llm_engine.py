@@ -65,9 +65,14 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
         """Queue a prompt: str, token ids, chat messages, or a TokenizedPrompt from ``tokenize`` (taken as is).
         RequestError if refused; then nothing changed.
+
+        ``arrival_time`` (time.time()): when the request reached whoever hands it on, as vLLM's add_request takes
+        it; a server that queues requests for the engine's thread passes the moment it got them, so that the
+        wait for the step in progress counts in the request's queue time and time to first token. Default: now.
 
         The engine keeps a checked copy of ``params``: changing the object afterwards changes nothing.
         ``max_tokens=None`` becomes what is left after the prompt (``reply_room``).
@@ -75,7 +80,7 @@ class LLMEngine:
         if not isinstance(prompt, TokenizedPrompt):
             prompt = self.tokenize(prompt)     # before the lock: a long prompt does not hold up the steps
         with self._lock:
-            request = self._make_request(prompt, params, request_id)
+            request = self._make_request(prompt, params, request_id, arrival_time)
             self.scheduler.add(request)
             if self.observers:
                 request_id, n, num_tokens = request.request_id, request.params.n, len(prompt.token_ids)
@@ -113,8 +118,12 @@ class LLMEngine:
                     self.observers.remove(observer)
         return detach
 
-    def _make_request(self, prompt: TokenizedPrompt, params: SamplingParams | None, request_id: str | None) -> Request:
+    def _make_request(self, prompt: TokenizedPrompt, params: SamplingParams | None, request_id: str | None,
+                      arrival_time: float | None = None) -> Request:
         """Check everything about a new request, changing nothing; the Request if it is acceptable."""
+        now = time.time()
+        if arrival_time is not None and not (isinstance(arrival_time, int | float) and 0 < arrival_time <= now):
+            raise RequestError(f"arrival_time must be a time.time() no later than now, got {arrival_time!r}")
         if request_id is not None:
             self._check_request_id(request_id)
         if params is None:
@@ -133,7 +142,8 @@ class LLMEngine:
             knobs = {"bad_words": bad_word_token_ids(self.tokenizer, params.bad_words),
                      "grammar": self._grammar(params)}
         return Request(request_id if request_id is not None else self._new_request_id(), token_ids, params,
-                       next(self._arrivals), time.time(), tokenizer=self.tokenizer, prompt_preview=prompt.preview,
+                       next(self._arrivals), arrival_time or now, tokenizer=self.tokenizer,
+                       prompt_preview=prompt.preview,
                        stop_token_ids=stop_token_ids,
                        max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len), **knobs)
 

@@ -297,6 +297,8 @@ class Scheduler(RequestEndings):
 
     def _enter_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:    # vLLM's queue time ends here, and its prefill time starts
+            request.first_scheduled_time = time.time()
         bisect.insort(self.running, request, key=_by_arrival)
 
     def _preempt(self, victim: Request) -> None:
@@ -340,8 +342,6 @@ class Scheduler(RequestEndings):
             start = item.start_pos
             commit(seq, start, num_new)
             seq.num_computed_tokens = start + num_new
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
             sample_indices = item.sample_indices
             if not sample_indices:
                 continue    # mid-prefill

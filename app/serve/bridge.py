@@ -151,7 +151,8 @@ class EngineBridge:
         with self._lock:
             for request_id in request_ids:
                 self._streams[request_id] = stream
-        call = asyncio.wrap_future(self._submit(self._add_all, prompts, params, request_ids))
+        arrival = time.time()   # before the wait for the engine thread, as vLLM's front end stamps its requests
+        call = asyncio.wrap_future(self._submit(self._add_all, prompts, params, request_ids, arrival))
         try:
             await asyncio.shield(call)
         except BaseException:
@@ -179,9 +180,9 @@ class EngineBridge:
                 except BaseException as exc:
                     future.set_exception(exc)
 
-    def _add_all(self, prompts: list, params: list, request_ids: list[str]) -> None:
+    def _add_all(self, prompts: list, params: list, request_ids: list[str], arrival: float) -> None:
         for prompt, sampling, request_id in zip(prompts, params, request_ids):
-            self.engine.add_request(prompt, sampling, request_id=request_id)
+            self.engine.add_request(prompt, sampling, request_id=request_id, arrival_time=arrival)
 
     def release(self, stream: RequestStream) -> None:
         """The request's coroutine is done with the stream: abort what has not finished (a client that left,

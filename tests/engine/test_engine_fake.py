@@ -244,6 +244,39 @@ def test_step_stats_count_tokens_and_metrics_are_ordered():
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
 
 
+def test_queue_time_ends_when_the_request_is_scheduled_and_its_prefill_time_spans_the_forward(monkeypatch):
+    """vLLM's split of the time to first token: queue time from the arrival (passed in, as a server stamps it
+    before handing the request on) to the first scheduling, taken by the scheduler before the forward; prefill
+    time from there to the first token, so a forward that takes 50 ms counts there."""
+    import time
+
+    engine = make_engine()
+    execute = engine.runner.execute
+
+    def slow_execute(batch):
+        time.sleep(0.05)
+        return execute(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", slow_execute)
+    arrived = time.time() - 1.0
+    engine.add_request(list(range(10)), greedy(2), arrival_time=arrived)
+    m = run_checked(engine)[-1].metrics
+    assert m.arrival_time == arrived
+    assert 1.0 <= m.first_scheduled_time - m.arrival_time < m.first_token_time - m.arrival_time
+    assert m.first_token_time - m.first_scheduled_time >= 0.05
+
+
+@pytest.mark.parametrize("arrival_time", ["now", -1.0, 0, float("nan"), "later"])
+def test_an_arrival_time_that_is_not_a_past_time_is_refused_and_nothing_changes(arrival_time):
+    import time
+
+    engine = make_engine()
+    when = time.time() + 3600 if arrival_time == "later" else arrival_time
+    with pytest.raises(RequestError, match="arrival_time"):
+        engine.add_request(list(range(10)), greedy(2), arrival_time=when)
+    assert not engine.has_unfinished_requests()
+
+
 def test_every_output_carries_the_metrics_as_they_stand():
     """Each step's output has the request's times as of that step: the first token's from its first output on,
     the finish time only on the final output, whether it finished by length or by an abort."""

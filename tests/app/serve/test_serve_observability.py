@@ -4,6 +4,7 @@ pool size and prefix-cache hit rate."""
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,8 +78,6 @@ def test_metrics_match_the_engines_step_stats_and_the_replies(loaded):
 
 
 def test_the_status_line_reads_like_vllms(loaded):
-    import re
-
     from kvscope.app.serve.status_log import StatusLine
 
     engine, server, recorder, replies = loaded
@@ -123,3 +122,50 @@ def test_kvscope_attach_sees_the_same_pool_size_and_hit_rate(loaded):
     assert frame.rates.hit_rate == pytest.approx(last.prefix_cache_hits / last.prefix_cache_queries)
     assert frame.connection.state == "connected"
     assert frame.streams[0].num_malformed == 0 and frame.streams[0].num_lost == 0
+
+
+def test_a_request_that_waits_for_the_step_in_progress_counts_the_wait_as_queue_time():
+    """The server stamps a request's arrival when it gets it, as vLLM's front end does, not when the engine's
+    thread takes it between steps: a request sent while a step is held for 0.3 s shows that wait in its queue
+    time (arrival to first scheduled), and the histograms vLLM exports split its TTFT into queue and prefill."""
+    engine = tiny_engine(num_blocks=24)
+    recorder = StepRecorder()
+    engine.add_observer(recorder)
+    inside, gate = threading.Event(), threading.Event()
+    gate.set()
+    execute = engine.runner.execute
+
+    def gated(batch):
+        inside.set()
+        gate.wait(10)
+        return execute(batch)
+
+    engine.runner.execute = gated
+    with running_server(engine) as server:
+        api = client(server)
+        first = threading.Thread(target=lambda: api.completions.create(
+            model="tiny", prompt="the first", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}))
+        first.start()
+        wait_until(lambda: any(o.request_id for r in recorder.results for o in r.outputs))
+        gate.clear()
+        inside.clear()
+        assert inside.wait(10)      # a step of the first request is held
+        second = threading.Thread(target=lambda: api.completions.create(
+            model="tiny", prompt="the second", max_tokens=2, temperature=0, extra_body={"ignore_eos": True}))
+        second.start()
+        threading.Event().wait(0.3)
+        gate.set()
+        second.join(30)
+        first.join(30)
+        page = httpx.get(f"{server.url}/metrics").text
+    finals = [o for r in recorder.results for o in r.outputs if o.finished]
+    late = max(finals, key=lambda o: o.metrics.arrival_time).metrics
+    assert late.first_scheduled_time - late.arrival_time >= 0.25
+    assert late.first_token_time >= late.first_scheduled_time
+    metrics = parse_metrics(page, 0.0).totals()
+    ttft, queue = metrics.histogram("ttft"), metrics.histogram("queue")
+    prefill = {part: float(re.search(rf"^vllm:request_prefill_time_seconds_{part}{{[^}}]*}} (\S+)$", page, re.M)[1])
+               for part in ("sum", "count")}
+    assert ttft.count == queue.count == prefill["count"] == 2
+    assert queue.sum >= 0.25 and prefill["sum"] > 0
+    assert queue.sum + prefill["sum"] == pytest.approx(ttft.sum, abs=1e-3)
