@@ -131,8 +131,7 @@ class ModelRunner:
                               self.max_model_len, self.block_size)
         try:
             graphs.capture()
-        except RuntimeError as exc:
-            torch.cuda.synchronize(self.device)
+        except RuntimeError as exc:     # torch ends the capture on the way out; the graphs taken are dropped
             reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
             return None, f"Decode CUDA graphs could not be captured, so decode runs eagerly: {reason}"
         return graphs, graphs.note()

@@ -123,3 +123,21 @@ def test_enforce_eager_captures_nothing(monkeypatch):
     engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", num_blocks=64, max_model_len=64,
                                     enforce_eager=True), model=model, tokenizer=tok)
     assert engine.runner.graphs is None and not captured and "CUDA graphs" not in engine.banner
+
+
+def test_a_forward_that_cannot_be_captured_runs_eagerly_and_the_banner_says_why(monkeypatch):
+    model, tok = tiny_model("llama")
+    expected = reference_generate(model, tok, [5, 6, 7], 4)
+    monkeypatch.setattr("kvscope.engine.model.model_runner.ModelRunner._graphs_wanted", lambda self: True)
+
+    def refuse(self):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(DecodeGraphs, "capture", refuse)
+    engine = LLMEngine(EngineConfig(device="cpu", dtype="float32", num_blocks=64, max_model_len=64),
+                       model=model, tokenizer=tok)
+    assert engine.runner.graphs is None
+    assert engine.banner.endswith("Decode CUDA graphs could not be captured, so decode runs eagerly: operation not "
+                                  "permitted when stream is capturing")
+    assert list(engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0,
+                                                            ignore_eos=True))[0].token_ids) == expected
