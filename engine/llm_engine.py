@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable
 
-from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
+from kvscope.engine.config import EngineConfig, RequestError, SamplingParams, _checked
 from kvscope.engine.observer import EngineObserver
 from kvscope.engine.outputs import CacheSnapshot, RequestOutput, StepResult
 from kvscope.engine.prompt import PromptTokenizer, TokenizedPrompt
@@ -122,8 +122,10 @@ class LLMEngine:
                       arrival_time: float | None = None) -> Request:
         """Check everything about a new request, changing nothing; the Request if it is acceptable."""
         now = time.time()
-        if arrival_time is not None and not (isinstance(arrival_time, int | float) and 0 < arrival_time <= now):
-            raise RequestError(f"arrival_time must be a time.time() no later than now, got {arrival_time!r}")
+        arrival_time = _checked("arrival_time", arrival_time, float | None, RequestError)
+        if arrival_time is not None and not 0 < arrival_time <= now:
+            raise RequestError(f"arrival_time must be a time.time() no later than now, got {arrival_time!r}",
+                               "arrival_time")
         if request_id is not None:
             self._check_request_id(request_id)
         if params is None:

@@ -8,6 +8,7 @@ import math
 import sqlite3
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -266,15 +267,18 @@ def test_queue_time_ends_when_the_request_is_scheduled_and_its_prefill_time_span
     assert m.first_token_time - m.first_scheduled_time >= 0.05
 
 
-@pytest.mark.parametrize("arrival_time", ["now", -1.0, 0, float("nan"), "later"])
-def test_an_arrival_time_that_is_not_a_past_time_is_refused_and_nothing_changes(arrival_time):
-    import time
-
+@pytest.mark.parametrize("arrival_time", ["now", True, -1.0, 0, float("nan"), "later"])
+def test_an_arrival_time_that_is_not_a_past_time_is_refused_and_the_engine_goes_on(arrival_time):
     engine = make_engine()
+    engine.add_request(list(range(10)), greedy(3), request_id="running")
+    engine.step()
     when = time.time() + 3600 if arrival_time == "later" else arrival_time
-    with pytest.raises(RequestError, match="arrival_time"):
+    with pytest.raises(RequestError, match="arrival_time") as refused:
         engine.add_request(list(range(10)), greedy(2), arrival_time=when)
-    assert not engine.has_unfinished_requests()
+    assert refused.value.param == "arrival_time"
+    assert [r.request_id for r in engine.scheduler.running] == ["running"] and not engine.scheduler.waiting
+    final = run_checked(engine)[-1]
+    assert final.request_id == "running" and final.finished and len(final.token_ids) == 3
 
 
 def test_every_output_carries_the_metrics_as_they_stand():
