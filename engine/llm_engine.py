@@ -31,6 +31,10 @@ from kvscope.engine.snapshot import PhaseTimes, build_snapshot, build_stats
 
 _PREVIEW_CHARS = 80
 
+# A server stamps arrivals on one thread and the engine reads the clock on another: time.time() may step back a
+# little between the two (a VM's clock being set), which must not refuse the request.
+CLOCK_SKEW_S = 1.0
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None, runner: Runner | None = None) -> None:
@@ -123,7 +127,7 @@ class LLMEngine:
         """Check everything about a new request, changing nothing; the Request if it is acceptable."""
         now = time.time()
         arrival_time = _checked("arrival_time", arrival_time, float | None, RequestError)
-        if arrival_time is not None and not 0 < arrival_time <= now:
+        if arrival_time is not None and not 0 < arrival_time <= now + CLOCK_SKEW_S:
             raise RequestError(f"arrival_time must be a time.time() no later than now, got {arrival_time!r}",
                                "arrival_time")
         if request_id is not None:
@@ -144,7 +148,7 @@ class LLMEngine:
             knobs = {"bad_words": bad_word_token_ids(self.tokenizer, params.bad_words),
                      "grammar": self._grammar(params)}
         return Request(request_id if request_id is not None else self._new_request_id(), token_ids, params,
-                       next(self._arrivals), arrival_time or now, tokenizer=self.tokenizer,
+                       next(self._arrivals), min(arrival_time or now, now), tokenizer=self.tokenizer,
                        prompt_preview=prompt.preview,
                        stop_token_ids=stop_token_ids,
                        max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len), **knobs)

@@ -281,6 +281,16 @@ def test_an_arrival_time_that_is_not_a_past_time_is_refused_and_the_engine_goes_
     assert final.request_id == "running" and final.finished and len(final.token_ids) == 3
 
 
+def test_an_arrival_stamped_by_a_clock_a_little_ahead_is_taken_as_now():
+    """A server's thread may read the clock a moment after the engine's, or the clock may be set back between them:
+    an arrival under CLOCK_SKEW_S ahead is not refused, and is taken as the moment the engine got the request."""
+    engine = make_engine()
+    before = time.time()
+    engine.add_request(list(range(10)), greedy(2), arrival_time=before + llm_engine.CLOCK_SKEW_S / 2)
+    m = run_checked(engine)[-1].metrics
+    assert before <= m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+
+
 def test_every_output_carries_the_metrics_as_they_stand():
     """Each step's output has the request's times as of that step: the first token's from its first output on,
     the finish time only on the final output, whether it finished by length or by an abort."""
