@@ -39,7 +39,10 @@ class LessonPanel(LinePanel, can_focus=True):
 
     def watch_virtual_size(self) -> None:
         # Text that re-wraps to more or fewer rows without the panel resizing (a scrollbar taking a column, a
-        # theme change) moves the bottom too: the cue from the last resize or beat would be stale.
+        # theme change) moves the bottom too: the cue from the last resize or beat would be stale. The new height
+        # is known now, so cue at once (a reader of the panel never sees the two disagree), and again once the
+        # refresh has settled the scroll offset against it.
+        self._cue_more()
         self.call_after_refresh(self._cue_more)
 
     def _cue_more(self) -> None:
