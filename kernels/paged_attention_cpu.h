@@ -69,10 +69,13 @@ inline float sum(vfloat v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-inline float max(vfloat v) {
-  float top = v[0];
-  for (int i = 1; i < kLanes; ++i) top = std::max(top, v[i]);
-  return top;
+inline float max(vfloat v) {  // a tree of halvings, not a scalar loop's 15 dependent steps (once per row and tile)
+  const vfloat8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const vfloat8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vfloat8 a = lo < hi ? hi : lo;
+  const vfloat4 a_lo = __builtin_shufflevector(a, a, 0, 1, 2, 3), a_hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const vfloat4 b = a_lo < a_hi ? a_hi : a_lo;
+  return std::max(std::max(b[0], b[2]), std::max(b[1], b[3]));
 }
 
 // e^x for the x <= 0 of a softmax (scores minus their maximum): Cephes' expf, 2^n * e^r with |r| <= ln2 / 2,

@@ -2,40 +2,72 @@
 
 #include "paged_attention_cpu.h"
 
+#include <utility>
+
 namespace kvscope_attention {
 namespace {
 
 constexpr int kQueryTile = 16;  // query tokens per work item
-constexpr int kRowBlock = 4;    // query rows whose scores are computed together (independent FMAs)
+constexpr int kRowBlock = 8;    // query rows whose scores are computed together (independent FMAs)
 
 // ---- prefill: causal chunks over a cached prefix ---------------------------------------------------------------
 //
 // A work item is (sequence, kv head, tile of kQueryTile query tokens); its rows are those tokens times the query
 // heads sharing the kv head. Keys are walked in tiles of kLanes positions (each position looks up its own block,
-// so any block size works): a tile's keys are transposed into fp32 so that a row's kLanes scores are one vector,
-// kRowBlock rows at a time; an online softmax folds the tiles in. No position past the item's last query is read.
+// so any block size works): a tile's keys are transposed into fp32 (in registers, a 16x16 block at a time) so that
+// a row's kLanes scores are one vector, kRowBlock rows at a time; an online softmax folds the tiles in, and the
+// values are summed two rows at a time. No position past the item's last query is read. Against one row at a
+// time with a scalar transpose, this took a 256-token prefill's attention from 0.65 to 0.48 ms a layer and a
+// 1,024-token one's from 9.7 to 6.9 ms (SmolLM2's shape, 2 cores, `kvscope bench kernels --only attention`).
 
 struct PrefillItem {
   int64_t seq, head, first_token, num_tokens, first_position;
 };
 
+// One step of a 16x16 transpose: rows i and i + B (B a power of two, i without bit B) swap the halves of their
+// columns that differ in bit B. After the four steps B = 8, 4, 2, 1, row i holds what column i held.
+template <int B, size_t... I>
+inline void swap_bit(vfloat& low, vfloat& high, std::index_sequence<I...>) {
+  const vfloat a = low, b = high;
+  low = __builtin_shufflevector(a, b, ((I & B) ? kLanes + (I ^ B) : I)...);
+  high = __builtin_shufflevector(a, b, ((I & B) ? kLanes + I : (I ^ B))...);
+}
+
+template <int B>
+inline void transpose_step(vfloat* rows) {
+  for (int i = 0; i < kLanes; ++i) {
+    if (!(i & B)) swap_bit<B>(rows[i], rows[i + B], std::make_index_sequence<kLanes>{});
+  }
+}
+
+inline void transpose(vfloat* rows) {
+  transpose_step<8>(rows);
+  transpose_step<4>(rows);
+  transpose_step<2>(rows);
+  transpose_step<1>(rows);
+}
+
+// The tile's keys transposed into fp32 (keys_t[d * kLanes + t]) and its values, zero past ``count`` keys.
 template <int C, typename T>
 void load_key_tile(const T* kv, const Pool& pool, const int32_t* table, int64_t head, int64_t start, int64_t count,
                    float* keys_t, Row<C>* values) {
   constexpr int64_t dim = C * kLanes;
   const int64_t stride = pool.token_stride();
+  Row<C> keys[kLanes];
   for (int64_t t = 0; t < kLanes; ++t) {
     if (t >= count) {
-      for (int64_t d = 0; d < dim; ++d) keys_t[d * kLanes + t] = 0.0f;
-      values[t] = Row<C>{};
+      keys[t] = values[t] = Row<C>{};
       continue;
     }
     const int64_t offset = pool.slot(table, start + t) * stride + head * dim;
-    const Row<C> key = Row<C>::load_from(kv + offset);
-    for (int c = 0; c < C; ++c) {
-      for (int i = 0; i < kLanes; ++i) keys_t[(c * kLanes + i) * kLanes + t] = key.v[c][i];
-    }
+    keys[t] = Row<C>::load_from(kv + offset);
     values[t] = Row<C>::load_from(kv + pool.values_offset() + offset);
+  }
+  for (int c = 0; c < C; ++c) {
+    vfloat block[kLanes];
+    for (int t = 0; t < kLanes; ++t) block[t] = keys[t].v[c];
+    transpose(block);
+    for (int i = 0; i < kLanes; ++i) store(keys_t + (c * kLanes + i) * kLanes, block[i]);
   }
 }
 
@@ -50,6 +82,43 @@ inline void tile_scores(const float* queries, int64_t padded_rows, const float* 
       for (int rr = 0; rr < kRowBlock; ++rr) acc[rr] += queries[(r0 + rr) * dim + d] * k;
     }
     for (int rr = 0; rr < kRowBlock; ++rr) scores[r0 + rr] = acc[rr];
+  }
+}
+
+// acc[r] = acc[r] * rescales[r] + sum over the tile's keys t of probs[r][t] * values[t], two rows at a time: the two
+// rows share each value load and give eight independent sums instead of four chains of kLanes dependent FMAs.
+// A key a row may not see has probability 0 there.
+template <int C>
+inline void accumulate_values(const float* probs, const float* rescales, int64_t rows, int64_t count,
+                              const Row<C>* values, float* acc) {
+  constexpr int64_t dim = C * kLanes;
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    Row<C> a = Row<C>::load_from(acc + r * dim), b = Row<C>::load_from(acc + (r + 1) * dim);
+    for (int c = 0; c < C; ++c) {
+      a.v[c] *= rescales[r];
+      b.v[c] *= rescales[r + 1];
+    }
+    const float* pa = probs + r * kLanes;
+    const float* pb = pa + kLanes;
+    for (int64_t t = 0; t < count; ++t) {
+      for (int c = 0; c < C; ++c) {
+        a.v[c] += pa[t] * values[t].v[c];
+        b.v[c] += pb[t] * values[t].v[c];
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      store(acc + r * dim + c * kLanes, a.v[c]);
+      store(acc + (r + 1) * dim + c * kLanes, b.v[c]);
+    }
+  }
+  for (; r < rows; ++r) {
+    Row<C> a = Row<C>::load_from(acc + r * dim);
+    for (int c = 0; c < C; ++c) a.v[c] *= rescales[r];
+    for (int64_t t = 0; t < count; ++t) {
+      for (int c = 0; c < C; ++c) a.v[c] += probs[r * kLanes + t] * values[t].v[c];
+    }
+    for (int c = 0; c < C; ++c) store(acc + r * dim + c * kLanes, a.v[c]);
   }
 }
 
@@ -71,6 +140,7 @@ void prefill_item(const T* query, int64_t stride_token, int64_t stride_head, con
     }
   }
   std::vector<vfloat> scores(padded_rows);
+  std::vector<float> probs(padded_rows * kLanes), rescales(padded_rows);
   std::vector<Row<C>> values(kLanes);
   for (int64_t i = 0; i < item.num_tokens; ++i) {
     for (int64_t g = 0; g < group; ++g) {
@@ -92,7 +162,11 @@ void prefill_item(const T* query, int64_t stride_token, int64_t stride_head, con
       const int64_t position = item.first_position + r / group;
       const int64_t from = kVariant ? std::max<int64_t>(0, variant.first_visible(position) - start) : 0;
       const int64_t to = std::min(count, position - start + 1);
-      if (to <= from) continue;
+      if (to <= from) {
+        rescales[r] = 1.0f;
+        store(&probs[r * kLanes], vfloat{});
+        continue;
+      }
       vint32 visible = lane < static_cast<int32_t>(to);
       vfloat score = scores[r];
       if constexpr (kVariant) {
@@ -101,17 +175,13 @@ void prefill_item(const T* query, int64_t stride_token, int64_t stride_head, con
       }
       const vfloat masked = visible ? score : splat(-3.0e38f);
       const float new_top = std::max(top[r], max(masked));
-      const float rescale = exp_nonpositive(top[r] - new_top);
+      rescales[r] = exp_nonpositive(top[r] - new_top);
       top[r] = new_top;
       const vfloat weights = visible ? exp_nonpositive(masked - new_top) : vfloat{};
-      totals[r] = totals[r] * rescale + sum(weights);
-      Row<C> a = Row<C>::load_from(&acc[r * dim]);
-      for (int c = 0; c < C; ++c) a.v[c] *= rescale;
-      for (int64_t t = from; t < to; ++t) {
-        for (int c = 0; c < C; ++c) a.v[c] += weights[t] * values[t].v[c];
-      }
-      for (int c = 0; c < C; ++c) store(&acc[r * dim + c * kLanes], a.v[c]);
+      totals[r] = totals[r] * rescales[r] + sum(weights);
+      store(&probs[r * kLanes], weights);
     }
+    accumulate_values<C>(probs.data(), rescales.data(), rows, count, values.data(), acc.data());
   }
   for (int64_t i = 0; i < item.num_tokens; ++i) {
     for (int64_t g = 0; g < group; ++g) {
