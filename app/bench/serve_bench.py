@@ -1,6 +1,11 @@
 """`kvscope bench serve`: the same client at the same request rates against `kvscope serve` and vLLM's server, one
 after the other on the same cores, with request throughput, output tok/s, TTFT and ITL p50/p99 and the ratios.
 
+Beside the client's view, each server's own: both export vLLM's request-time histograms on ``/metrics``, so a
+scrape before and after each rate's run gives the server's mean time to first token and how much of it the request
+waited in the engine's queue and spent from its first scheduling to its first token (the prefill). A TTFT gap
+between the two servers is then placed: in the front end, in the wait for the step in progress, or in the prefill.
+
 The client is vLLM's own `vllm bench serve` (random dataset, EOS ignored, greedy) when a vLLM venv is there,
 else kvscope's OpenAI-client load generator (serve_load.py), which measures the same quantities the same way;
 the table says which. Each server is a fresh process started outside the checkout, with the same model,
@@ -11,6 +16,7 @@ every core (``VLLM_CPU_OMP_THREADS_BIND`` over all of them, none reserved), as k
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvscope.app.bench.serve_load import LoadResult, random_prompts, run_load
 
@@ -65,6 +72,50 @@ class ServeBenchSettings:
         return "vllm" if self.vllm_python else "openai"
 
 
+# The histograms both servers export, by the name the table gives them.
+SERVER_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+                     "prefill": "vllm:request_prefill_time_seconds"}
+
+
+@dataclass(frozen=True)
+class ServerTimes:
+    """Means over one run's requests, in ms, from the server's own histograms; None where it exports none."""
+
+    ttft_ms: float | None
+    queue_ms: float | None
+    prefill_ms: float | None
+
+    @classmethod
+    def between(cls, before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> ServerTimes:
+        def mean_ms(key: str) -> float | None:
+            (sum_before, count_before), (sum_after, count_after) = before[key], after[key]
+            count = count_after - count_before
+            return (sum_after - sum_before) / count * 1e3 if count > 0 else None
+
+        return cls(mean_ms("ttft"), mean_ms("queue"), mean_ms("prefill"))
+
+
+def scrape_server_times(url: str) -> dict[str, tuple[float, float]] | None:
+    """(sum in seconds, count) of each of SERVER_HISTOGRAMS so far, over all of its label sets; None when the
+    page cannot be had or read (the client's figures stand without the split)."""
+    try:
+        response = httpx.get(f"{url}/metrics", timeout=30)
+        response.raise_for_status()
+        families = list(text_string_to_metric_families(response.text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    keys = {name: key for key, name in SERVER_HISTOGRAMS.items()}
+    totals = {key: [0.0, 0.0] for key in SERVER_HISTOGRAMS}
+    for family in families:
+        key = keys.get(family.name)
+        for sample in family.samples if key else ():
+            if sample.name == f"{family.name}_sum":
+                totals[key][0] += sample.value
+            elif sample.name == f"{family.name}_count":
+                totals[key][1] += sample.value
+    return {key: (total, count) for key, (total, count) in totals.items()}
+
+
 @dataclass(frozen=True)
 class Row:
     system: str
@@ -78,6 +129,8 @@ class Row:
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
     itl_p99_ms: float | None
+    ttft_mean_ms: float | None = None
+    server: ServerTimes | None = None
 
 
 # ---- servers ----------------------------------------------------------------------------------------------
@@ -157,7 +210,7 @@ def openai_client_row(system: str, url: str, settings: ServeBenchSettings, rate:
 def _row(system: str, client: str, result: LoadResult) -> Row:
     return Row(system, client, result.rate, result.completed, result.failed, result.request_throughput,
                result.output_throughput, result.percentile_ms("ttft", 50), result.percentile_ms("ttft", 99),
-               result.percentile_ms("itl", 50), result.percentile_ms("itl", 99))
+               result.percentile_ms("itl", 50), result.percentile_ms("itl", 99), result.mean_ms("ttft"))
 
 
 def vllm_client_row(system: str, url: str, settings: ServeBenchSettings, rate: float, scratch: Path) -> Row:
@@ -177,7 +230,7 @@ def vllm_client_row(system: str, url: str, settings: ServeBenchSettings, rate: f
     data = json.loads((scratch / name).read_text())
     return Row(system, "vllm bench serve", rate, data["completed"], data.get("failed", 0),
                data["request_throughput"], data["output_throughput"], data.get("p50_ttft_ms"),
-               data.get("p99_ttft_ms"), data.get("p50_itl_ms"), data.get("p99_itl_ms"))
+               data.get("p99_ttft_ms"), data.get("p50_itl_ms"), data.get("p99_itl_ms"), data.get("mean_ttft_ms"))
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
@@ -198,8 +251,12 @@ def run_serve_bench(settings: ServeBenchSettings, vocab_size: int, progress=prin
             with ServerProcess(command, env, port, log_path) as server:
                 for rate in settings.rates:
                     progress(f"  {system}: {settings.num_prompts} requests at {_rate(rate)} req/s ({client} client)")
-                    rows.append(vllm_client_row(system, server.url, settings, rate, logs) if client == "vllm"
-                                else openai_client_row(system, server.url, settings, rate, vocab_size))
+                    before = scrape_server_times(server.url)
+                    row = (vllm_client_row(system, server.url, settings, rate, logs) if client == "vllm"
+                           else openai_client_row(system, server.url, settings, rate, vocab_size))
+                    after = scrape_server_times(server.url)
+                    split = ServerTimes.between(before, after) if before and after else None
+                    rows.append(dataclasses.replace(row, server=split))
         except RuntimeError as exc:
             notes.append(f"{system}: {exc}".splitlines()[0] + f" (its log: {log_path})")
             progress(str(exc))
@@ -225,12 +282,27 @@ def format_table(rows: list[Row], settings: ServeBenchSettings, notes: list[str]
         lines.append(f"{row.system:<8} {_rate(row.rate):>5} {row.completed:>4} {row.failed:>4} "
                      f"{row.request_throughput:>7.2f} {row.output_throughput:>9.1f} {_ms(row.ttft_p50_ms):>9} "
                      f"{_ms(row.ttft_p99_ms):>9} {_ms(row.itl_p50_ms):>8} {_ms(row.itl_p99_ms):>8}")
+    lines += _server_times_table(rows)
     ratios = _ratios(rows)
     if ratios:
         lines += ["", "kvscope / vLLM (throughput: above 1 is better; TTFT: below 1 is better)"]
         lines += ratios
     lines += [f"not measured: {note}" for note in notes]
     return "\n".join(lines)
+
+
+def _server_times_table(rows: list[Row]) -> list[str]:
+    timed = [row for row in rows if row.server is not None]
+    if not timed:
+        return []
+    lines = ["", "TTFT means (ms): the client's, the server's own, and the server's split of it (its queue, then "
+                 "first scheduling to first token).", "vLLM's queue starts in its engine core, after the hop from "
+                 "its front end: its wait for the step in progress is server less queue and prefill.",
+             f"{'system':<8} {'rate':>5} {'client':>8} {'server':>8} {'queue':>8} {'prefill':>8}"]
+    for row in timed:
+        lines.append(f"{row.system:<8} {_rate(row.rate):>5} {_ms(row.ttft_mean_ms):>8} {_ms(row.server.ttft_ms):>8} "
+                     f"{_ms(row.server.queue_ms):>8} {_ms(row.server.prefill_ms):>8}")
+    return lines
 
 
 def _ratios(rows: list[Row]) -> list[str]:

@@ -37,6 +37,10 @@ class LoadResult:
         values = getattr(self, f"{name}_s")
         return float(np.percentile(values, q)) * 1000 if values else None
 
+    def mean_ms(self, name: str) -> float | None:
+        values = getattr(self, f"{name}_s")
+        return float(np.mean(values)) * 1000 if values else None
+
     @property
     def request_throughput(self) -> float:
         return self.completed / self.duration_s if self.duration_s > 0 else 0.0

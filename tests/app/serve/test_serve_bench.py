@@ -4,12 +4,13 @@ with its kvscope/vLLM ratios."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
 from serve_helpers import running_server
 
-from kvscope.app.bench.serve_bench import Row, ServeBenchSettings, format_table
+from kvscope.app.bench.serve_bench import Row, ServeBenchSettings, ServerTimes, format_table, scrape_server_times
 from kvscope.app.bench.serve_load import random_prompts, run_load
 
 
@@ -39,3 +40,37 @@ def test_the_table_prints_both_systems_and_the_ratios():
     assert "client: vllm bench serve" in table
     assert "kvscope      4   32    0    2.00     120.0       300       900       50       80" in table
     assert "rate 4:  output tok/s 0.80x  req/s 0.80x  TTFT p50 1.50x  ITL p50 1.25x" in table
+
+
+def test_the_servers_own_split_of_ttft_covers_exactly_the_run_between_two_scrapes():
+    """What the bench reads from /metrics around one rate's run: the means of that run's requests alone (the
+    requests before the first scrape do not count), with the queue and the prefill inside the TTFT."""
+    prompts = random_prompts(4, 16, vocab_size=49152, seed=2)
+    with running_server() as server:
+        asyncio.run(run_load(f"{server.url}/v1", "tiny", prompts[:1], output_len=2, rate=math.inf))
+        before = scrape_server_times(server.url)
+        assert before["ttft"][1] == 1                 # the count so far: the request above
+        result = asyncio.run(run_load(f"{server.url}/v1", "tiny", prompts, output_len=3, rate=math.inf))
+        after = scrape_server_times(server.url)
+    assert after["ttft"][1] - before["ttft"][1] == result.completed == 4
+    times = ServerTimes.between(before, after)
+    assert times.prefill_ms > 0 and times.queue_ms >= 0 and times.ttft_ms >= times.queue_ms + times.prefill_ms - 1
+    assert times.ttft_ms <= result.mean_ms("ttft")     # the client's view includes the server's
+
+
+def test_a_server_without_the_histograms_has_no_split():
+    empty = {key: (0.0, 0.0) for key in ("ttft", "queue", "prefill")}
+    assert ServerTimes.between(empty, empty) == ServerTimes(None, None, None)
+
+
+def test_the_table_prints_each_sides_ttft_split_when_the_servers_gave_one():
+    rows = [Row("kvscope", "vllm bench serve", 1.0, 32, 0, 0.9, 60.0, 140.0, 300.0, 26.0, 116.0, 151.5,
+                ServerTimes(142.0, 18.3, 123.6)),
+            Row("vllm", "vllm bench serve", 1.0, 32, 0, 0.9, 60.0, 104.0, 150.0, 31.0, 77.0, 108.0,
+                ServerTimes(101.6, 0.0, 81.0))]
+    table = format_table(rows, ServeBenchSettings(model_dir="m"))
+    assert "kvscope      1      152      142       18      124" in table
+    assert "vllm         1      108      102        0       81" in table
+    assert "the server's split" in table
+    assert "the server's split" not in format_table([dataclasses.replace(r, server=None) for r in rows],
+                                                  ServeBenchSettings(model_dir="m"))
