@@ -20,6 +20,9 @@ that fails is a row saying why, and the others still run:
    tok/s, host ms, GPU busy share, kernels a step (tests/gpu/step_profile.py);
 7. per model, bf16: `kvscope bench throughput` on the mixed workload, kvscope against transformers' static
    batches (hf-static) and continuous batching (hf-cb), with the accuracy columns against transformers fp32.
+
+``--only graphs`` runs parts 1, 3, 4's graphs row and 6: what the CUDA graphs must pass before ``enforce_eager``
+may default to off, in about a third of the time, for a session with only a few minutes of GPU left.
 """
 
 from __future__ import annotations
@@ -131,24 +134,27 @@ def models(models_dir: Path, quick: bool, device: str) -> list[tuple[str, str]]:
     return chosen
 
 
-def per_model_checks(table: Table, label: str, folder: str, first: bool, device: str, batches) -> None:
+def per_model_checks(table: Table, label: str, folder: str, first: bool, device: str, batches,
+                     graphs_only: bool = False) -> None:
     try:
-        _per_model_checks(table, label, folder, first, device, batches)
+        _per_model_checks(table, label, folder, first, device, batches, graphs_only)
     except Exception as exc:    # loading failed, or a part broke the CUDA context: a row, then the next model
         traceback.print_exc()
         table.add("model", label, False, f"{type(exc).__name__}: {str(exc)[:150]}")
     cuda_checks.free_gpu_memory()
 
 
-def _per_model_checks(table: Table, label: str, folder: str, first: bool, device: str, batches) -> None:
+def _per_model_checks(table: Table, label: str, folder: str, first: bool, device: str, batches,
+                      graphs_only: bool) -> None:
     fp32, tokenizer = load_model(folder, torch.float32, device)
-    table.run("exact tokens vs transformers", label, cuda_checks.exact_tokens, fp32, tokenizer)
+    if not graphs_only:
+        table.run("exact tokens vs transformers", label, cuda_checks.exact_tokens, fp32, tokenizer)
     if device == "cuda":
         table.run("exact tokens, decode from CUDA graphs", label, cuda_checks.graphs_exact_tokens, fp32, tokenizer)
     del fp32
     cuda_checks.free_gpu_memory()
     bf16, tokenizer = load_model(folder, torch.bfloat16, device)
-    if first and device == "cuda":
+    if first and device == "cuda" and not graphs_only:
         table.run("pool from --gpu-memory-utilization", label, cuda_checks.pool_sizing, bf16, tokenizer)
     for batch in batches:
         table.run(f"decode step, batch {batch}, graphs", label, _profile, bf16, tokenizer, batch, device, False)
@@ -224,12 +230,17 @@ def main(argv: list[str] | None = None) -> int:
                              "requests: the check's own plumbing, in a minute")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: a dry run of everything but the kernels and the pool sizing (with --quick)")
+    parser.add_argument("--only", choices=("graphs",), default=None,
+                        help="graphs: only what the CUDA graphs must pass (exact tokens through padded replays, "
+                             "decode steps from graphs beside eager)")
     args = parser.parse_args(argv)
+    graphs_only = args.only == "graphs"
     table = Table()
     if environment(table, args.site, args.device):
-        if args.device == "cuda":
+        if args.device == "cuda" and not graphs_only:
             table.run("Triton kernels vs torch oracle", "-", cuda_checks.kernels_against_oracle)
-        table.run("sampler on the device", "-", cuda_checks.sampler_on_device, args.device)
+        if not graphs_only:
+            table.run("sampler on the device", "-", cuda_checks.sampler_on_device, args.device)
         with tempfile.TemporaryDirectory(prefix="kvscope-gpu-models-") as scratch:
             try:
                 chosen = models(args.models or Path(scratch), args.quick, args.device)
@@ -239,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 chosen = []
             for index, (label, folder) in enumerate(chosen):
                 per_model_checks(table, label, folder, index == 0, args.device,
-                                 QUICK_BATCHES if args.quick else BATCHES)
-            for label, folder in chosen:
+                                 QUICK_BATCHES if args.quick else BATCHES, graphs_only)
+            for label, folder in chosen if not graphs_only else ():
                 bench(table, label, folder, args.device, QUICK_REQUESTS if args.quick else None)
     print(f"\ngpu-check, {table.elapsed():.0f}s\n{table.text()}")
     return 1 if table.failed else 0

@@ -143,3 +143,28 @@ def test_the_graphs_exactness_part_counts_padded_replays_with_stand_in_graphs(tm
     outcome = cuda_checks.graphs_exact_tokens(model, tokenizer, requests=3)
     assert outcome.passed, outcome.text
     assert outcome.text.startswith("3/3 requests token-identical") and "padded" in outcome.text
+
+
+@pytest.mark.parametrize("only", [None, "graphs"])
+def test_only_graphs_runs_what_the_cuda_graphs_must_pass_and_nothing_else(monkeypatch, capsys, only):
+    """The parts each mode runs, every part stood in for (the real ones need a GPU): the whole check by default,
+    and with --only graphs the graphs' exactness and the decode steps from graphs beside eager."""
+    ok = cuda_checks.Outcome(True, "stood in")
+    monkeypatch.setattr(gpu_check, "environment", lambda table, site, device: True)
+    monkeypatch.setattr(gpu_check, "models", lambda *args: [("small", "a"), ("1B", "b")])
+    monkeypatch.setattr(gpu_check, "load_model", lambda *args: (object(), object()))
+    monkeypatch.setattr(gpu_check, "_profile", lambda *args: ok)
+    monkeypatch.setattr(gpu_check, "bench", lambda table, label, *args: table.add("bench", label, True, ""))
+    monkeypatch.setattr(cuda_checks, "free_gpu_memory", lambda: None)
+    for part in ("kernels_against_oracle", "sampler_on_device", "exact_tokens", "graphs_exact_tokens",
+                 "pool_sizing"):
+        monkeypatch.setattr(cuda_checks, part, lambda *args: ok)
+    assert gpu_check.main(["--only", only] if only else []) == 0
+    table = capsys.readouterr().out.split("gpu-check, ")[1]
+    graph_rows = ["exact tokens, decode from CUDA graphs", "decode step, batch 64, graphs",
+                  "decode step, batch 64, eager", "decode step, batch 256, graphs", "decode step, batch 256, eager"]
+    others = ["Triton kernels vs torch oracle", "sampler on the device", "exact tokens vs transformers",
+              "pool from --gpu-memory-utilization", "bench"]
+    assert all(row in table for row in graph_rows)
+    assert table.count("decode step, batch 64, graphs") == 2     # both models
+    assert all((row in table) == (only is None) for row in others), table
