@@ -128,9 +128,14 @@ class StepPosting:
         self._to_free = kept
 
     def _post_step(self, result) -> None:
-        while not self._in_flight.acquire(timeout=0.1):
-            if self._stopping.is_set():
-                return
+        if not self._in_flight.acquire(blocking=False):
+            # The UI can only hand back steps it has been told of: a batch begun within STEPS_POST_INTERVAL of
+            # the last post waits for the thread's next turn to be posted, and a fast engine can fill the bound
+            # before that turn comes. Waiting here without posting it waited for ever.
+            self._tell_steps()
+            while not self._in_flight.acquire(timeout=0.1):
+                if self._stopping.is_set():
+                    return
         if not self.whole_steps:
             result = slimmed(result, self._watched)
         self._to_free.append(result)

@@ -67,8 +67,8 @@ class Inbox:
                 self.changed.wait(remaining)
 
 
-def start(engines: FakeEngines, **kwargs) -> tuple[EngineWorker, Inbox, threading.Thread]:
-    inbox = Inbox()
+def start(engines: FakeEngines, inbox: Inbox | None = None, **kwargs) -> tuple[EngineWorker, Inbox, threading.Thread]:
+    inbox = inbox or Inbox()
     config = EngineConfig(num_blocks=64, max_model_len=256)
     worker = EngineWorker(inbox, config, engine_factory=engines, **kwargs)
     inbox.worker = worker
@@ -120,13 +120,8 @@ class SlowInbox(Inbox):
 
 
 def test_a_busy_engine_posts_its_steps_in_one_message_until_the_ui_takes_them_and_none_overtakes_a_message():
-    inbox = SlowInbox()
     engines = FakeEngines()
-    worker = EngineWorker(inbox, EngineConfig(num_blocks=64, max_model_len=256), engine_factory=engines)
-    inbox.worker = worker
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    inbox.wait_for(lambda: inbox.of(EngineReady))
+    worker, inbox, thread = start(engines, SlowInbox())
     worker.send(AddRequest("a", "hello there", SamplingParams(max_tokens=40, temperature=0.0)))
     worker.send(RunUntil(lambda result: False, 30))
     inbox.wait_for(lambda: inbox.of(RunUntilDone))
