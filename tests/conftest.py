@@ -2,9 +2,6 @@ import os
 import sys
 from pathlib import Path
 
-# As kvscope's own __init__ sets it (it says why), before a test module imports tokenizers ahead of kvscope.
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 # The shared helpers (tests/support/: models, invariants, fakes, harnesses) are imported as plain modules.
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
