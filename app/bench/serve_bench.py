@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from kvscope.app.attach.feed.metrics import MetricsSample, parse_metrics
 from kvscope.app.bench.serve_load import LoadResult, random_prompts, run_load
 
 SERVED_NAME = "bench"
@@ -72,11 +72,6 @@ class ServeBenchSettings:
         return "vllm" if self.vllm_python else "openai"
 
 
-# The histograms both servers export, by the name the table gives them.
-SERVER_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
-                     "prefill": "vllm:request_prefill_time_seconds"}
-
-
 @dataclass(frozen=True)
 class ServerTimes:
     """Means over one run's requests, in ms, from the server's own histograms; None where it exports none."""
@@ -86,34 +81,29 @@ class ServerTimes:
     prefill_ms: float | None
 
     @classmethod
-    def between(cls, before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> ServerTimes:
+    def between(cls, before: MetricsSample, after: MetricsSample) -> ServerTimes | None:
+        """The requests between two scrapes of one server (the attach feed's parse of its page)."""
+        if not before.engines or not after.engines:
+            return None
+        earlier, later = before.totals(), after.totals()
+
         def mean_ms(key: str) -> float | None:
-            (sum_before, count_before), (sum_after, count_after) = before[key], after[key]
-            count = count_after - count_before
-            return (sum_after - sum_before) / count * 1e3 if count > 0 else None
+            histogram = later.histogram(key)
+            recent = histogram.minus(earlier.histogram(key)) if histogram is not None else None
+            return recent.sum / recent.count * 1e3 if recent is not None and recent.count > 0 else None
 
         return cls(mean_ms("ttft"), mean_ms("queue"), mean_ms("prefill"))
 
 
-def scrape_server_times(url: str) -> dict[str, tuple[float, float]] | None:
-    """(sum in seconds, count) of each of SERVER_HISTOGRAMS so far, over all of its label sets; None when the
-    page cannot be had or read (the client's figures stand without the split)."""
+def scrape(url: str) -> MetricsSample | None:
+    """The server's /metrics page, parsed as `kvscope attach` parses it; None when it cannot be had or read (the
+    client's figures then stand without the split)."""
     try:
         response = httpx.get(f"{url}/metrics", timeout=30)
         response.raise_for_status()
-        families = list(text_string_to_metric_families(response.text))
+        return parse_metrics(response.text, time.time())
     except (httpx.HTTPError, ValueError):
         return None
-    keys = {name: key for key, name in SERVER_HISTOGRAMS.items()}
-    totals = {key: [0.0, 0.0] for key in SERVER_HISTOGRAMS}
-    for family in families:
-        key = keys.get(family.name)
-        for sample in family.samples if key else ():
-            if sample.name == f"{family.name}_sum":
-                totals[key][0] += sample.value
-            elif sample.name == f"{family.name}_count":
-                totals[key][1] += sample.value
-    return {key: (total, count) for key, (total, count) in totals.items()}
 
 
 @dataclass(frozen=True)
@@ -251,10 +241,10 @@ def run_serve_bench(settings: ServeBenchSettings, vocab_size: int, progress=prin
             with ServerProcess(command, env, port, log_path) as server:
                 for rate in settings.rates:
                     progress(f"  {system}: {settings.num_prompts} requests at {_rate(rate)} req/s ({client} client)")
-                    before = scrape_server_times(server.url)
+                    before = scrape(server.url)
                     row = (vllm_client_row(system, server.url, settings, rate, logs) if client == "vllm"
                            else openai_client_row(system, server.url, settings, rate, vocab_size))
-                    after = scrape_server_times(server.url)
+                    after = scrape(server.url)
                     split = ServerTimes.between(before, after) if before and after else None
                     rows.append(dataclasses.replace(row, server=split))
         except RuntimeError as exc:

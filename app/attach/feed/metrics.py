@@ -42,6 +42,7 @@ HISTOGRAMS = {
     "vllm:inter_token_latency_seconds": "itl",
     "vllm:e2e_request_latency_seconds": "e2e",
     "vllm:request_queue_time_seconds": "queue",
+    "vllm:request_prefill_time_seconds": "prefill",
 }
 WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 FINISHED_BY_REASON = "vllm:request_success"

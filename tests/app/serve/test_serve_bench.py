@@ -10,7 +10,8 @@ import math
 import pytest
 from serve_helpers import running_server
 
-from kvscope.app.bench.serve_bench import Row, ServeBenchSettings, ServerTimes, format_table, scrape_server_times
+from kvscope.app.attach.feed.metrics import parse_metrics
+from kvscope.app.bench.serve_bench import Row, ServeBenchSettings, ServerTimes, format_table, scrape
 from kvscope.app.bench.serve_load import random_prompts, run_load
 
 
@@ -48,19 +49,20 @@ def test_the_servers_own_split_of_ttft_covers_exactly_the_run_between_two_scrape
     prompts = random_prompts(4, 16, vocab_size=49152, seed=2)
     with running_server() as server:
         asyncio.run(run_load(f"{server.url}/v1", "tiny", prompts[:1], output_len=2, rate=math.inf))
-        before = scrape_server_times(server.url)
-        assert before["ttft"][1] == 1                 # the count so far: the request above
+        before = scrape(server.url)
+        assert before.totals().histogram("ttft").count == 1      # so far: the request above
         result = asyncio.run(run_load(f"{server.url}/v1", "tiny", prompts, output_len=3, rate=math.inf))
-        after = scrape_server_times(server.url)
-    assert after["ttft"][1] - before["ttft"][1] == result.completed == 4
+        after = scrape(server.url)
+    assert after.totals().histogram("ttft").count - 1 == result.completed == 4
     times = ServerTimes.between(before, after)
     assert times.prefill_ms > 0 and times.queue_ms >= 0 and times.ttft_ms >= times.queue_ms + times.prefill_ms - 1
     assert times.ttft_ms <= result.mean_ms("ttft")     # the client's view includes the server's
 
 
-def test_a_server_without_the_histograms_has_no_split():
-    empty = {key: (0.0, 0.0) for key in ("ttft", "queue", "prefill")}
-    assert ServerTimes.between(empty, empty) == ServerTimes(None, None, None)
+def test_a_server_without_the_histograms_or_its_page_has_no_split():
+    bare = parse_metrics("", 0.0)
+    assert ServerTimes.between(bare, bare) is None
+    assert scrape("http://127.0.0.1:9") is None        # nothing listens there: no page, no split, no error
 
 
 def test_the_table_prints_each_sides_ttft_split_when_the_servers_gave_one():
