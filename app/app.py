@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable
@@ -40,7 +41,7 @@ from kvscope.app.messages import (
     RunUntilDone,
     StepsReady,
 )
-from kvscope.app.runlog import record_run
+from kvscope.app.runlog import RunLogSpec
 from kvscope.app.screens.explain import ExplainScreen
 from kvscope.app.screens.history import HistoryScreen
 from kvscope.app.screens.lesson import LessonScreen
@@ -53,6 +54,7 @@ from kvscope.app.widgets.key_bar import key_label
 from kvscope.app.widgets.system import SystemSampler
 from kvscope.app.worker.commands import AddChatTurn, LaunchPreset, RunOnEngine, SetPaused, Stop
 from kvscope.app.worker.factory import build_engine, first_engine_then_build
+from kvscope.app.worker.process import EngineProcess
 from kvscope.app.worker.thread import EngineWorker
 from kvscope.engine.config import EngineConfig, model_sampling
 from kvscope.engine.model.packaged import fetch_hint
@@ -87,7 +89,8 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
                  screenshot_dir: str | Path | None = None, chat_max_tokens: int = DEFAULT_MAX_TOKENS,
                  first_lesson: str | None = None, serve=None,
                  chat_sampling: tuple[tuple[str, float | int], ...] = (),
-                 fetch_hint: Callable[[str], str | None] = fetch_hint) -> None:
+                 fetch_hint: Callable[[str], str | None] = fetch_hint, engine_process: EngineProcess | None = None
+                 ) -> None:
         super().__init__()
         self.config = config
         # How to fetch a model offered by name that a lesson runs on, when it is not in the cache yet: the
@@ -100,16 +103,23 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
         self.chat_sampling = chat_sampling
         self.main = MainScreen(system_sampler=system_sampler, chat_max_tokens=chat_max_tokens,
                                chat_sampling=chat_sampling)
-        self.worker = EngineWorker(self, config, engine_factory=engine_factory, log_factory=self._record_run,
-                                   on_engine_installed=serve.engine_installed if serve is not None else None,
-                                   paused=paused, steps_per_s_cap=steps_per_s_cap)
+        self.lesson_screen: LessonScreen | None = None
+        # The engine's worker: in a process of its own when one is given (run_app's, started before the window
+        # to check the first engine), else a thread of this process (a server in front of it, the tests' fakes).
+        if engine_process is not None:
+            engine_process.target, engine_process.run_log = self, self.run_log_spec()
+            self.worker = engine_process
+        else:
+            self.worker = EngineWorker(self, config, engine_factory=engine_factory, run_log=self.run_log_spec(),
+                                       on_engine_installed=serve.engine_installed if serve is not None else None,
+                                       paused=paused, steps_per_s_cap=steps_per_s_cap)
         self.engine_died: str | None = None     # why the engine thread ended, once it has
         # The cap the user asked for, kept here: presses that arrive before the engine thread applied
         # the previous one must each move it a notch.
         self.rate_cap = steps_per_s_cap
         self.engine_thread = None   # Textual's Worker running the engine thread
-        self.run_logger = None      # the run log of the engine now running (set on the engine thread)
-        self.lesson_screen: LessonScreen | None = None
+        self.run_id: int | None = None          # the run log's run of the engine now running
+        self.run_log_warning: str | None = None   # why that engine is not logged, when it is not
         self._lesson_log_dir: tempfile.TemporaryDirectory | None = None
         self._state_before_lesson: RunState | None = None   # paused or not, and the step cap, to come back to
         self._first_lesson = first_lesson
@@ -148,10 +158,8 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.terminal_closed)
 
     def terminal_closed(self) -> None:
-        """The run is logged as interrupted, saying why, before the engine stops and the app exits."""
-        if self.run_logger is not None:
-            self.run_logger.close("interrupted", TERMINAL_CLOSED)
-        self.shut_down()
+        """The run is logged as interrupted, saying why, as the engine stops and the app exits."""
+        self.shut_down(interrupted=TERMINAL_CLOSED)
 
     def on_unmount(self) -> None:
         if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
@@ -162,14 +170,11 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
         if self._lesson_log_dir is not None:
             self._lesson_log_dir.cleanup()
 
-    def _record_run(self, engine):
-        # A lesson's engines are the lesson's, named for it; an engine replaced before anything was asked of it
-        # (the app's, when a lesson starts) leaves no run behind.
+    def run_log_spec(self) -> RunLogSpec:
+        """How the engines built now are logged: a lesson's as the lesson's, named for it."""
         lesson = self.lesson_screen.lesson.name if self.lesson_screen is not None else None
-        self.run_logger = record_run(engine, source="lesson" if lesson else "app", label=lesson, keep_empty=False,
-                                     db_path=self.db_path, enabled=self.log_enabled,
-                                     on_failure=lambda warning: self.post_message(RunLogFailed(warning)))
-        return self.run_logger
+        return RunLogSpec("lesson" if lesson else "app", lesson, str(self.db_path) if self.db_path else None,
+                          self.log_enabled)
 
     # --- from the engine thread -------------------------------------------------------------------
 
@@ -177,6 +182,7 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
         self.main.show_starting(message.config.model)
 
     def on_engine_ready(self, message: EngineReady) -> None:
+        self.run_id, self.run_log_warning = message.run_id, message.log_warning
         self.main.engine_ready(message.info)
         if self.lesson_screen is not None:
             self.lesson_screen.engine_ready(message.info)
@@ -334,7 +340,7 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
 
         self.push_screen(ConfirmQuit(in_flight), answered)
 
-    def shut_down(self) -> None:
+    def shut_down(self, interrupted: str | None = None) -> None:
         """Say so, stop the engine thread, and exit once it has ended (its step done, its run log closed). A
         hosted server closes first, off the UI thread: its aborts run on the engine thread, still stepping, so
         every stream it serves ends with finish_reason "abort" and [DONE] (a paused engine resumes to report them)."""
@@ -342,9 +348,10 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
         if self.serve is not None:
             serve = self.serve
             self.worker.send(SetPaused(False))
-            self.run_worker(lambda: (serve.close(), self.worker.send(Stop())), thread=True, name="serve-close")
+            self.run_worker(lambda: (serve.close(), self.worker.send(Stop(interrupted))), thread=True,
+                            name="serve-close")
         else:
-            self.worker.send(Stop())
+            self.worker.send(Stop(interrupted))
 
         def exit_when_stopped() -> None:
             if self.engine_thread is None or self.engine_thread.is_finished:
@@ -369,11 +376,22 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
 
 
 def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool, engine=None,
-            lesson: str | None = None, serve=None, chat_sampling: tuple = ()) -> int:
+            lesson: str | None = None, serve=None, chat_sampling: tuple = (), engine_process: bool = False) -> int:
     """Open the window; ``engine``, when given, is the first engine (built, and so checked, before);
-    ``lesson`` opens a lesson at once ("" opens the list of lessons); ``serve`` serves the engine over HTTP."""
+    ``lesson`` opens a lesson at once ("" opens the list of lessons); ``serve`` serves the engine over HTTP;
+    ``engine_process`` runs the engine in a process of its own, whose first engine is built (and so checked)
+    before the window opens."""
+    process = EngineProcess(None, config) if engine_process else None
     factory = build_engine if engine is None else first_engine_then_build(engine)
     app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled, engine_factory=factory, first_lesson=lesson,
-                     serve=serve, chat_sampling=chat_sampling)
+                     serve=serve, chat_sampling=chat_sampling, engine_process=process)
+    if process is not None:
+        print(f"kvscope: loading {config.model} in the engine process …", file=sys.stderr, flush=True)
+        built = process.wait_until_built()
+        if not isinstance(built, EngineReady):
+            error = " ".join(getattr(built, "error", "the engine process did not start").split())   # one line
+            print(f"kvscope: error: {error}", file=sys.stderr)
+            process.send(Stop())
+            return 2
     app.run()
     return app.return_code or 0

@@ -58,11 +58,13 @@ class EngineStarting(Message):
 
 @dataclass
 class EngineReady(Message):
-    """A new engine is built; ``log_warning`` says why the run log is off, when it is."""
+    """A new engine is built; ``log_warning`` says why the run log is off, when it is; ``run_id`` is its run's in
+    the run log (None: not logged)."""
 
     info: EngineInfo
     banner: str
     log_warning: str | None
+    run_id: int | None = None
 
 
 @dataclass

@@ -13,7 +13,7 @@ from kvscope.app.lessons import LESSONS
 from kvscope.app.lessons.load import teach_config
 from kvscope.app.screens.lesson import LessonScreen
 from kvscope.app.screens.lesson_menu import LessonMenu
-from kvscope.app.worker.commands import Rebuild, SetPaused, SetRateCap
+from kvscope.app.worker.commands import Rebuild, SetPaused, SetRateCap, SetRunLog
 
 
 class LessonControls:
@@ -45,6 +45,7 @@ class LessonControls:
         lesson = LESSONS[name]
         self._ensure_run_log()
         self.lesson_screen = LessonScreen(lesson, teach_config(self.config, **lesson.config))
+        self.worker.send(SetRunLog(self.run_log_spec()))    # before the lesson's first rebuild
         self.worker.whole_steps = True    # the lesson takes every step's queues and snapshot
         self.push_screen(self.lesson_screen)
 
@@ -53,6 +54,7 @@ class LessonControls:
         self.worker.whole_steps = False
         if screen is not None and screen.is_attached:
             self.pop_screen() if self.screen is screen else screen.dismiss()
+        self.worker.send(SetRunLog(self.run_log_spec()))
         if rebuild:
             self.worker.send(Rebuild(self.config))
             before, self._state_before_lesson = self._state_before_lesson, None

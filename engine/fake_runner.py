@@ -242,3 +242,9 @@ def fake_engine(config: EngineConfig | None = None, **runner_kwargs):
         ref_counts = engine.scheduler.kv.block_pool.ref_counts
         runner.block_is_free = lambda block: ref_counts[block] == 0
     return engine
+
+
+def build_fake_engine(config: EngineConfig, previous=None):
+    """An engine factory (app/worker/factory.py's signature) on the checked FakeRunner: a module-level function, so
+    an engine process can be given it pickled."""
+    return fake_engine(config)

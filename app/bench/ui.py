@@ -20,12 +20,15 @@ share of the engine's throughput; the warm-up keeps it out, and keeps both engin
    snapshots and every line rendered (``show_snapshot`` then ``render_line`` for each row: the cells from the
    snapshot, then the strips; Textual's compositor pass is not included), before the app closes (closing it
    aborts the engine's requests).
+4. The engine in a process of its own (``kvscope --engine-process``, app/bench/ui_process.py): headless and with
+   the window open on it, in fresh processes, alternated, ``--rounds`` rounds each.
 
 Throughput is engine steps per CPU second of the whole process (time.process_time: the engine thread, the UI
 thread and any other), so whatever the window spends holding the GIL counts against it, and the figure holds on
 a machine shared with other work. Where that CPU went is split out: the engine thread's own per step (headless
 and with the window open) and the UI thread's per engine step. Frame times are the UI thread's CPU
-(time.thread_time_ns).
+(time.thread_time_ns). On the process sides, throughput is per CPU second of the engine's process alone: the
+window's process runs on another core and holds no lock the engine needs; its CPU is shown apart.
 """
 
 from __future__ import annotations
@@ -61,11 +64,24 @@ class UiResult:
     headless_engine_ms: float
     window_engine_ms: float
     window_ui_ms: float
+    # The engine in a process of its own (app/bench/ui_process.py), headless and with the window open: engine steps
+    # per CPU second of the engine's process, its engine thread's CPU a step, and the window's process's CPU per
+    # engine step.
+    process_headless_steps_per_cpu_s: float
+    process_window_steps_per_cpu_s: float
+    process_headless_engine_ms: float
+    process_window_engine_ms: float
+    process_ui_ms: float
 
     @property
     def window_cost(self) -> float:
         """The share of engine throughput the open window takes."""
         return 1 - self.window_steps_per_cpu_s / self.headless_steps_per_cpu_s
+
+    @property
+    def process_window_cost(self) -> float:
+        """The same, with the engine in a process of its own."""
+        return 1 - self.process_window_steps_per_cpu_s / self.process_headless_steps_per_cpu_s
 
 
 class RecordingEngine:
@@ -284,6 +300,8 @@ async def _window_run(engine: WindowedEngine, settings: UiSettings, paints: list
 
 
 def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
+    from kvscope.app.bench.ui_process import process_sides
+
     say = progress or (lambda line: None)
     say(f"filling {settings.usage:.0%} of {settings.blocks:,} blocks with {settings.batch} requests, twice")
     # Both engines are built before either side runs: an engine built after another was freed stepped 2-4%
@@ -303,6 +321,8 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
     del engine
     say(f"the window open at {settings.size[0]}x{settings.size[1]} on a twin engine, {settings.steps} steps")
     window = asyncio.run(window_run(twin, settings))
+    del twin
+    process = process_sides(settings, say)
     return UiResult(
         settings=settings, usage=window["usage"],
         cells=window["num_cells"], blocks_per_cell=window["blocks_per_cell"],
@@ -310,7 +330,11 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
         headless_steps_per_cpu_s=before[0] / before[1],
         window_steps_per_cpu_s=window["steps"] / window["cpu"], window_frames=window["painted"],
         longest_paint_ms=window["longest_paint_ms"],
-        headless_engine_ms=headless_engine_ms, window_engine_ms=window["engine_ms"], window_ui_ms=window["ui_ms"])
+        headless_engine_ms=headless_engine_ms, window_engine_ms=window["engine_ms"], window_ui_ms=window["ui_ms"],
+        process_headless_steps_per_cpu_s=process["headless_steps_per_cpu_s"],
+        process_window_steps_per_cpu_s=process["window_steps_per_cpu_s"],
+        process_headless_engine_ms=process["headless_engine_ms"],
+        process_window_engine_ms=process["window_engine_ms"], process_ui_ms=process["ui_ms"])
 
 
 def format_table(result: UiResult) -> str:
@@ -335,6 +359,14 @@ def format_table(result: UiResult) -> str:
         ("  engine thread per step", f"{result.headless_engine_ms:.2f} ms headless, {result.window_engine_ms:.2f} ms "
                                      "with the window open"),
         ("  UI thread per engine step", f"{result.window_ui_ms:.2f} ms"),
+        ("engine in its own process", "kvscope --engine-process; CPU of the engine's process, medians of "
+                                      f"{s.rounds} fresh processes a side"),
+        ("  headless", f"{result.process_headless_steps_per_cpu_s:,.1f} steps per CPU second"),
+        ("  window open", f"{result.process_window_steps_per_cpu_s:,.1f} steps per CPU second"),
+        ("  the window's cost", f"{100 * result.process_window_cost:.1f}% of engine throughput"),
+        ("  engine thread per step", f"{result.process_headless_engine_ms:.2f} ms headless, "
+                                     f"{result.process_window_engine_ms:.2f} ms with the window open"),
+        ("  window's process per engine step", f"{result.process_ui_ms:.2f} ms, on another core"),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["kvscope bench ui: frame times in UI-thread CPU, median (p10-p90) over "
@@ -349,4 +381,9 @@ def as_json(result: UiResult) -> dict:
             "window_steps_per_cpu_s": result.window_steps_per_cpu_s, "window_frames": result.window_frames,
             "longest_paint_ms": result.longest_paint_ms,
             "window_cost": result.window_cost, "headless_engine_ms": result.headless_engine_ms,
-            "window_engine_ms": result.window_engine_ms, "window_ui_ms": result.window_ui_ms}
+            "window_engine_ms": result.window_engine_ms, "window_ui_ms": result.window_ui_ms,
+            "process_headless_steps_per_cpu_s": result.process_headless_steps_per_cpu_s,
+            "process_window_steps_per_cpu_s": result.process_window_steps_per_cpu_s,
+            "process_window_cost": result.process_window_cost,
+            "process_headless_engine_ms": result.process_headless_engine_ms,
+            "process_window_engine_ms": result.process_window_engine_ms, "process_ui_ms": result.process_ui_ms}

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sqlite3
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import sqlite_utils
@@ -119,3 +120,20 @@ def _close_quietly(db: sqlite_utils.Database | None) -> None:
             db.close()
         except sqlite3.Error:
             pass
+
+
+@dataclass(frozen=True)
+class RunLogSpec:
+    """Where and as what each engine built from now on is logged (app/runlog): a lesson's engines as the lesson's,
+    the app's as the app's. Plain values, so the spec crosses to an engine process as any command does."""
+
+    source: str
+    label: str | None
+    db_path: str | None
+    enabled: bool
+
+    def open(self, engine, on_failure: Callable[[str], None]):
+        """The run log of ``engine``, attached as its observer; an engine replaced before anything was asked of it
+        leaves no run behind (keep_empty=False)."""
+        return record_run(engine, source=self.source, label=self.label, keep_empty=False, db_path=self.db_path,
+                          enabled=self.enabled, on_failure=on_failure)

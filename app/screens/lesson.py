@@ -65,7 +65,7 @@ class LessonScreen(Screen):
     def on_mount(self) -> None:
         app = self.app
         self.runner = LessonRunner(self.lesson, self.config, app.worker.send, self,
-                                   run_id=lambda: getattr(app.run_logger, "run_id", None))
+                                   run_id=lambda: app.run_id)
         self.set_interval(FRAME_S, self._paint_latest)
         self.runner.start()
 
@@ -173,7 +173,7 @@ class LessonScreen(Screen):
         if self.runner.running is None and 0 <= earlier < len(self.runner.records) \
                 and self.runner.records[earlier].run_id is None:
             # The beat was never logged (the run log could not be opened): going back would wait for ever.
-            why = getattr(self.app.run_logger, "warning", None) or "the run log is off"
+            why = self.app.run_log_warning or "the run log is off"
             self.notify(f"Backspace replays earlier beats from the run log, and this lesson has none: {why}.",
                         title="Cannot go back", severity="warning", timeout=10)
             return

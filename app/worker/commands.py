@@ -93,7 +93,18 @@ class Rebuild:
 
 @dataclass(frozen=True)
 class Stop:
-    """End the engine thread; the run log is closed as finished."""
+    """End the engine thread; the run log is closed as finished, or as interrupted saying ``interrupted`` (why the
+    app is going: the terminal closed) when given."""
+
+    interrupted: str | None = None
+
+
+@dataclass(frozen=True)
+class SetRunLog:
+    """Log the engines built from now on as ``spec`` says (app/runlog's RunLogSpec: the worker only calls its
+    ``open(engine, on_failure)``); the engine running keeps its log."""
+
+    spec: Any
 
 
 @dataclass(frozen=True)
@@ -106,4 +117,4 @@ class RunOnEngine:
 
 # A union, so isinstance(x, WorkerCommand) checks every command at once.
 WorkerCommand = (AddRequest | AddChatTurn | AbortRequest | SetPaused | StepOnce | SetRateCap | LaunchPreset
-                 | LaunchPlan | RunUntil | Rebuild | Stop | RunOnEngine)
+                 | LaunchPlan | RunUntil | Rebuild | Stop | RunOnEngine | SetRunLog)

@@ -19,6 +19,7 @@ in ``error`` (RequestOutput has no field of its own for an abort's reason).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -38,6 +39,7 @@ from kvscope.app.worker.commands import (
     RunUntil,
     SetPaused,
     SetRateCap,
+    SetRunLog,
     StepOnce,
     Stop,
     WorkerCommand,
@@ -57,14 +59,15 @@ class EngineWorker(RequestCommands, StepPosting):
     that call it are for the UI. ``start``, ``run_once`` and ``shutdown`` are the thread body's
     parts, for a caller that drives the worker on its own thread (the tests).
 
-    ``log_factory(engine)`` is called for each engine built and returns its run logger (which it has
-    attached as an engine observer, as ``runlog.record_run`` does) or None; the worker closes it when
-    the engine is replaced or the thread ends. ``on_engine_installed(engine)`` is told of each engine
-    before it runs (kvscope --serve puts its server in front of it). ``clock`` times the rate cap.
+    ``run_log`` says how each engine built is logged (app/runlog's RunLogSpec; SetRunLog changes it); or
+    ``log_factory(engine)`` is called for each engine built and returns its run logger (which it has attached as
+    an engine observer, as ``runlog.record_run`` does) or None. The worker closes it when the engine is replaced
+    or the thread ends. ``on_engine_installed(engine)`` is told of each engine before it runs (kvscope --serve
+    puts its server in front of it). ``clock`` times the rate cap.
     """
 
     def __init__(self, target, config: EngineConfig, *, engine_factory: Callable = build_engine,
-                 log_factory: Callable[[Any], Any] | None = None,
+                 log_factory: Callable[[Any], Any] | None = None, run_log=None,
                  on_engine_installed: Callable[[Any], None] | None = None,
                  paused: bool = False, steps_per_s_cap: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -73,7 +76,7 @@ class EngineWorker(RequestCommands, StepPosting):
         self.engine = None
         self.info: messages.EngineInfo | None = None
         self._engine_factory = engine_factory
-        self._log_factory = log_factory
+        self._log_factory = log_factory if run_log is None else self._logging_as(run_log)
         self._on_engine_installed = on_engine_installed
         self._clock = clock
         self._logger = None
@@ -92,6 +95,7 @@ class EngineWorker(RequestCommands, StepPosting):
         self._until: tuple[Callable, int] | None = None   # a RunUntil's condition and its last step
         self._queued = False    # requests added since the UI last saw the queues
         self._stopping = threading.Event()
+        self._interrupted: str | None = None    # why the app stopped the thread, when it was cut short
         self._died: BaseException | None = None
 
     # --- the UI's side: every call only queues a command --------------------------------
@@ -101,6 +105,7 @@ class EngineWorker(RequestCommands, StepPosting):
         if not isinstance(command, WorkerCommand):
             raise TypeError(f"not an engine worker command: {command!r} (see app/worker/commands.py)")
         if isinstance(command, Stop):
+            self._interrupted = self._interrupted or command.interrupted
             self._stopping.set()    # a step in progress stops waiting for the UI at once
         self._commands.put(command)
 
@@ -223,10 +228,19 @@ class EngineWorker(RequestCommands, StepPosting):
                 self._rebuild(config)
             case RunOnEngine(call):
                 call()
+            case SetRunLog(spec):
+                self._log_factory = self._logging_as(spec)
             case Stop():
                 self._stopping.set()
             case _:     # send() refuses these; reaching here means something bypassed it
                 raise TypeError(f"not an engine worker command: {command!r}")
+
+    def _logging_as(self, spec) -> Callable[[Any], Any]:
+        return functools.partial(spec.open, on_failure=self._log_failed)
+
+    def _log_failed(self, warning: str) -> None:
+        # From the run log's writer thread: straight to the UI (posting is thread-safe), never through the batch.
+        self.target.post_message(messages.RunLogFailed(warning))
 
     def _set_paused(self, paused: bool) -> None:
         if paused != self._paused:
@@ -314,7 +328,7 @@ class EngineWorker(RequestCommands, StepPosting):
             self._logger, warning = None, f"run log off: {describe_error(exc)}"
         if self._logger is not None:
             warning = self._logger.warning
-        self._post(messages.EngineReady(info, engine.banner, warning))
+        self._post(messages.EngineReady(info, engine.banner, warning, getattr(self._logger, "run_id", None)))
         self._post_state()
 
     def _retire(self, reason: str) -> None:
@@ -356,6 +370,8 @@ class EngineWorker(RequestCommands, StepPosting):
     def _closing_status(self, num_aborted: int, reason: str) -> tuple[str, str | None]:
         if self._died is not None:
             return "crashed", f"the engine thread died: {describe_error(self._died)}"
+        if self._interrupted is not None:
+            return "interrupted", self._interrupted
         if num_aborted:
             return "interrupted", f"{num_aborted} request(s) in flight aborted: {reason}"
         return "finished", None

@@ -131,7 +131,7 @@ async def test_the_event_line_narrates_each_step_live_and_in_replay(tmp_path):
         line = str(app.main.view.event_line.render())
         assert line == "step 2: 3 decodes"
         await single_steps(pilot, 1)
-        run_id = app.run_logger.run_id
+        run_id = app.run_id
         from kvscope.app.runlog import RunLogReader
         from kvscope.app.screens.replay import ReplayScreen
 

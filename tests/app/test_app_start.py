@@ -74,3 +74,18 @@ def test_the_first_build_hands_out_the_checked_engine_and_later_ones_are_built()
     assert factory(config) is checked
     with pytest.raises(ModelError, match="does not exist"):  # a real build, not the checked engine again
         factory(EngineConfig(num_blocks=32, model="/no/such/model"), checked)
+
+
+def test_engine_process_a_missing_model_is_one_line_and_exit_2_before_any_window(capsys, tmp_path, monkeypatch):
+    """--engine-process builds the first engine in the engine's process, and a model it cannot load is told as
+    plainly, before the window opens."""
+    monkeypatch.setattr(app_module.KVScopeApp, "run", lambda self: pytest.fail("the window opened"))
+    status, _, err = run_cli(capsys, "--engine-process", "--model", str(tmp_path / "nope"))
+    assert status == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("kvscope: error: could not start the engine")
+    assert str(tmp_path / "nope") in err
+
+
+def test_engine_process_and_serve_are_refused_together(capsys, no_window):
+    status, _, err = run_cli(capsys, "--engine-process", "--serve", "0")
+    assert_one_line_error(status, err, "--engine-process and --serve")

@@ -118,7 +118,7 @@ async def test_closing_the_terminal_logs_the_run_interrupted_not_crashed(tmp_pat
         await burst_steps(pilot, 2, 3)
         # Its default would end this test's process: only send it once the app has its own handler.
         assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL
-        run_id = app.run_logger.run_id
+        run_id = app.run_id
         os.kill(os.getpid(), signal.SIGHUP)
         await until(pilot, lambda: not app.is_running or app.engine_thread.is_finished)
     reader = RunLogReader(path)

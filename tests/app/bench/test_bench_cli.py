@@ -135,18 +135,23 @@ def test_bench_ui_refuses_a_usage_that_is_not_a_share_below_one_in_one_line(caps
 
 def test_bench_ui_prints_the_frame_and_the_window_cost(capsys):
     argv = ["bench", "ui", "--blocks", "2048", "--usage", "0.5", "--batch", "4", "--steps", "6", "--frames", "2",
-            "--size", "100x30"]
+            "--size", "100x30", "--rounds", "1"]
     assert main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["blocks"] == 2048 and 0.4 < result["usage"] < 0.7 and result["cells"] > 0
     assert result["frame_ms"]["median"] > 0 and result["cells_ms"]["median"] > 0
     assert result["headless_steps_per_cpu_s"] > 0 and result["window_steps_per_cpu_s"] > 0
     assert result["headless_engine_ms"] > 0 and result["window_engine_ms"] > 0 and result["window_ui_ms"] >= 0
+    # The engine in a process of its own: measured there, on both sides.
+    assert result["process_headless_steps_per_cpu_s"] > 0 and result["process_window_steps_per_cpu_s"] > 0
+    assert result["process_headless_engine_ms"] > 0 and result["process_window_engine_ms"] > 0
+    assert result["process_ui_ms"] > 0
     assert main(argv) == 0
     out = capsys.readouterr().out
     for row in ("pool", "block map", "frame: cells from the snapshot", "frame: cells and every line",
                 "engine headless", "engine, window open", "the window's cost", "engine thread per step",
-                "UI thread per engine step"):
+                "UI thread per engine step", "engine in its own process", "headless", "window open",
+                "window's process per engine step"):
         assert row in out
 
 

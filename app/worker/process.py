@@ -1,0 +1,239 @@
+"""The engine in a process of its own: the window's EngineWorker, run in a child process behind a pipe.
+
+The window and the engine share no interpreter lock this way. In one process, the window's drawing and even its
+idle event loop took the engine thread's turns: with the window open, the engine ran 12-18% slower on a 2-core
+machine (docs/performance.md), as vLLM's engine core would if its API server shared its process.
+
+The child runs the same EngineWorker the in-process mode runs, on its main thread; a second thread there takes
+what the window sends: commands (pickled, so they must be plain values or module-level functions: a closure is
+refused at ``send``), step acknowledgements, and whether the window takes steps whole. Everything the worker posts
+comes back over the pipe (app/worker/wire.py) and is posted to the window as the same message. ``EngineProcess``
+is the window's side, with the worker's interface (``send``, ``ack``, ``whole_steps``, ``state``, ``stopping``,
+``run`` as the body of a thread that reads the pipe).
+
+The child ignores Ctrl-C and the terminal closing (the window handles both and stops it with Stop), writes its
+stderr to a file whose last lines the window shows if it dies, and stops on its own, closing its run log, if the
+window's end of the pipe goes away.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from kvscope.app import messages
+from kvscope.app.worker.commands import Stop, WorkerCommand
+from kvscope.app.worker.factory import build_engine
+from kvscope.app.worker.wire import MessageDecoder, MessageEncoder
+from kvscope.engine.config import EngineConfig
+
+_COMMAND, _ACK, _WHOLE_STEPS = "command", "ack", "whole_steps"
+STDERR_TAIL_LINES = 5
+JOIN_S = 10.0
+
+
+class _PipeTarget:
+    """What the worker in the child posts to: each message encoded and written to the pipe, one writer at a
+    time (the run log's writer thread posts its failure from its own thread)."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._encoder = MessageEncoder()
+        self._lock = threading.Lock()
+        self.on_lost: Callable[[], None] = lambda: None
+
+    def post_message(self, message) -> bool:
+        with self._lock:
+            try:
+                self._conn.send_bytes(self._encoder.encode(message))
+            except OSError:     # the window is gone: nobody is left to step for
+                self.on_lost()
+                return False
+        return True
+
+
+def _child_main(conn, config: EngineConfig, engine_factory: Callable, run_log, paused: bool,
+                steps_per_s_cap: float | None, stderr_path: str) -> None:
+    from kvscope.app.worker.thread import EngineWorker
+
+    for name in ("SIGINT", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    _redirect_output(stderr_path)
+    target = _PipeTarget(conn)
+    worker = EngineWorker(target, config, engine_factory=engine_factory, run_log=run_log, paused=paused,
+                          steps_per_s_cap=steps_per_s_cap, on_engine_installed=_freeze_heap)
+    target.on_lost = lambda: worker.send(Stop())
+    threading.Thread(target=_take_from_window, args=(conn, worker), name="engine-inbox", daemon=True).start()
+    try:
+        worker.run()
+    finally:
+        conn.close()
+
+
+def _freeze_heap(engine) -> None:
+    """The new engine's objects live as long as it runs: out of the collector's reach, a full collection (which
+    the steps' garbage sets off every few seconds) walks only what came since. In the window's process the window
+    does this for both (MainScreen.engine_ready); here nobody else would. The engine replaced is collected first."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
+def _redirect_output(stderr_path: str) -> None:
+    """The window owns the terminal: the child's prints would draw over it."""
+    with open(os.devnull, "wb") as null, open(stderr_path, "ab") as err:
+        os.dup2(null.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+    sys.stdout = open(1, "w", closefd=False)    # noqa: SIM115 - the process's own streams, kept for its lifetime
+    sys.stderr = open(2, "w", closefd=False)    # noqa: SIM115
+
+
+def _take_from_window(conn, worker) -> None:
+    while True:
+        try:
+            kind, value = conn.recv()
+        except (EOFError, OSError):     # the window went away without a Stop
+            worker.send(Stop("the window closed"))
+            return
+        if kind == _COMMAND:
+            worker.send(value)
+        elif kind == _ACK:
+            worker.ack(value)
+        elif kind == _WHOLE_STEPS:
+            worker.whole_steps = value
+
+
+class EngineProcess:
+    """The window's side of an engine process. Start it with ``start`` (the command line does, to wait for the
+    first engine with ``wait_until_built``), then run ``run`` on a thread: it posts to ``target`` every message
+    the engine's worker posts, and EngineDied if the process ends without being told to."""
+
+    def __init__(self, target, config: EngineConfig, *, engine_factory: Callable = build_engine,
+                 run_log=None, paused: bool = False,
+                 steps_per_s_cap: float | None = None) -> None:
+        self.target = target
+        self.config = config
+        self.engine_factory = engine_factory
+        self.run_log = run_log      # may be set until start()
+        self._state = messages.RunState(paused, steps_per_s_cap)
+        self._whole_steps = False
+        self._stopping = threading.Event()
+        self._decoder = MessageDecoder()
+        self._early: list = []      # read by wait_until_built, handed on by run
+        self._send_lock = threading.Lock()
+        self._stderr = Path(tempfile.mkstemp(prefix="kvscope-engine-", suffix=".log")[1])
+        self._context = multiprocessing.get_context("spawn")    # never fork a process that runs threads
+        self._conn, self._child_end = self._context.Pipe()
+        self._process = None
+
+    # --- the window's side: what EngineWorker offers -------------------------------------------------------
+
+    def send(self, command: WorkerCommand) -> None:
+        """Queue a command for the engine. TypeError for anything that is not one, or that cannot be pickled
+        (a closure: the engine is in another process)."""
+        if not isinstance(command, WorkerCommand):
+            raise TypeError(f"not an engine worker command: {command!r} (see app/worker/commands.py)")
+        if isinstance(command, Stop):
+            self._stopping.set()
+        self._to_child(_COMMAND, command)
+
+    def ack(self, steps: int = 1) -> None:
+        if steps > 0:
+            self._to_child(_ACK, steps)
+
+    @property
+    def whole_steps(self) -> bool:
+        return self._whole_steps
+
+    @whole_steps.setter
+    def whole_steps(self, whole: bool) -> None:
+        self._whole_steps = whole
+        self._to_child(_WHOLE_STEPS, whole)
+
+    @property
+    def state(self) -> messages.RunState:
+        """As the engine last said (RunStateChanged), which is what the in-process worker's state says too."""
+        return self._state
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _to_child(self, kind: str, value) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send((kind, value))
+        except (AttributeError, TypeError, ValueError) as exc:     # what pickle raises for a closure, a lambda
+            raise TypeError(f"cannot send {value!r} to the engine process: {exc}") from exc
+        except OSError:     # the process is gone; run() says so
+            pass
+
+    # --- the process ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._process is None:
+            state = self._state
+            self._process = self._context.Process(
+                target=_child_main, name="kvscope-engine", daemon=True,
+                args=(self._child_end, self.config, self.engine_factory, self.run_log, state.paused,
+                      state.steps_per_s_cap, str(self._stderr)))
+            self._process.start()
+            self._child_end.close()
+
+    def wait_until_built(self, timeout: float | None = None):
+        """Start the process and read its messages until the first engine is built or failed to: EngineReady,
+        EngineBuildFailed or EngineDied (None if ``timeout`` passed). What was read is handed on by ``run``."""
+        self.start()
+        while self._conn.poll(timeout):
+            message = self._receive()
+            if message is None:
+                return self._died_message()
+            self._early.append(message)
+            if isinstance(message, (messages.EngineReady, messages.EngineBuildFailed, messages.EngineDied)):
+                return message
+        return None
+
+    def run(self) -> None:
+        """The reading thread's body: until the process ends."""
+        self.start()
+        early, self._early = self._early, []
+        for message in early:
+            self._deliver(message)
+        while (message := self._receive()) is not None:
+            self._deliver(message)
+        self._process.join(JOIN_S)
+        if not self.stopping:
+            self._deliver(self._died_message())
+        self._stderr.unlink(missing_ok=True)
+
+    def _receive(self):
+        try:
+            return self._decoder.decode(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            return None
+
+    def _deliver(self, message) -> None:
+        if isinstance(message, messages.RunStateChanged):
+            self._state = message.state
+        self.target.post_message(message)
+
+    def _died_message(self) -> messages.EngineDied:
+        self._process.join(JOIN_S)
+        code = self._process.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        tail = self._stderr.read_text(errors="replace").strip().splitlines()[-STDERR_TAIL_LINES:] \
+            if self._stderr.exists() else []
+        return messages.EngineDied(f"the engine process ended ({how})" + (f": {' / '.join(tail)}" if tail else ""))
+
+    def kill(self) -> None:
+        """End the process at once (the window is going and the engine did not stop in time)."""
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()

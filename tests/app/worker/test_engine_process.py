@@ -1,0 +1,139 @@
+"""The engine in a process of its own (app/worker/process.py): the same messages as the engine thread's, over a
+pipe; a command that cannot cross refused at once; the process's death told; its run log closed when stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from test_app_worker import Inbox
+
+from kvscope.app.messages import EngineBuildFailed, EngineDied, EngineReady, EngineStepped, RunStateChanged
+from kvscope.app.runlog import RunLogReader, RunLogSpec
+from kvscope.app.worker.commands import AddRequest, RunUntil, SetPaused, Stop
+from kvscope.app.worker.process import EngineProcess
+from kvscope.app.worker.thread import EngineWorker
+from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.fake_runner import build_fake_engine
+
+CONFIG = EngineConfig(num_blocks=32, block_size=4, max_model_len=128)
+PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 10, 11], list(range(20, 41))]
+
+
+def run_process(process: EngineProcess, inbox: Inbox):
+    import threading
+
+    inbox.worker = process
+    process.target = inbox
+    thread = threading.Thread(target=process.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def finals(inbox: Inbox) -> dict[str, tuple]:
+    return {o.request_id: tuple(o.token_ids) for m in inbox.of(EngineStepped) for o in m.result.outputs
+            if o.finished}
+
+
+def add_prompts(send) -> None:
+    for index, prompt in enumerate(PROMPTS):
+        send(AddRequest(f"r{index}", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+
+
+def test_the_engine_process_posts_what_the_engine_thread_posts(tmp_path):
+    """Same prompts, same tokens, same steps, as the in-process worker on the same (checked) FakeRunner engine;
+    and the run log, written in the engine's process, is closed as finished once it is stopped."""
+    alone = Inbox()
+    worker = EngineWorker(alone, CONFIG, engine_factory=build_fake_engine)
+    alone.worker = worker
+    import threading
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    alone.wait_for(lambda: alone.of(EngineReady))
+    add_prompts(worker.send)
+    alone.wait_for(lambda: len(finals(alone)) == len(PROMPTS))
+    worker.send(Stop())
+    thread.join(10)
+
+    inbox = Inbox()
+    db = tmp_path / "runs.db"
+    process = EngineProcess(inbox, CONFIG, engine_factory=build_fake_engine,
+                            run_log=RunLogSpec("app", None, str(db), True))
+    reader_thread = run_process(process, inbox)
+    inbox.wait_for(lambda: inbox.of(EngineReady), timeout=120)
+    assert inbox.of(EngineReady)[0].run_id is not None
+    add_prompts(process.send)
+    inbox.wait_for(lambda: len(finals(inbox)) == len(PROMPTS), timeout=60)
+    assert finals(inbox) == finals(alone)
+    steps = [m.result.stats.step for m in inbox.of(EngineStepped)]
+    assert steps == [m.result.stats.step for m in alone.of(EngineStepped)] == list(range(1, len(steps) + 1))
+
+    process.send(SetPaused(True))
+    inbox.wait_for(lambda: any(m.state.paused for m in inbox.of(RunStateChanged)))
+    assert process.state.paused
+    process.send(Stop())
+    reader_thread.join(30)
+    assert not reader_thread.is_alive() and not inbox.of(EngineDied)
+    (run,) = RunLogReader(db).list_runs()
+    assert run["status"] == "finished"
+
+
+def test_a_command_that_cannot_cross_is_refused_where_it_is_sent_and_the_engine_goes_on():
+    inbox = Inbox()
+    process = EngineProcess(inbox, CONFIG, engine_factory=build_fake_engine)
+    reader_thread = run_process(process, inbox)
+    inbox.wait_for(lambda: inbox.of(EngineReady), timeout=120)
+    with pytest.raises(TypeError, match="engine process"):
+        process.send(RunUntil(lambda result: True, 5))
+    with pytest.raises(TypeError, match="not an engine worker command"):
+        process.send("step")
+    add_prompts(process.send)
+    inbox.wait_for(lambda: len(finals(inbox)) == len(PROMPTS), timeout=60)
+    process.send(Stop())
+    reader_thread.join(30)
+    assert not inbox.of(EngineDied)
+
+
+def test_an_engine_process_that_dies_is_told_with_how():
+    inbox = Inbox()
+    process = EngineProcess(inbox, CONFIG, engine_factory=build_fake_engine)
+    reader_thread = run_process(process, inbox)
+    inbox.wait_for(lambda: inbox.of(EngineReady), timeout=120)
+    os.kill(process._process.pid, signal.SIGKILL)
+    reader_thread.join(30)
+    (died,) = inbox.of(EngineDied)
+    assert "killed by signal 9" in died.error
+    process.send(SetPaused(False))      # nobody is there: nothing raises
+
+
+def test_a_first_engine_that_cannot_be_built_is_told_before_the_window_opens(tmp_path):
+    process = EngineProcess(None, EngineConfig(model=str(tmp_path / "no-such-model")))
+    built = process.wait_until_built(120)
+    assert isinstance(built, EngineBuildFailed) and "no-such-model" in built.error
+    process.send(Stop())
+    process.kill()
+
+
+@pytest.mark.anyio
+async def test_the_window_and_a_lesson_run_on_an_engine_process(tmp_path):
+    """The window draws the process's steps, and a lesson plays to its end: its beats' conditions and loads cross
+    to the engine pickled, its engines are rebuilt there, and each beat is logged under the lesson's run."""
+    from kvscope.app.app import KVScopeApp
+    from kvscope.app.headless import wait_until
+    from kvscope.app.lessons.play import play
+
+    process = EngineProcess(None, CONFIG, engine_factory=build_fake_engine)
+    app = KVScopeApp(CONFIG, db_path=tmp_path / "runs.db", engine_process=process)
+    assert isinstance(process.wait_until_built(120), EngineReady)
+    async with app.run_test(size=(120, 40)) as pilot:
+        assert await wait_until(pilot, lambda: app.main.engine_info is not None, 60)
+        add_prompts(app.worker.send)
+        assert await wait_until(pilot, lambda: app.main.latest is not None and app.main.latest.stats.step >= 5, 60)
+        played = await play(pilot, "block-tables", beat_timeout=60)
+        assert all(record.met for record in played.beats)
+        assert len({record.run_id for record in played.beats} - {None}) >= 1
+        app.leave_lesson()
+        await pilot.pause()
+    runs = RunLogReader(tmp_path / "runs.db").list_runs()
+    assert {run["source"] for run in runs} >= {"lesson"}
