@@ -110,8 +110,9 @@ def process_headless_run(settings: UiSettings) -> dict:
 
 
 def process_sides(settings: UiSettings, say) -> dict:
-    """Medians over ``settings.rounds`` alternated rounds: steps per CPU second of the engine's process headless and with the
-    window open, the engine thread's CPU a step on each, and the window's process's CPU per engine step."""
+    """Medians over ``settings.rounds`` alternated rounds: steps per CPU second of the engine's process headless
+    and with the window open, the engine thread's CPU a step on each, and the window's process's CPU per engine
+    step."""
     import asyncio
 
     headless, window = [], []
