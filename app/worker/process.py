@@ -12,8 +12,8 @@ is the window's side, with the worker's interface (``send``, ``ack``, ``whole_st
 ``run`` as the body of a thread that reads the pipe).
 
 The child ignores Ctrl-C and the terminal closing (the window handles both and stops it with Stop), writes its
-stderr to a file whose last lines the window shows if it dies, and stops on its own, closing its run log, if the
-window's end of the pipe goes away.
+stderr to a file whose last lines the window shows if it dies, and stops on its own, closing its run log as
+interrupted, if the window's process goes (its end of the pipe closes, or it exits and sends SIGTERM).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from kvscope.engine.config import EngineConfig
 
 _COMMAND, _ACK, _WHOLE_STEPS = "command", "ack", "whole_steps"
 STDERR_TAIL_LINES = 5
+WINDOW_GONE = "the window closed"
 JOIN_S = 10.0
 
 
@@ -70,7 +71,10 @@ def _child_main(conn, config: EngineConfig, engine_factory: Callable, run_log, p
     target = _PipeTarget(conn)
     worker = EngineWorker(target, config, engine_factory=engine_factory, run_log=run_log, paused=paused,
                           steps_per_s_cap=steps_per_s_cap, on_engine_installed=_freeze_heap)
-    target.on_lost = lambda: worker.send(Stop())
+    target.on_lost = lambda: worker.send(Stop(WINDOW_GONE))
+    # The window's process exiting ends its daemon children with SIGTERM (multiprocessing does, at exit): the run
+    # log is closed as for any other way the window goes.
+    signal.signal(signal.SIGTERM, lambda _signal, _frame: worker.send(Stop(WINDOW_GONE)))
     threading.Thread(target=_take_from_window, args=(conn, worker), name="engine-inbox", daemon=True).start()
     try:
         worker.run()
@@ -101,7 +105,7 @@ def _take_from_window(conn, worker) -> None:
         try:
             kind, value = conn.recv()
         except (EOFError, OSError):     # the window went away without a Stop
-            worker.send(Stop("the window closed"))
+            worker.send(Stop(WINDOW_GONE))
             return
         if kind == _COMMAND:
             worker.send(value)

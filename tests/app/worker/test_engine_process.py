@@ -137,3 +137,63 @@ async def test_the_window_and_a_lesson_run_on_an_engine_process(tmp_path):
         await pilot.pause()
     runs = RunLogReader(tmp_path / "runs.db").list_runs()
     assert {run["source"] for run in runs} >= {"lesson"}
+
+
+def test_a_run_cut_short_by_the_terminal_closing_is_logged_as_interrupted_saying_so(tmp_path):
+    db = tmp_path / "runs.db"
+    inbox = Inbox()
+    process = EngineProcess(inbox, CONFIG, engine_factory=build_fake_engine,
+                            run_log=RunLogSpec("app", None, str(db), True))
+    reader_thread = run_process(process, inbox)
+    inbox.wait_for(lambda: inbox.of(EngineReady), timeout=120)
+    add_prompts(process.send)
+    inbox.wait_for(lambda: len(finals(inbox)) == len(PROMPTS), timeout=60)
+    process.send(Stop("terminal closed"))
+    reader_thread.join(30)
+    assert process._process.exitcode == 0
+    assert_run_ended(db, "interrupted", "terminal closed")
+
+
+def assert_run_ended(db, status: str, detail: str | None) -> None:
+    reader = RunLogReader(db)
+    (listed,) = reader.list_runs()
+    run = reader.run(listed["id"])
+    assert (run["status"], run["status_detail"]) == (status, detail)
+
+
+WINDOW = """
+import os, sys, time
+from kvscope.app.runlog import RunLogSpec
+from kvscope.app.worker.commands import AddRequest
+from kvscope.app.worker.process import EngineProcess
+from kvscope.engine.config import EngineConfig, SamplingParams
+from kvscope.engine.fake_runner import build_fake_engine
+
+if __name__ == "__main__":
+    process = EngineProcess(None, EngineConfig(num_blocks=32, block_size=4, max_model_len=128),
+                            engine_factory=build_fake_engine, run_log=RunLogSpec("app", None, sys.argv[1], True))
+    process.wait_until_built(120)
+    process.send(AddRequest("r0", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0)))
+    time.sleep(1)
+    if sys.argv[2] == "crash":
+        os._exit(1)     # no exit handlers: the pipe just closes
+    sys.exit(0)         # multiprocessing ends its daemon children with SIGTERM
+"""
+
+
+@pytest.mark.parametrize("how", ["crash", "exit"])
+def test_a_window_process_that_goes_leaves_its_run_interrupted_not_running(tmp_path, how):
+    import subprocess
+    import sys
+    import time
+
+    script, db = tmp_path / "window.py", tmp_path / "runs.db"
+    script.write_text(WINDOW)
+    subprocess.run([sys.executable, str(script), str(db), how], cwd=tmp_path, timeout=180, check=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        reader = RunLogReader(db)
+        if reader.list_runs() and reader.list_runs()[0]["status"] != "running":
+            break
+        time.sleep(0.2)
+    assert_run_ended(db, "interrupted", "the window closed")
