@@ -197,3 +197,24 @@ def test_a_window_process_that_goes_leaves_its_run_interrupted_not_running(tmp_p
             break
         time.sleep(0.2)
     assert_run_ended(db, "interrupted", "the window closed")
+
+
+@pytest.mark.anyio
+async def test_the_default_model_chats_in_the_window_from_an_engine_process(tmp_path):
+    """No flags but --engine-process: the real default model, built in the engine's process, answers the README's
+    question in the chat pane, its reply streamed over the pipe."""
+    from app_harness import type_chat, until
+
+    from kvscope.app.app import KVScopeApp
+    from kvscope.app.widgets.chat import ChatPane
+
+    config = EngineConfig()
+    process = EngineProcess(None, config)
+    app = KVScopeApp(config, log_enabled=False, engine_process=process, chat_max_tokens=16)
+    assert isinstance(process.wait_until_built(300), EngineReady)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await until(pilot, lambda: app.main.engine_info is not None)
+        await type_chat(pilot, "What is the capital of France?")
+        chat = app.main.query_one(ChatPane)
+        await until(pilot, lambda: chat.current_request is None and len(chat.messages) == 2, timeout=120)
+        assert "Paris" in chat.messages[-1]["content"]
