@@ -391,7 +391,7 @@ def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool, eng
         if not isinstance(built, EngineReady):
             error = " ".join(getattr(built, "error", "the engine process did not start").split())   # one line
             print(f"kvscope: error: {error}", file=sys.stderr)
-            process.send(Stop())
+            process.close()
             return 2
     app.run()
     return app.return_code or 0

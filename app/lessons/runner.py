@@ -25,7 +25,7 @@ from typing import Protocol
 from kvscope.app.lessons.cues import all_done
 from kvscope.app.lessons.script import Beat, Highlight, Lesson, Moment, StepRecord
 from kvscope.app.messages import EngineInfo
-from kvscope.app.worker.commands import LaunchPlan, Rebuild, RunUntil, WorkerCommand
+from kvscope.app.worker.commands import LaunchPlan, Rebuild, RunUntil, SetPaused, WorkerCommand
 from kvscope.engine.config import EngineConfig
 from kvscope.engine.outputs import StepResult
 
@@ -146,6 +146,10 @@ class LessonRunner:
 
     def _start(self, index: int) -> None:
         beat = self.lesson.beats[index]
+        # Paused first: the engine may be running (the app's was; the user may have resumed it), and a beat's load
+        # must wait for its RunUntil. Commands can reach the engine one at a time (an engine process reads them off
+        # a pipe), so a running engine could otherwise run the load to its end before the condition arrives.
+        self._command(SetPaused(True))
         if beat.config is not None:
             self._command(Rebuild(dataclasses.replace(self.config, **beat.config)))
         if beat.load is not None:

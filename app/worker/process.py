@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -175,7 +176,7 @@ class EngineProcess:
         try:
             with self._send_lock:
                 self._conn.send((kind, value))
-        except (AttributeError, TypeError, ValueError) as exc:     # what pickle raises for a closure, a lambda
+        except (AttributeError, TypeError, ValueError, pickle.PicklingError) as exc:   # a closure, a lambda
             raise TypeError(f"cannot send {value!r} to the engine process: {exc}") from exc
         except OSError:     # the process is gone; run() says so
             pass
@@ -237,7 +238,11 @@ class EngineProcess:
             if self._stderr.exists() else []
         return messages.EngineDied(f"the engine process ended ({how})" + (f": {' / '.join(tail)}" if tail else ""))
 
-    def kill(self) -> None:
-        """End the process at once (the window is going and the engine did not stop in time)."""
-        if self._process is not None and self._process.is_alive():
-            self._process.kill()
+    def close(self) -> None:
+        """Stop the process (one that never ran for a window: its first engine failed) and wait for it to end."""
+        self.send(Stop())
+        if self._process is not None:
+            self._process.join(JOIN_S)
+            if self._process.is_alive():
+                self._process.kill()
+        self._stderr.unlink(missing_ok=True)

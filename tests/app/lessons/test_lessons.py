@@ -177,7 +177,7 @@ def test_a_beat_that_builds_a_new_engine_lets_the_old_one_finish_its_requests_fi
     from kvscope.app.lessons.cues import after_steps
     from kvscope.app.lessons.runner import LessonRunner
     from kvscope.app.lessons.script import Beat, Lesson
-    from kvscope.app.worker.commands import LaunchPlan, Rebuild, RunUntil
+    from kvscope.app.worker.commands import LaunchPlan, Rebuild, RunUntil, SetPaused
     from kvscope.engine.fake_runner import fake_engine
 
     lesson = Lesson("two-runs", "Two runs", "", beats=(
@@ -210,8 +210,9 @@ def test_a_beat_that_builds_a_new_engine_lets_the_old_one_finish_its_requests_fi
     while engine.has_unfinished_requests():
         runner.stepped(engine.step())
     runner.until_done(runner.latest.stats.step, True)
-    assert [type(c) for c in sent] == [RunUntil, Rebuild, LaunchPlan, RunUntil]    # then the new one is built
-    assert sent[1].config.allocator == "contiguous" and shown == ["First"]
+    # Then the new one is built, paused, so that its load waits for its condition.
+    assert [type(c) for c in sent] == [RunUntil, SetPaused, Rebuild, LaunchPlan, RunUntil]
+    assert sent[1] == SetPaused(True) and sent[2].config.allocator == "contiguous" and shown == ["First"]
 
 
 async def test_leaving_a_lesson_gives_the_app_back_running_as_it_was():
