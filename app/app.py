@@ -89,8 +89,7 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
                  screenshot_dir: str | Path | None = None, chat_max_tokens: int = DEFAULT_MAX_TOKENS,
                  first_lesson: str | None = None, serve=None,
                  chat_sampling: tuple[tuple[str, float | int], ...] = (),
-                 fetch_hint: Callable[[str], str | None] = fetch_hint, engine_process: EngineProcess | None = None
-                 ) -> None:
+                 fetch_hint: Callable[[str], str | None] = fetch_hint, engine_process: bool = False) -> None:
         super().__init__()
         self.config = config
         # How to fetch a model offered by name that a lesson runs on, when it is not in the cache yet: the
@@ -104,11 +103,11 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
         self.main = MainScreen(system_sampler=system_sampler, chat_max_tokens=chat_max_tokens,
                                chat_sampling=chat_sampling)
         self.lesson_screen: LessonScreen | None = None
-        # The engine's worker: in a process of its own when one is given (run_app's, started before the window
-        # to check the first engine), else a thread of this process (a server in front of it, the tests' fakes).
-        if engine_process is not None:
-            engine_process.target, engine_process.run_log = self, self.run_log_spec()
-            self.worker = engine_process
+        # The engine's worker: in a process of its own (``engine_process``: run_app waits there for the first
+        # engine before the window opens), else on a thread of this one (a server in front of it, the tests).
+        if engine_process:
+            self.worker = EngineProcess(self, config, engine_factory=engine_factory, run_log=self.run_log_spec(),
+                                        paused=paused, steps_per_s_cap=steps_per_s_cap)
         else:
             self.worker = EngineWorker(self, config, engine_factory=engine_factory, run_log=self.run_log_spec(),
                                        on_engine_installed=serve.engine_installed if serve is not None else None,
@@ -381,17 +380,16 @@ def run_app(config: EngineConfig, *, db_path: str | None, log_enabled: bool, eng
     ``lesson`` opens a lesson at once ("" opens the list of lessons); ``serve`` serves the engine over HTTP;
     ``engine_process`` runs the engine in a process of its own, whose first engine is built (and so checked)
     before the window opens."""
-    process = EngineProcess(None, config) if engine_process else None
     factory = build_engine if engine is None else first_engine_then_build(engine)
     app = KVScopeApp(config, db_path=db_path, log_enabled=log_enabled, engine_factory=factory, first_lesson=lesson,
-                     serve=serve, chat_sampling=chat_sampling, engine_process=process)
-    if process is not None:
+                     serve=serve, chat_sampling=chat_sampling, engine_process=engine_process)
+    if engine_process:
         print(f"kvscope: loading {config.model} in the engine process …", file=sys.stderr, flush=True)
-        built = process.wait_until_built()
+        built = app.worker.wait_until_built()
         if not isinstance(built, EngineReady):
             error = " ".join(getattr(built, "error", "the engine process did not start").split())   # one line
             print(f"kvscope: error: {error}", file=sys.stderr)
-            process.close()
+            app.worker.close()
             return 2
     app.run()
     return app.return_code or 0

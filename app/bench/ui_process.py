@@ -63,15 +63,14 @@ async def process_window_run(settings: UiSettings) -> dict:
     from kvscope.app.app import KVScopeApp
     from kvscope.app.headless import wait_until
     from kvscope.app.worker.commands import SetPaused
-    from kvscope.app.worker.process import EngineProcess
     from kvscope.engine.config import EngineConfig
 
     with tempfile.TemporaryDirectory(prefix="kvscope-bench-ui-") as folder:
         report = Path(folder) / "measured.json"
         config = EngineConfig(num_blocks=settings.blocks)   # the header's until the engine says its own
-        process = EngineProcess(None, config, engine_factory=MeasuredEngines(settings, str(report)), paused=True)
-        app = KVScopeApp(config, log_enabled=False, engine_process=process, paused=True)
-        built = process.wait_until_built(600)
+        app = KVScopeApp(config, log_enabled=False, engine_process=True, paused=True,
+                         engine_factory=MeasuredEngines(settings, str(report)))
+        built = app.worker.wait_until_built(600)
         if built is None or not hasattr(built, "info"):
             raise RuntimeError(f"the engine process did not build its engine: {getattr(built, 'error', 'timeout')}")
         async with app.run_test(size=settings.size) as pilot:

@@ -117,17 +117,15 @@ def _take_from_window(conn, worker) -> None:
 
 
 class EngineProcess:
-    """The window's side of an engine process. Start it with ``start`` (the command line does, to wait for the
-    first engine with ``wait_until_built``), then run ``run`` on a thread: it posts to ``target`` every message
-    the engine's worker posts, and EngineDied if the process ends without being told to."""
+    """The window's side of an engine process. ``wait_until_built`` starts it and waits for the first engine (the
+    command line checks it before the window opens); ``run``, on a thread, starts it if need be and posts to
+    ``target`` every message the engine's worker posts, and EngineDied if the process ends without being told
+    to. ``run_log`` is the first engines' RunLogSpec (app/runlog)."""
 
     def __init__(self, target, config: EngineConfig, *, engine_factory: Callable = build_engine,
-                 run_log=None, paused: bool = False,
-                 steps_per_s_cap: float | None = None) -> None:
+                 run_log=None, paused: bool = False, steps_per_s_cap: float | None = None) -> None:
         self.target = target
         self.config = config
-        self.engine_factory = engine_factory
-        self.run_log = run_log      # may be set until start()
         self._state = messages.RunState(paused, steps_per_s_cap)
         self._whole_steps = False
         self._stopping = threading.Event()
@@ -135,9 +133,11 @@ class EngineProcess:
         self._early: list = []      # read by wait_until_built, handed on by run
         self._send_lock = threading.Lock()
         self._stderr = Path(tempfile.mkstemp(prefix="kvscope-engine-", suffix=".log")[1])
-        self._context = multiprocessing.get_context("spawn")    # never fork a process that runs threads
-        self._conn, self._child_end = self._context.Pipe()
-        self._process = None
+        context = multiprocessing.get_context("spawn")    # never fork a process that runs threads
+        self._conn, self._child_end = context.Pipe()
+        self._process = context.Process(
+            target=_child_main, name="kvscope-engine", daemon=True,
+            args=(self._child_end, config, engine_factory, run_log, paused, steps_per_s_cap, str(self._stderr)))
 
     # --- the window's side: what EngineWorker offers -------------------------------------------------------
 
@@ -184,12 +184,7 @@ class EngineProcess:
     # --- the process ---------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._process is None:
-            state = self._state
-            self._process = self._context.Process(
-                target=_child_main, name="kvscope-engine", daemon=True,
-                args=(self._child_end, self.config, self.engine_factory, self.run_log, state.paused,
-                      state.steps_per_s_cap, str(self._stderr)))
+        if self._process.pid is None:
             self._process.start()
             self._child_end.close()
 
@@ -241,7 +236,7 @@ class EngineProcess:
     def close(self) -> None:
         """Stop the process (one that never ran for a window: its first engine failed) and wait for it to end."""
         self.send(Stop())
-        if self._process is not None:
+        if self._process.pid is not None:
             self._process.join(JOIN_S)
             if self._process.is_alive():
                 self._process.kill()

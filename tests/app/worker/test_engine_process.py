@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 from test_app_worker import Inbox
@@ -23,10 +24,7 @@ NOT_PICKLABLE = lambda result: True   # noqa: E731 - a lambda bound to a name: p
 
 
 def run_process(process: EngineProcess, inbox: Inbox):
-    import threading
-
     inbox.worker = process
-    process.target = inbox
     thread = threading.Thread(target=process.run, daemon=True)
     thread.start()
     return thread
@@ -48,7 +46,6 @@ def test_the_engine_process_posts_what_the_engine_thread_posts(tmp_path):
     alone = Inbox()
     worker = EngineWorker(alone, CONFIG, engine_factory=build_fake_engine)
     alone.worker = worker
-    import threading
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     alone.wait_for(lambda: alone.of(EngineReady))
@@ -126,9 +123,8 @@ async def test_the_window_and_a_lesson_run_on_an_engine_process(tmp_path):
     from kvscope.app.headless import wait_until
     from kvscope.app.lessons.play import play
 
-    process = EngineProcess(None, CONFIG, engine_factory=build_fake_engine)
-    app = KVScopeApp(CONFIG, db_path=tmp_path / "runs.db", engine_process=process)
-    assert isinstance(process.wait_until_built(120), EngineReady)
+    app = KVScopeApp(CONFIG, db_path=tmp_path / "runs.db", engine_process=True, engine_factory=build_fake_engine)
+    assert isinstance(app.worker.wait_until_built(120), EngineReady)
     async with app.run_test(size=(120, 40)) as pilot:
         assert await wait_until(pilot, lambda: app.main.engine_info is not None, 60)
         add_prompts(app.worker.send)
@@ -211,10 +207,8 @@ async def test_the_default_model_chats_in_the_window_from_an_engine_process(tmp_
     from kvscope.app.app import KVScopeApp
     from kvscope.app.widgets.chat import ChatPane
 
-    config = EngineConfig()
-    process = EngineProcess(None, config)
-    app = KVScopeApp(config, log_enabled=False, engine_process=process, chat_max_tokens=16)
-    assert isinstance(process.wait_until_built(300), EngineReady)
+    app = KVScopeApp(EngineConfig(), log_enabled=False, engine_process=True, chat_max_tokens=16)
+    assert isinstance(app.worker.wait_until_built(300), EngineReady)
     async with app.run_test(size=(120, 36)) as pilot:
         await until(pilot, lambda: app.main.engine_info is not None)
         await type_chat(pilot, "What is the capital of France?")
