@@ -83,6 +83,7 @@ class StepBatch:
         self._steps: list[EngineStepped] = []
         self._lock = threading.Lock()     # the engine thread adds while the UI takes
         self._open = True
+        self._thinned = 0       # the steps before this index are thinned
 
     def add(self, step: EngineStepped) -> bool:
         """Add a step; False when the batch is closed (the caller starts another)."""
@@ -96,12 +97,26 @@ class StepBatch:
             self._open = False
 
     def thin(self, keep: int, thinned: Callable[[StepResult], StepResult]) -> None:
-        """Replace the result of the step that has just fallen out of the newest ``keep`` with ``thinned(it)``
-        (each add calls this once, so every older step has been thinned already)."""
+        """Replace the result of every step older than the newest ``keep`` that is not thinned yet with
+        ``thinned(it)``."""
         with self._lock:
-            if len(self._steps) > keep:
-                step = self._steps[-keep - 1]
+            steps = self._steps
+            for step in steps[self._thinned:len(steps) - keep]:
                 step.result = thinned(step.result)
+            self._thinned = max(self._thinned, len(steps) - keep)
+
+    def restore_newest(self, whole: Callable[[StepResult], StepResult]) -> None:
+        """Replace the newest step's result, thinned, with ``whole(it)``."""
+        with self._lock:
+            if self._steps and self._thinned >= len(self._steps):
+                step = self._steps[-1]
+                step.result = whole(step.result)
+                self._thinned = len(self._steps) - 1
+
+    @property
+    def newest_thinned(self) -> bool:
+        with self._lock:
+            return bool(self._steps) and self._thinned >= len(self._steps)
 
     def take(self) -> list[EngineStepped]:
         with self._lock:

@@ -191,7 +191,10 @@ class RequestView(NamedTuple):
     request_id: str
     queue: RequestStatus                # RUNNING | WAITING | SWAPPED
     arrival_index: int                  # stable per engine; drives the request's colour
-    block_tables: tuple[tuple[int, ...], ...]   # one per live sample; device blocks
+    # One per live sample; device blocks. With one sample and one KV-cache group a request's table only grows
+    # (each step's extends the last) until it is preempted (num_preemptions): the engine process's wire sends
+    # tables by that promise (app/worker/wire.py), and the invariant tests hold the engine to it.
+    block_tables: tuple[tuple[int, ...], ...]
     host_block_tables: tuple[tuple[int, ...], ...]  # swapped out: blocks in the host pool
     num_prompt_tokens: int
     num_output_tokens: int              # sample 0
@@ -253,6 +256,18 @@ class CacheSnapshot:
                             ("num_host_blocks", num_host_blocks), ("num_free_host_blocks", num_free_host_blocks),
                             ("kv_cache_groups", tuple(kv_cache_groups))):
             object.__setattr__(self, name, value)
+
+    def without_requests(self) -> CacheSnapshot:
+        """The same snapshot with no request views: what a consumer that only follows the blocks keeps."""
+        bare = object.__new__(CacheSnapshot)
+        vars(bare).update(vars(self), _requests=())
+        return bare
+
+    def with_requests_of(self, other: CacheSnapshot) -> CacheSnapshot:
+        """The same snapshot with ``other``'s request views."""
+        whole = object.__new__(CacheSnapshot)
+        vars(whole).update(vars(self), _requests=other._requests)
+        return whole
 
     @property
     def num_requests(self) -> int:

@@ -1,50 +1,102 @@
-"""`kvscope bench ui`'s process sides: the engine in a process of its own (app/worker/process.py), headless and
-with the window open on it.
+"""`kvscope bench ui`'s process side: the engine in a process of its own (app/worker/process.py), alone and with
+the window open on it, in that one process.
 
-An engine stepped in a freshly started process ran 15-30% slower on this machine than the bench's own
-headless engine (the same steps; the heap it lands in), and fresh processes differed by up to 15% among
-themselves. So the window on an engine process is compared with the same engine stepped headless in a fresh
-process of the same kind, ``--rounds`` times each, alternated, medians compared.
+An engine stepped in a freshly started process ran 15-30% slower on this machine than the bench's own, and fresh
+processes differed by up to 15% among themselves: comparing a headless process with a windowed one measured the
+processes more than the window. So one engine process does both, in alternating segments, and its engine is the
+same engine at the same steps either way:
 
-The engine process builds the same engine as the other sides (``full_engine``: a FakeRunner pool filled the same
-way) and measures itself, as WindowedEngine does on a thread: the warm-up steps, then the measured steps, timed in
-the engine process's CPU (every thread of it: the engine thread, the thread that takes the window's commands, the
-pickling of the steps for the pipe). It writes what it measured to a file the bench reads once the measured steps
-are done. The window's process is timed apart, over the warm-up and the measured steps together.
+- alone: the engine's ``step`` called in a loop on the engine thread, its results dropped, as a headless loop
+  would (``AlternatingEngine`` does this inside one of the worker's steps, so the window sees nothing of it);
+- with the window: the worker's own steps, each posted to the window over the pipe, as the app runs them.
+
+After each segment alone, SETTLE_STEPS steps with the window go unmeasured: the block chain the window follows
+broke there, and the first post after it carries the arrays whole, a one-off of the bench's making. Both sides
+are timed in the engine process's CPU (every thread of it: the engine thread, the thread that takes the window's
+commands, the pickling for the pipe); the window's process runs on another core and is timed apart. Steps per
+wall-clock second are shown too: a window that reads its posts slowly costs the engine time it spends waiting,
+which no CPU clock counts.
 """
 
 from __future__ import annotations
 
-import gc
 import json
-import multiprocessing
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from kvscope.app.bench.scoreboard import UiSettings
-from kvscope.app.bench.ui import WindowedEngine, full_engine, headless_rate
+from kvscope.app.bench.ui import full_engine
+
+SETTLE_STEPS = 60       # two posts and more at the bench's step rate
 
 
-class _ReportingEngine(WindowedEngine):
-    """A WindowedEngine that writes its measurement to ``report`` once its measured steps are done."""
+class AlternatingEngine:
+    """The engine process's engine for the bench: ``warmup`` steps with the window, then ``rounds`` turns of a
+    segment alone (followed by SETTLE_STEPS with the window, unmeasured) and a segment with the window measured
+    (``steps`` measured a side in all). Writes what it measured to ``report`` once done; steps on with the window
+    after."""
 
-    def __init__(self, windowed: WindowedEngine, report: Path, steps: int) -> None:
-        super().__init__(windowed._engine, keep=1)
+    def __init__(self, engine, report: Path, warmup: int, steps: int, rounds: int) -> None:
+        self._engine = engine
         self._report = report
-        self.measure(steps, steps)
+        self._worker_steps = 0
+        segment = max(1, steps // rounds)
+        settle = min(SETTLE_STEPS, segment)     # within the steps full_engine's requests have to run
+        alone, settled, measured = ("alone", segment), ("window", settle), ("measured", segment)
+        # In turns, each side first: the requests' contexts grow as the run goes, and neither side always runs
+        # on the longer ones.
+        self._phases = [("window", warmup)] + [phase for turn in range(rounds) for phase in
+                                              ((alone, settled, measured) if turn % 2 == 0 else
+                                               (measured, alone, settled))]
+        self._kind, self._left, self._segment_steps, self._segment_cpu, self._segment_wall = "", 0, 0, 0.0, 0.0
+        # Per side: process CPU seconds, steps, the engine thread's CPU nanoseconds in the engine's own step, and
+        # wall-clock seconds.
+        self.sides = {"alone": [0.0, 0, 0, 0.0], "measured": [0.0, 0, 0, 0.0]}
+        self.usage = 0.0
 
     def step(self):
-        result = super().step()
-        if self.stopped is not None and not self._report.exists():
-            (cpu, _), (stopped_cpu, _, usage) = self.started, self.stopped
-            first = self.start_at
-            body = {"cpu": stopped_cpu - cpu, "usage": usage, "engine_ms": self.engine_ms(first, self.stop_at)}
-            partial = self._report.with_suffix(".part")
-            partial.write_text(json.dumps(body))
-            partial.replace(self._report)     # whole or not at all: the bench polls for it
+        if not self._left:
+            self._begin(*(self._phases.pop(0) if self._phases else ("after", -1)))
+        kind = self._kind
+        start = time.thread_time_ns()
+        result = self._engine.step()
+        self._worker_steps += 1
+        self._left -= 1
+        if kind == "measured":
+            self.sides[kind][2] += time.thread_time_ns() - start
+            if not self._left:
+                self._end_segment(kind, result)
         return result
+
+    def _begin(self, kind: str, steps: int) -> None:
+        self._kind, self._left, self._segment_steps = kind, steps, steps
+        self._segment_cpu = time.process_time()
+        self._segment_wall = time.perf_counter()
+        if kind == "alone":     # the whole segment now, inside this one step of the worker's
+            side = self.sides[kind]
+            result = None
+            for _ in range(steps):
+                result = None   # freed outside the timing, as the worker's steps are (they free theirs later)
+                start = time.thread_time_ns()
+                result = self._engine.step()
+                side[2] += time.thread_time_ns() - start
+            self._end_segment(kind, result)
+            self._begin(*self._phases.pop(0))
+
+    def _end_segment(self, kind: str, result) -> None:
+        side = self.sides[kind]
+        side[0] += time.process_time() - self._segment_cpu
+        side[3] += time.perf_counter() - self._segment_wall
+        side[1] += self._segment_steps
+        self.usage = result.stats.kv_usage
+        if all(kind == "window" for kind, _ in self._phases):    # nothing left to measure
+            partial = self._report.with_suffix(".part")
+            partial.write_text(json.dumps({"sides": self.sides, "usage": self.usage, "steps": self._worker_steps}))
+            partial.replace(self._report)     # whole or not at all: the bench polls for it
+
+    def __getattr__(self, name):     # otherwise it is the engine
+        return getattr(self._engine, name)
 
 
 class MeasuredEngines:
@@ -55,11 +107,13 @@ class MeasuredEngines:
         self.report = report
 
     def __call__(self, config, previous=None):
-        return _ReportingEngine(full_engine(self.settings), Path(self.report), self.settings.steps)
+        s = self.settings
+        return AlternatingEngine(full_engine(s)._engine, Path(self.report), s.steps, s.steps, s.rounds)
 
 
 async def process_window_run(settings: UiSettings) -> dict:
-    """{"steps", "cpu" (the engine process's, over the measured steps), "engine_ms", "ui_ms", "usage"}."""
+    """The window open on an engine process that alternates segments alone and with the window (see the
+    module's doc)."""
     from kvscope.app.app import KVScopeApp
     from kvscope.app.headless import wait_until
     from kvscope.app.worker.commands import SetPaused
@@ -83,47 +137,20 @@ async def process_window_run(settings: UiSettings) -> dict:
             ui_cpu = time.process_time() - ui_cpu
             app.worker.send(SetPaused(True))
         measured = json.loads(report.read_text())
-    return measured | {"steps": settings.steps, "ui_ms": ui_cpu / (2 * settings.steps) * 1e3}
-
-
-def _headless_child(settings: UiSettings, results) -> None:
-    engine = full_engine(settings)
-    gc.collect()
-    gc.freeze()     # as the engine process does with each engine it builds
-    headless_rate(engine, settings.steps)     # the warm-up the window's side gets
-    first = len(engine.stats)
-    steps, cpu = headless_rate(engine, settings.steps)
-    results.put({"cpu": cpu, "steps": steps, "engine_ms": engine.engine_ms(first, first + settings.steps)})
-
-
-def process_headless_run(settings: UiSettings) -> dict:
-    """{"steps", "cpu", "engine_ms"}: the engine stepped headless in a fresh process."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    child = context.Process(target=_headless_child, args=(settings, results), name="kvscope-bench-headless")
-    child.start()
-    try:
-        return results.get(timeout=3600)
-    finally:
-        child.join()
+    return measured | {"ui_cpu": ui_cpu}
 
 
 def process_sides(settings: UiSettings, say) -> dict:
-    """Medians over ``settings.rounds`` alternated rounds: steps per CPU second of the engine's process headless
-    and with the window open, the engine thread's CPU a step on each, and the window's process's CPU per engine
-    step."""
+    """Steps per CPU second of the engine's process alone and with the window open, the engine thread's CPU a
+    step on each, the window's process's CPU per engine step it was sent, and steps per wall-clock second."""
     import asyncio
 
-    headless, window = [], []
-    for round_number in range(1, settings.rounds + 1):
-        say(f"engine process, round {round_number} of {settings.rounds}: headless, then the window open on it")
-        headless.append(process_headless_run(settings))
-        window.append(asyncio.run(process_window_run(settings)))
-
-    def median(runs, key):
-        return statistics.median(run[key] for run in runs)
-
-    return {"headless_steps_per_cpu_s": statistics.median(run["steps"] / run["cpu"] for run in headless),
-            "window_steps_per_cpu_s": statistics.median(run["steps"] / run["cpu"] for run in window),
-            "headless_engine_ms": median(headless, "engine_ms"), "window_engine_ms": median(window, "engine_ms"),
-            "ui_ms": median(window, "ui_ms")}
+    say(f"engine process: {settings.rounds} segments alone and as many with the window open, alternated")
+    run = asyncio.run(process_window_run(settings))
+    (alone_cpu, alone_steps, alone_ns, alone_wall), (window_cpu, window_steps, window_ns, window_wall) = (
+        run["sides"]["alone"], run["sides"]["measured"])
+    sent = run["steps"]     # the steps the window was sent, measured or not (the engine's alone are not counted)
+    return {"headless_steps_per_cpu_s": alone_steps / alone_cpu, "window_steps_per_cpu_s": window_steps / window_cpu,
+            "headless_engine_ms": alone_ns / alone_steps / 1e6, "window_engine_ms": window_ns / window_steps / 1e6,
+            "ui_ms": run["ui_cpu"] / sent * 1e3,
+            "headless_steps_per_s": alone_steps / alone_wall, "window_steps_per_s": window_steps / window_wall}

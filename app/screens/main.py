@@ -38,6 +38,7 @@ from kvscope.app.messages import EngineInfo, RunState
 from kvscope.app.widgets.box import titled
 from kvscope.app.widgets.chat import DEFAULT_MAX_TOKENS, ChatPane
 from kvscope.app.widgets.chat_input import ChatInput
+from kvscope.app.widgets.event_line import readable_previous
 from kvscope.app.widgets.header import EngineHeader
 from kvscope.app.widgets.key_bar import KeyBar
 from kvscope.app.widgets.load_generator import LoadGenerator
@@ -258,8 +259,7 @@ class MainScreen(Screen):
         if text_due:
             self._texted, self._texted_at = result, now
             self._settle(result.snapshot)
-            previous = self.previous.snapshot if self.previous is not None else None
-            self.view.show_figures(result.snapshot, result.stats, result.events, previous)
+            self.view.show_figures(result.snapshot, result.stats, result.events, readable_previous(self.previous))
             self._show_status(result.snapshot, result.stats)
             self.throughput.redraw()
 

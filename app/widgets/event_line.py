@@ -16,7 +16,7 @@ from collections import defaultdict
 from textual.markup import escape
 
 from kvscope.app.widgets.line_panel import LinePanel
-from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, StepStats
+from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, StepResult, StepStats
 
 MAX_NAMES = 4           # request ids listed per kind before "+N more"
 HINT = "Each step is narrated here once the engine runs."
@@ -59,6 +59,18 @@ def joined(snapshot: CacheSnapshot, previous: CacheSnapshot) -> list[str]:
     queues = {view.request_id: view.queue for view in previous.requests}
     return [view.request_id for view in snapshot.requests
             if view.queue == "running" and queues.get(view.request_id, "waiting") == "waiting"]
+
+
+def readable_previous(previous: StepResult | None) -> CacheSnapshot | None:
+    """The snapshot of ``previous`` (the step before the one shown) unless it came thinned, its views left behind
+    (app/worker/step_posting.py): a pool with no requests where its stats count some. Read as empty, it named
+    every running request as admitted."""
+    if previous is None:
+        return None
+    stats = previous.stats
+    if not previous.snapshot.num_requests and (stats.num_running or stats.num_waiting or stats.num_swapped):
+        return None
+    return previous.snapshot
 
 
 def _work(stats: StepStats, snapshot: CacheSnapshot, previous: CacheSnapshot | None) -> str:

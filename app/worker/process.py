@@ -22,6 +22,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import sys
 import tempfile
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvscope.app import messages
+from kvscope.app.collector import tune_for_engine_loop
 from kvscope.app.worker.commands import Stop, WorkerCommand
 from kvscope.app.worker.factory import build_engine
 from kvscope.app.worker.wire import MessageDecoder, MessageEncoder
@@ -42,29 +44,51 @@ JOIN_S = 10.0
 
 
 class _PipeTarget:
-    """What the worker in the child posts to: each message encoded and written to the pipe, one writer at a
-    time (the run log's writer thread posts its failure from its own thread)."""
+    """What the worker in the child posts to: each message encoded where it is posted, in order (the run log's
+    writer thread posts its failure from its own thread), and written to the pipe by a thread of its own. Written
+    on the engine thread, a post waited for the window to read the one before (a socket holds less than a busy
+    post), and the engine lost a third of its steps a second to that wait. A batch of steps is encoded when it is
+    posted, so the worker decides its posts as steps join (app/worker/step_posting.py)."""
+
+    ENCODES_WHEN_POSTED = True
 
     def __init__(self, conn) -> None:
         self._conn = conn
         self._encoder = MessageEncoder()
         self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lost = threading.Event()
         self.on_lost: Callable[[], None] = lambda: None
+        self._writer = threading.Thread(target=self._write, name="engine-outbox", daemon=True)
+        self._writer.start()
 
     def post_message(self, message) -> bool:
+        if self._lost.is_set():     # nobody is left to read it
+            return False
         with self._lock:
-            try:
-                self._conn.send_bytes(self._encoder.encode(message))
-            except OSError:     # the window is gone: nobody is left to step for
-                self.on_lost()
-                return False
+            self._outbox.put(self._encoder.encode(message))
         return True
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except OSError:     # the window is gone: nobody is left to step for
+                self._lost.set()
+                self.on_lost()
+                return
+
+    def close(self) -> None:
+        """Write what was posted (the run's last messages), then stop writing."""
+        self._outbox.put(None)
+        self._writer.join(JOIN_S)
 
 
 def _child_main(conn, config: EngineConfig, engine_factory: Callable, run_log, paused: bool,
                 steps_per_s_cap: float | None, stderr_path: str) -> None:
     from kvscope.app.worker.thread import EngineWorker
 
+    tune_for_engine_loop()      # a new interpreter: the command line's setting stayed in the window's process
     for name in ("SIGINT", "SIGHUP"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
@@ -80,6 +104,7 @@ def _child_main(conn, config: EngineConfig, engine_factory: Callable, run_log, p
     try:
         worker.run()
     finally:
+        target.close()
         conn.close()
 
 

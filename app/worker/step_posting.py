@@ -7,12 +7,17 @@ message posts the steps before it and closes their batch, so no step overtakes i
 the engine may run ahead of a UI that has stopped taking steps.
 
 Every step reaches the window with only the outputs it reads (``slimmed``): those of finished requests and of
-the chat's turns (the only text the window streams). Only the newest WHOLE_STEPS of a batch keep their request
-views: the UI draws the newest, against the one before (the event line). An older step is thinned as soon as a
-newer one joins (``thinned``): it keeps its block changes, stats and events, and drops the request views. A
-busy engine makes hundreds of those objects a step; kept alive until the UI gets round to the batch, they
-outlived the collector's young generations, which then walked them again and again on the engine thread (a
-fifth of its time at 256 requests). A screen that takes every step whole (a lesson) sets ``whole_steps``.
+the chat's turns (the only text the window streams); and without its KV-cache events, which only the engine's
+observers read (the run log, kvscope serve's publisher), on the engine thread. Only the newest WHOLE_STEPS of a
+batch keep their request views: the UI draws the newest, against the one before (the event line). An older step
+is thinned as soon as a newer one joins (``thinned``): it keeps its block changes, stats and events, and drops
+the request views. A busy engine makes hundreds of those objects a step; kept alive until the UI gets round to
+the batch, they outlived the collector's young generations, which then walked them again and again on the engine
+thread (a fifth of its time at 256 requests). A screen that takes every step whole (a lesson) sets
+``whole_steps``.
+
+With the window in another process (a target that encodes each batch as it is posted, app/worker/process.py),
+posts are decided as steps join instead, so a step that no post will carry is thinned at once (_post_at_join).
 
 The results the UI is handed are freed here, on the engine thread, as they are headless (``_free_taken``): a
 whole step is thousands of objects (every request's output and view), and freeing them on the UI thread took
@@ -22,14 +27,13 @@ reference to each step it posts and lets go of it once nobody else holds it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import threading
 import time
 
 from kvscope.app.messages import EngineStepped, StepBatch, StepsReady
-from kvscope.engine.outputs import CacheSnapshot, StepResult
+from kvscope.engine.outputs import StepResult
 
 MAX_STEPS_AHEAD_OF_UI = 256
 STEPS_POST_INTERVAL = 1 / 20    # seconds: a busy engine tells the UI of new steps at most this often (as often
@@ -41,21 +45,22 @@ MAX_STEPS_TO_FREE = 64
 
 
 def slimmed(result: StepResult, watched) -> StepResult:
-    """``result`` with only the outputs of finished requests and of ``watched`` ones."""
+    """``result`` with only the outputs of finished requests and of ``watched`` ones, and no KV-cache events."""
     outputs = result.outputs
-    kept = [output for output in outputs if output.finished or output.request_id in watched]
-    return result if len(kept) == len(outputs) else dataclasses.replace(result, outputs=kept)
+    if watched:
+        kept = [output for output in outputs if output.finished or output.request_id in watched]
+    else:
+        kept = [output for output in outputs if output.finished]
+    if len(kept) == len(outputs) and not result.kv_events:
+        return result
+    return StepResult(kept, result.stats, result.snapshot, result.events)
 
 
 def thinned(result: StepResult, watched) -> StepResult:
     """``result`` as a step the UI will not draw: its block arrays without the request views, and only the
     outputs of finished requests and of ``watched`` ones."""
-    snapshot = result.snapshot
-    bare = CacheSnapshot(snapshot.step, snapshot.block_size, snapshot.num_blocks, snapshot.allocator,
-                         blocks=snapshot.blocks, num_host_blocks=snapshot.num_host_blocks,
-                         num_free_host_blocks=snapshot.num_free_host_blocks,
-                         kv_cache_groups=snapshot.kv_cache_groups)
-    return dataclasses.replace(slimmed(result, watched), snapshot=bare)
+    return StepResult(slimmed(result, watched).outputs, result.stats, result.snapshot.without_requests(),
+                      result.events)
 
 
 def _references(result) -> int:
@@ -90,6 +95,12 @@ class StepPosting:
         # them: a finished one's earlier steps may still be thinned until WHOLE_STEPS newer steps have joined.
         self._watched: dict[str, float] = {}
         self._to_free: list = []    # the results posted, until only this list holds them (see the module's doc)
+        # The window in a process of its own (app/worker/process.py): its target encodes a batch the moment it is
+        # posted, so posts are decided as steps join, and only the steps a post will carry keep their views.
+        self._posts_at_join = getattr(self.target, "ENCODES_WHEN_POSTED", False)
+        self._post_next = False     # the next step to join is posted with this one, both whole
+        self._joined_at = 0.0
+        self._newest_engine = None  # the engine of the newest step, to see its views again (_restore_newest)
 
     def ack(self, steps: int = 1) -> None:
         """The UI handled ``steps`` steps (the EngineStepped of a StepsReady): one release for a whole batch."""
@@ -127,7 +138,8 @@ class StepPosting:
             del kept[0]
         self._to_free = kept
 
-    def _post_step(self, result) -> None:
+    def _post_step(self, result, engine) -> None:
+        """Hand ``result``, a step ``engine`` just took, to the UI's next batch."""
         if not self._in_flight.acquire(blocking=False):
             # The UI can only hand back steps it has been told of: a batch begun within STEPS_POST_INTERVAL of
             # the last post waits for the thread's next turn to be posted, and a fast engine can fill the bound
@@ -139,26 +151,69 @@ class StepPosting:
         if not self.whole_steps:
             result = slimmed(result, self._watched)
         self._to_free.append(result)
+        self._newest_engine = engine
         stepped = EngineStepped(result)
-        if self._batch is not None and self._batch.add(stepped):
-            if not self.whole_steps:
-                self._batch.thin(WHOLE_STEPS, lambda older: thinned(older, self._watched))
-        else:
+        if self._batch is None or not self._batch.add(stepped):
             self._batch, self._batch_posted = StepBatch(), False
             self._batch.add(stepped)
-            self._tell_steps(now=False)
-        self._free_taken()    # after the thinning, so the step it thinned is freed now, while still in the cache
+            if not self._posts_at_join:
+                self._tell_steps(now=False)
+        if self._posts_at_join and not self.whole_steps:
+            self._post_at_join(result)
+        elif not self.whole_steps:
+            self._batch.thin(WHOLE_STEPS, self._thinned)
+        # After the thinning, so the step it thinned is freed now, while still in the cache; and with this
+        # frame's own references dropped, for that step may be this one.
+        result = stepped = None
+        self._free_taken()
+
+    def _thinned(self, result) -> StepResult:
+        return thinned(result, self._watched)
+
+    def _post_at_join(self, newest: StepResult) -> None:
+        """The engine process's rule: a post every STEPS_POST_INTERVAL, made as its newest step joins, so the
+        views of no other step are kept while the engine takes its next one. Holding one step's results through
+        the next made that next step 15% slower (256 requests, 330,000 blocks, thread CPU): they hold the block
+        tables it replaces, which are then freed later, out of the cache. The step before a post's newest keeps
+        its views (the event line reads it) when the post was foreseen."""
+        clock = time.monotonic()
+        due_at = self._steps_posted_at + STEPS_POST_INTERVAL
+        if self._post_next or clock >= due_at:
+            # The event line reads the step before only for a step that computed prompt tokens (whose chunks
+            # it counts and whose newcomers it names): otherwise that step's views are not sent.
+            self._batch.thin(WHOLE_STEPS if newest.stats.num_prefill_tokens else 1, self._thinned)
+            self._tell_steps()
+            self._post_next = False
+        else:
+            # The next step is posted if it will end after the post is due, steps taking as long as the last.
+            self._post_next = 2 * clock - self._joined_at >= due_at
+            self._batch.thin(1 if self._post_next else 0, self._thinned)
+        self._joined_at = clock
 
     def _tell_steps(self, now: bool = True) -> None:
         """Post the batch of steps nobody was told of yet; unless ``now``, only once STEPS_POST_INTERVAL has
-        passed since the last (each post wakes the UI's loop: a system call and a thread switch)."""
+        passed since the last (each post wakes the UI's loop: a system call and a thread switch), and never
+        where posts are made as steps join (_post_at_join)."""
         if self._batch is None or self._batch_posted:
             return
         clock = time.monotonic()
-        if not now and clock - self._steps_posted_at < STEPS_POST_INTERVAL:
+        if not now and (self._posts_at_join or clock - self._steps_posted_at < STEPS_POST_INTERVAL):
             return
+        if self._posts_at_join and self._batch.newest_thinned:
+            self._restore_newest()
         self._batch_posted, self._steps_posted_at = True, clock
         self.target.post_message(StepsReady(self._batch))
+
+    def _restore_newest(self) -> None:
+        """A post the engine process did not foresee (the engine pauses, goes idle, another message follows):
+        its newest step gets the views its engine shows now, between steps, which are that step's unless a
+        command changed the queues since."""
+        engine = self._newest_engine
+        if engine is None:
+            return
+        views = engine.snapshot()
+        self._batch.restore_newest(
+            lambda step: StepResult(step.outputs, step.stats, step.snapshot.with_requests_of(views), step.events))
 
     def _post(self, message) -> None:
         """Post any message but a step: the steps before it reach the UI before it."""

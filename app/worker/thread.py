@@ -269,7 +269,7 @@ class EngineWorker(RequestCommands, StepPosting):
         self._steps_done += 1
         self._last_step = result.stats.step
         self._forget_finished(result)
-        self._post_step(result)
+        self._post_step(result, self.engine)
         if self._until is not None:
             self._check_until(result)
 
@@ -365,7 +365,7 @@ class EngineWorker(RequestCommands, StepPosting):
         result = dataclasses.replace(result, outputs=outputs)
         if logger is not None:
             logger.step(result)
-        self._post_step(result)
+        self._post_step(result, engine)
 
     def _closing_status(self, num_aborted: int, reason: str) -> tuple[str, str | None]:
         if self._died is not None:

@@ -1,17 +1,22 @@
 """The engine process's messages as bytes: what crosses the pipe between the engine and the window.
 
 With the engine in a process of its own (app/worker/process.py), everything the engine thread posts is pickled
-here and rebuilt on the window's side as the same message. Two things are sent as changes, not whole, because
-whole they grow with the pool and with the requests' lengths, and a busy engine sends twenty batches a second:
+here and rebuilt on the window's side as the same message. A busy engine sends twenty batches a second, and what
+it sends whole grows with the pool and with the requests' lengths, so three things are sent as changes:
 
 - a step's block arrays: the blocks it changed (engine/block_changes.py's BlockChanges), applied on the window's
   side to the version before, so the window keeps the same chain of versions the engine does. Whole arrays go
-  only where the chain starts or breaks (the first step of an engine, a look between steps);
-- a request view's block tables: only the blocks a table gained since the last step that carried views, or the
-  table whole where it changed otherwise (a preemption, a swap).
+  only where the chain starts or breaks (the first step of an engine, a look between steps). The changes of a
+  batch's steps travel packed in one set of arrays: pickling five small arrays a step cost more than the rest of
+  the step together;
+- a request view's block tables: what a table gained since the last step that carried views. For a request with
+  one sample and one KV-cache group the engine promises that its table only grows until it is preempted
+  (RequestView's doc; the engine's invariant tests hold it to that), so its length is all the proof needed; any
+  other table is compared with what was sent, and sent whole where it changed otherwise;
+- a view's prompt preview (most of a view's bytes): only with a request's first view.
 
 Both ends keep what the other holds (the last version, the tables last sent), so the bytes must be decoded in the
-order they were encoded, every one: a pipe does that.
+order they were encoded, every one: a pipe does that. A new engine (EngineReady) starts the tables afresh.
 """
 
 from __future__ import annotations
@@ -19,12 +24,20 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
-from kvscope.app.messages import EngineStepped, StepBatch, StepsReady
-from kvscope.engine.block_changes import KEYFRAME_VERSIONS, BlockArrays
-from kvscope.engine.outputs import CacheSnapshot, RequestView, StepResult
+import numpy as np
 
-_BLOCK_TABLES = RequestView._fields.index("block_tables")
+from kvscope.app.messages import EngineReady, EngineStepped, StepBatch, StepsReady
+from kvscope.engine.block_changes import KEYFRAME_VERSIONS, BlockArrays, BlockChanges
+from kvscope.engine.outputs import CacheSnapshot, RequestView, StepResult, StepStats
+
+_FIELDS = RequestView._fields
+_ID, _ARRIVAL, _TABLES, _PREEMPTIONS, _SAMPLES, _PREVIEW, _GROUPS = (
+    _FIELDS.index(name) for name in ("request_id", "arrival_index", "block_tables", "num_preemptions",
+                                     "num_samples", "prompt_preview", "group_block_tables"))
+_STATS_FIELDS = tuple(field.name for field in dataclasses.fields(StepStats))
 _SAME, _GROWN, _WHOLE = 0, 1, 2    # how a view's tables are sent
+_UNCHANGED = (_SAME,)
+_PACKED = -1                       # where a step's block changes are: in the message's packed arrays
 
 
 class WireError(RuntimeError):
@@ -36,20 +49,28 @@ class MessageEncoder:
 
     def __init__(self) -> None:
         self._version: tuple[int, int] | None = None     # the last block version sent as part of the chain
-        self._tables: dict[str, tuple] = {}               # request id: its block tables as last sent
+        # Request id: (arrival index, preemptions, tables or the one table's length, preview), as the last step
+        # with views sent them.
+        self._sent: dict[str, tuple] = {}
+        self._packing: list[BlockChanges] = []            # the changes of the message being encoded
 
     def encode(self, message) -> bytes:
+        self._packing = []
         if isinstance(message, StepsReady):
             body = ("steps", [self._step(stepped.result) for stepped in message.batch.take()])
         else:
+            if isinstance(message, EngineReady):
+                self._sent = {}
             fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
             if "snapshot" in fields:
                 fields["snapshot"] = self._snapshot(fields["snapshot"])
             body = ("message", type(message), fields)
-        return pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps((body, _pack(self._packing)), protocol=pickle.HIGHEST_PROTOCOL)
 
     def _step(self, result: StepResult) -> tuple:
-        return (result.outputs, result.stats, self._snapshot(result.snapshot), result.events, result.kv_events)
+        # The stats as their values: pickled whole, each step's carried its fields' names again.
+        return (result.outputs, tuple(vars(result.stats).values()), self._snapshot(result.snapshot), result.events,
+                result.kv_events)
 
     def _snapshot(self, snapshot: CacheSnapshot) -> tuple:
         return (snapshot.step, snapshot.block_size, snapshot.num_blocks, snapshot.allocator,
@@ -63,37 +84,77 @@ class MessageEncoder:
         if version is not None:
             self._version = version
         if follows:
-            return (version, blocks.changes, None)
+            self._packing.append(blocks.changes)
+            return (version, _PACKED)
         # A look between steps (no version) holds changes since a version the window may not have: sent whole.
-        return (version, None, blocks.arrays())
+        return (version, blocks.arrays())
 
     def _views(self, snapshot: CacheSnapshot) -> list[list] | None:
         """None for a thinned step (no views); else the views as columns (RequestView's fields, read without
-        building the views), the tables as changes (see the module's doc)."""
+        building the views), the tables and previews as changes (see the module's doc)."""
         if not snapshot.num_requests:
             return None
-        columns = snapshot.request_columns(RequestView._fields)
-        ids, tables = columns[0], columns[_BLOCK_TABLES]
-        sent = self._tables
-        columns[_BLOCK_TABLES] = [_table_changes(sent.get(request_id), now) for request_id, now in zip(ids, tables)]
-        self._tables = dict(zip(ids, tables))
+        columns = snapshot.request_columns(_FIELDS)
+        before, now = self._sent, {}
+        changes, previews = [], []
+        for request_id, arrival, preemptions, tables, samples, groups, preview in zip(
+                columns[_ID], columns[_ARRIVAL], columns[_PREEMPTIONS], columns[_TABLES], columns[_SAMPLES],
+                columns[_GROUPS], columns[_PREVIEW]):
+            # A table the engine promises only grows is remembered by its length: holding the table itself kept
+            # it alive past the engine's next growth, to be freed here, cache-cold.
+            grows = samples == 1 and not groups and len(tables) == 1
+            sent = before.get(request_id)
+            if sent is None or sent[0] != arrival:      # new, or a new request under a finished one's id
+                changes.append((_WHOLE, tables))
+                previews.append(preview)
+            else:
+                if grows and sent[1] == preemptions and type(sent[2]) is int:
+                    tail = tables[0][sent[2]:]
+                    changes.append((_GROWN, (tail,)) if tail else _UNCHANGED)
+                else:
+                    changes.append(_table_changes(sent[2], tables))
+                previews.append(None if sent[3] == preview else preview)
+            now[request_id] = (arrival, preemptions, len(tables[0]) if grows else tables, preview)
+        self._sent = now
+        columns[_TABLES], columns[_PREVIEW] = changes, previews
         return columns
 
 
-def _table_changes(before: tuple | None, now: tuple) -> tuple:
-    """How ``now`` (a view's tables, one per sample) is sent against ``before``: the same, grown, or whole. A
-    table the engine did not touch is the same object, so most of a step's tables cost one identity test."""
-    if before is not None and len(before) == len(now):
-        tails = []
-        for old, new in zip(before, now):
-            if new is old:
-                tails.append(())
-            elif len(new) >= len(old) and new[:len(old)] == old:
-                tails.append(new[len(old):])
-            else:
-                return (_WHOLE, now)
-        return (_GROWN, tuple(tails)) if any(tails) else (_SAME,)
-    return (_WHOLE, now)
+def _table_changes(before, now: tuple) -> tuple:
+    """How ``now`` (a view's tables, one per sample) is sent against ``before`` (the tables last sent, or the
+    length of the one table the engine promised would only grow): the same, grown, or whole."""
+    if type(before) is int or len(before) != len(now):
+        return (_WHOLE, now)
+    tails = []
+    for old, new in zip(before, now):
+        if new is old:      # a table the engine did not touch is the same object
+            tails.append(())
+        elif len(new) >= len(old) and new[:len(old)] == old:
+            tails.append(new[len(old):])
+        else:
+            return (_WHOLE, now)
+    return (_GROWN, tuple(tails)) if any(tails) else _UNCHANGED
+
+
+def _pack(changes: list[BlockChanges]) -> tuple | None:
+    """The block changes of several steps as one array of indices and one per value array, with each step's
+    length."""
+    if not changes:
+        return None
+    lengths = [len(c.indices) for c in changes]
+    return (lengths, np.concatenate([c.indices for c in changes]),
+            tuple(np.concatenate(column) for column in zip(*(c.values for c in changes))))
+
+
+def _unpack(packed: tuple | None) -> list[BlockChanges]:
+    if packed is None:
+        return []
+    lengths, indices, values = packed
+    for array in (indices, *values):
+        array.flags.writeable = False       # as the engine's own changes are
+    bounds = np.cumsum(lengths)[:-1]
+    return [BlockChanges(step_indices, step_values) for step_indices, *step_values in
+            zip(np.split(indices, bounds), *(np.split(column, bounds) for column in values))]
 
 
 class MessageDecoder:
@@ -102,17 +163,22 @@ class MessageDecoder:
     def __init__(self) -> None:
         self._latest: BlockArrays | None = None
         self._since_whole = 0
-        self._tables: dict[str, tuple] = {}
+        self._held: dict[str, tuple[tuple, str]] = {}     # request id: its tables and preview as last decoded
+        self._unpacked: list[BlockChanges] = []
 
     def decode(self, data: bytes):
-        body = pickle.loads(data)
+        body, packed = pickle.loads(data)
+        self._unpacked = _unpack(packed)[::-1]      # taken from the end, in the order they were packed
         if body[0] == "steps":
             batch = StepBatch()
             for outputs, stats, snapshot, events, kv_events in body[1]:
-                batch.add(EngineStepped(StepResult(outputs, stats, self._snapshot(snapshot), events, kv_events)))
+                batch.add(EngineStepped(StepResult(outputs, _stats(stats), self._snapshot(snapshot), events,
+                                                   kv_events)))
             batch.close()
             return StepsReady(batch)
         _, kind, fields = body
+        if kind is EngineReady:
+            self._held = {}
         if "snapshot" in fields:
             fields["snapshot"] = self._snapshot(fields["snapshot"])
         return kind(**fields)
@@ -123,9 +189,9 @@ class MessageDecoder:
                              requests=self._views(views), num_host_blocks=host_blocks,
                              num_free_host_blocks=free_host, kv_cache_groups=groups)
 
-    def _blocks(self, version, changes, arrays) -> BlockArrays:
-        if arrays is not None:
-            blocks = BlockArrays(None, arrays=arrays, version=version)
+    def _blocks(self, version, sent) -> BlockArrays:
+        if isinstance(sent, tuple):     # whole arrays
+            blocks = BlockArrays(None, arrays=sent, version=version)
             if version is not None:
                 self._latest, self._since_whole = blocks, 0
             return blocks
@@ -133,7 +199,7 @@ class MessageDecoder:
         if latest is None or latest.version != (version[0], version[1] - 1):
             raise WireError(f"block version {version} does not follow "
                             f"{latest.version if latest is not None else 'nothing'}")
-        blocks = BlockArrays(changes, latest, version=version)
+        blocks = BlockArrays(self._unpacked.pop(), latest, version=version)
         self._latest, self._since_whole = blocks, self._since_whole + 1
         if self._since_whole >= KEYFRAME_VERSIONS:
             blocks.arrays()     # whole again: the chain behind it is let go of, as the engine's own is
@@ -143,12 +209,27 @@ class MessageDecoder:
     def _views(self, columns: list[list] | None) -> tuple[RequestView, ...]:
         if columns is None:
             return ()
-        ids, sent = columns[0], self._tables
-        tables = [_apply_table_changes(sent.get(request_id), changes)
-                  for request_id, changes in zip(ids, columns[_BLOCK_TABLES])]
-        self._tables = dict(zip(ids, tables))
-        columns[_BLOCK_TABLES] = tables
+        held, now = self._held, {}
+        tables, previews = [], []
+        for request_id, changes, preview in zip(columns[_ID], columns[_TABLES], columns[_PREVIEW]):
+            before = held.get(request_id)
+            table = _apply_table_changes(before[0] if before is not None else None, changes)
+            if preview is None:
+                if before is None:
+                    raise WireError(f"request {request_id}'s preview was never sent")
+                preview = before[1]
+            tables.append(table)
+            previews.append(preview)
+            now[request_id] = (table, preview)
+        self._held = now
+        columns[_TABLES], columns[_PREVIEW] = tables, previews
         return tuple(map(RequestView._make, zip(*columns)))
+
+
+def _stats(values: tuple) -> StepStats:
+    stats = object.__new__(StepStats)
+    vars(stats).update(zip(_STATS_FIELDS, values, strict=True))
+    return stats
 
 
 def _apply_table_changes(before: tuple | None, changes: tuple) -> tuple:

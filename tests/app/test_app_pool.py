@@ -8,11 +8,12 @@ import pytest
 from app_harness import FakeEngines, burst_steps, make_app, single_steps, started, type_chat, until, window
 
 from kvscope.app.load.presets import PRESETS, PresetContext, build, fit_reply
-from kvscope.app.widgets.event_line import narrate
+from kvscope.app.widgets.event_line import narrate, readable_previous
 from kvscope.app.widgets.queue_rows import FINISHED_KEEP_STEPS
 from kvscope.app.widgets.queues import QueuesTable
 from kvscope.app.widgets.status_line import RateWindow, describe_status
 from kvscope.app.worker.commands import AbortRequest, AddRequest, LaunchPreset
+from kvscope.app.worker.step_posting import thinned
 from kvscope.engine.config import EngineConfig, RequestError, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
 from kvscope.engine.outputs import EngineEvent
@@ -122,6 +123,24 @@ def test_narration_names_the_step_its_work_and_its_events():
                  "preempted d (recompute)", "finished a", "prefill 63 tokens"):
         assert part in line, part
     assert "preempted burst-13" not in line      # a swap preemption is told as the swap
+
+
+def test_a_step_before_that_came_thinned_is_not_read_as_an_empty_pool():
+    """The engine process sends the step before the newest without its views where the newest computed no prompt
+    tokens: read as a pool with no requests, every running request looked newly admitted."""
+    engine = fake_engine(EngineConfig(num_blocks=64, max_model_len=256, max_num_batched_tokens=64))
+    engine.add_request("x" * 40, SamplingParams(max_tokens=8), request_id="a")
+    first = engine.step()
+    engine.add_request("y" * 30, SamplingParams(max_tokens=8), request_id="b")
+    second = engine.step()
+    assert readable_previous(first) is first.snapshot
+    assert readable_previous(None) is None
+    bare = thinned(first, set())
+    assert readable_previous(bare) is None
+    assert "admitted b" in narrate(second.stats, second.events, second.snapshot, readable_previous(first))
+    assert "admitted" not in narrate(second.stats, second.events, second.snapshot, readable_previous(bare))
+    idle = fake_engine(EngineConfig(num_blocks=64, max_model_len=256)).step()
+    assert readable_previous(idle) is idle.snapshot      # truly empty: read as it is
 
 
 async def test_the_event_line_narrates_each_step_live_and_in_replay(tmp_path):

@@ -4,14 +4,17 @@ young collection each, and every `kvscope` command runs under it."""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 from runlog_faults import make_log
 
 from kvscope.app import cli
 from kvscope.app.collector import YOUNG_THRESHOLD, tune_for_engine_loop
+from kvscope.app.messages import EngineReady
+from kvscope.app.worker.process import EngineProcess
 from kvscope.engine.config import EngineConfig, SamplingParams
-from kvscope.engine.fake_runner import FakeRunner
+from kvscope.engine.fake_runner import FakeRunner, build_fake_engine
 from kvscope.engine.llm_engine import LLMEngine
 
 BATCH = 256
@@ -67,3 +70,27 @@ def test_every_command_runs_under_the_policy(default_thresholds, tmp_path, capsy
     make_log(tmp_path / "runs.db")
     assert cli.main(["--db", str(tmp_path / "runs.db"), "runs"]) == 0
     assert gc.get_threshold()[0] == YOUNG_THRESHOLD
+
+
+class ThresholdReporting:
+    """An engine factory for an engine process that writes the collector's thresholds there to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, config, previous=None):
+        Path(self.path).write_text(" ".join(map(str, gc.get_threshold())))
+        return build_fake_engine(config, previous)
+
+
+def test_the_engine_process_runs_under_the_policy_too(default_thresholds, tmp_path):
+    """A process of its own starts a fresh interpreter, with CPython's thresholds: the command line's setting
+    stayed in the window's process, and the engine ran a tenth slower for it."""
+    report = tmp_path / "thresholds"
+    process = EngineProcess(None, EngineConfig(num_blocks=32, block_size=4, max_model_len=64),
+                            engine_factory=ThresholdReporting(str(report)))
+    try:
+        assert isinstance(process.wait_until_built(120), EngineReady)
+    finally:
+        process.close()
+    assert report.read_text().split()[0] == str(YOUNG_THRESHOLD)

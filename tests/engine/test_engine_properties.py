@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from invariants import BlockArraysReplica, KVEventReplica, check_invariants
+from invariants import BlockArraysReplica, KVEventReplica, TableGrowth, check_invariants
 
 from kvscope.engine import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -85,7 +85,7 @@ def run(scenario: Scenario) -> tuple[dict, set, object]:
     request_ids: dict[int, str] = {}
     final: dict[str, object] = {}
     aborted: set[str] = set()
-    replica, blocks = KVEventReplica(groups=bool(scenario.groups)), BlockArraysReplica()
+    replica, blocks, growth = KVEventReplica(groups=bool(scenario.groups)), BlockArraysReplica(), TableGrowth()
     step = 0
     while len(request_ids) < len(scenario.arrivals) or engine.has_unfinished_requests():
         for index, arrival in enumerate(scenario.arrivals):
@@ -100,6 +100,7 @@ def run(scenario: Scenario) -> tuple[dict, set, object]:
         blocks.step(result, engine.scheduler.kv.block_pool)     # before check_invariants reads the arrays whole
         check_invariants(engine, result)
         replica.step(result)
+        growth.step(result)
         final.update((o.request_id, o) for o in result.outputs if o.finished)
         step += 1
         assert step < MAX_STEPS, "the engine stopped making progress"
@@ -107,6 +108,7 @@ def run(scenario: Scenario) -> tuple[dict, set, object]:
     assert set(final) == set(request_ids.values()), "every request gets a final output"
     for kind, count in replica.counts.items():
         event(f"{kind.__name__} events: {'some' if count else 'none'}")
+    event(f"one-sample tables followed across steps: {'yes' if growth.checked else 'no'}")
     event(f"preempted ({scenario.config.preemption_mode}): {'yes' if engine.scheduler.num_preemptions else 'no'}")
     return {index: final[rid] for index, rid in request_ids.items()}, {
         index for index, rid in request_ids.items() if rid in aborted}, engine

@@ -6,7 +6,8 @@ snapshot against the engine). Works with the fake runner and the real one.
 run_checked steps to the end checking them; record_batches keeps what the runner
 was asked to do. KVEventReplica rebuilds the prefix cache from the steps'
 kv_events alone, as a subscriber to vLLM's KV-cache events does, and checks it
-against each step's snapshot.
+against each step's snapshot. TableGrowth holds the engine to RequestView's promise that a one-sample table
+only grows until its request is preempted (the engine process's wire sends tables by that promise).
 """
 
 from __future__ import annotations
@@ -203,12 +204,13 @@ def _check_group_counters(kv, stats, requests) -> None:
 
 def run_checked(engine, max_steps: int = 10_000, on_step=None) -> list:
     """Step until idle, checking invariants after every step; returns every RequestOutput produced."""
-    outputs = []
+    outputs, growth = [], TableGrowth()
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
             break
         result = engine.step()
         check_invariants(engine, result)
+        growth.step(result)
         outputs.extend(result.outputs)
         if on_step is not None:
             on_step(result)
@@ -249,6 +251,27 @@ class BlockArraysReplica:
         for name, have, want in zip(("state", "ref counts", "fill", "hashes"), self.arrays,
                                     (pool.state, pool.ref_counts, pool.fill, pool.hashes), strict=True):
             assert np.array_equal(have, want), f"replaying the published changes gives other {name}"
+
+
+class TableGrowth:
+    """RequestView's promise, across steps: the block table of a request with one sample and one KV-cache group
+    only grows (each step's extends the last) while its num_preemptions stays. ``step(result)`` checks it."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, object] = {}
+        self.checked = 0
+
+    def step(self, result) -> None:
+        now = {view.request_id: view for view in result.snapshot.requests}
+        for request_id, view in now.items():
+            before = self.seen.get(request_id)
+            if (before is None or view.num_samples != 1 or view.group_block_tables
+                    or (before.arrival_index, before.num_preemptions) != (view.arrival_index, view.num_preemptions)):
+                continue
+            (old,), (new,) = before.block_tables, view.block_tables
+            assert new[:len(old)] == old, f"{request_id}'s table changed other than by growing, not preempted"
+            self.checked += 1
+        self.seen = now
 
 
 class KVEventReplica:

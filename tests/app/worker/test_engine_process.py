@@ -10,7 +10,7 @@ import threading
 import pytest
 from test_app_worker import Inbox
 
-from kvscope.app.messages import EngineBuildFailed, EngineDied, EngineReady, EngineStepped, RunStateChanged
+from kvscope.app.messages import EngineBuildFailed, EngineDied, EngineReady, EngineStepped
 from kvscope.app.runlog import RunLogReader, RunLogSpec
 from kvscope.app.worker.commands import AddRequest, RunUntil, SetPaused, Stop
 from kvscope.app.worker.process import EngineProcess
@@ -36,15 +36,17 @@ def finals(inbox: Inbox) -> dict[str, tuple]:
 
 
 def add_prompts(send) -> None:
+    """All of them before the first step: an engine started paused, resumed after the last."""
     for index, prompt in enumerate(PROMPTS):
         send(AddRequest(f"r{index}", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    send(SetPaused(False))
 
 
 def test_the_engine_process_posts_what_the_engine_thread_posts(tmp_path):
     """Same prompts, same tokens, same steps, as the in-process worker on the same (checked) FakeRunner engine;
     and the run log, written in the engine's process, is closed as finished once it is stopped."""
     alone = Inbox()
-    worker = EngineWorker(alone, CONFIG, engine_factory=build_fake_engine)
+    worker = EngineWorker(alone, CONFIG, engine_factory=build_fake_engine, paused=True)
     alone.worker = worker
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -57,7 +59,7 @@ def test_the_engine_process_posts_what_the_engine_thread_posts(tmp_path):
     inbox = Inbox()
     db = tmp_path / "runs.db"
     process = EngineProcess(inbox, CONFIG, engine_factory=build_fake_engine,
-                            run_log=RunLogSpec("app", None, str(db), True))
+                            run_log=RunLogSpec("app", None, str(db), True), paused=True)
     reader_thread = run_process(process, inbox)
     inbox.wait_for(lambda: inbox.of(EngineReady), timeout=120)
     assert inbox.of(EngineReady)[0].run_id is not None
@@ -68,8 +70,7 @@ def test_the_engine_process_posts_what_the_engine_thread_posts(tmp_path):
     assert steps == [m.result.stats.step for m in alone.of(EngineStepped)] == list(range(1, len(steps) + 1))
 
     process.send(SetPaused(True))
-    inbox.wait_for(lambda: any(m.state.paused for m in inbox.of(RunStateChanged)))
-    assert process.state.paused
+    inbox.wait_for(lambda: process.state.paused)
     process.send(Stop())
     reader_thread.join(30)
     assert not reader_thread.is_alive() and not inbox.of(EngineDied)
@@ -142,7 +143,7 @@ def test_a_run_cut_short_by_the_terminal_closing_is_logged_as_interrupted_saying
     db = tmp_path / "runs.db"
     inbox = Inbox()
     process = EngineProcess(inbox, CONFIG, engine_factory=build_fake_engine,
-                            run_log=RunLogSpec("app", None, str(db), True))
+                            run_log=RunLogSpec("app", None, str(db), True), paused=True)
     reader_thread = run_process(process, inbox)
     inbox.wait_for(lambda: inbox.of(EngineReady), timeout=120)
     add_prompts(process.send)

@@ -12,7 +12,16 @@ import random
 import numpy as np
 import pytest
 
-from kvscope.app.messages import EngineStepped, QueueChanged, RunState, RunStateChanged, StepBatch, StepsReady
+from kvscope.app.messages import (
+    EngineReady,
+    EngineStepped,
+    QueueChanged,
+    RunState,
+    RunStateChanged,
+    StepBatch,
+    StepsReady,
+)
+from kvscope.app.worker.factory import engine_info
 from kvscope.app.worker.step_posting import WHOLE_STEPS, slimmed, thinned
 from kvscope.app.worker.wire import MessageDecoder, MessageEncoder, WireError
 from kvscope.engine.block_changes import KEYFRAME_VERSIONS
@@ -106,3 +115,34 @@ def test_other_messages_cross_whole():
     encoder, decoder = MessageEncoder(), MessageDecoder()
     message = decoder.decode(encoder.encode(RunStateChanged(RunState(True, 2.5))))
     assert isinstance(message, RunStateChanged) and message.state == RunState(True, 2.5)
+
+
+def one_step(encoder, decoder, engine):
+    batch = StepBatch()
+    batch.add(EngineStepped(engine.step()))
+    data = encoder.encode(StepsReady(batch))
+    return data, decoder.decode(data).batch.take()[0].result
+
+
+def test_a_new_engine_with_the_same_request_ids_starts_its_tables_afresh():
+    """A lesson rebuilds its engine and adds the same requests again, at the same arrival indices: the window must
+    not read the new tables as grown from the old engine's."""
+    encoder, decoder = MessageEncoder(), MessageDecoder()
+    for seed, prompt in ((0, list(range(3, 30))), (1, list(range(40, 75)))):
+        engine = fake_engine(EngineConfig(num_blocks=32, block_size=4, max_model_len=96, seed=seed))
+        engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), request_id="r0")
+        decoder.decode(encoder.encode(EngineReady(engine_info(engine), engine.banner, None)))
+        for _ in range(6):
+            _, got = one_step(encoder, decoder, engine)
+            assert got.snapshot.requests == engine.snapshot().requests
+
+
+def test_a_prompt_preview_crosses_once():
+    engine = fake_engine(EngineConfig(num_blocks=64, block_size=4, max_model_len=128))
+    engine.add_request("a long prompt whose preview must not cross the pipe every step", SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True), request_id="r0")
+    encoder, decoder = MessageEncoder(), MessageDecoder()
+    sent = [one_step(encoder, decoder, engine) for _ in range(4)]
+    preview = sent[0][1].snapshot.requests[0].prompt_preview
+    assert preview and all(got.snapshot.requests[0].prompt_preview == preview for _, got in sent)
+    assert [preview.encode() in data for data, _ in sent] == [True, False, False, False]

@@ -1,0 +1,119 @@
+"""The engine process's posting rule (app/worker/step_posting.py, _post_at_join): a post is decided as its newest
+step joins and encoded at once, so only the steps a post carries whole keep their views; every post's newest step
+still reaches the window whole, however the post came about (due, foreseen, or forced by a pause), and what
+crosses the pipe is the engine's own steps."""
+
+from __future__ import annotations
+
+import threading
+
+from serve_helpers import tiny_engine
+
+from kvscope.app.messages import EngineReady, RunStateChanged, RunUntilDone, StepsReady
+from kvscope.app.worker import step_posting
+from kvscope.app.worker.commands import AddRequest, RunUntil, SetPaused, Stop
+from kvscope.app.worker.thread import EngineWorker
+from kvscope.app.worker.wire import MessageDecoder, MessageEncoder
+from kvscope.engine.config import SamplingParams
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+class PipeInbox:
+    """What the engine process's pipe does with each message: encoded when posted, decoded on the far side, its
+    steps acknowledged at once (as a window that keeps up)."""
+
+    ENCODES_WHEN_POSTED = True
+
+    def __init__(self) -> None:
+        self.encoder, self.decoder = MessageEncoder(), MessageDecoder()
+        self.messages: list = []
+        self.worker = None
+        self.changed = threading.Condition()
+
+    def post_message(self, message) -> bool:
+        decoded = self.decoder.decode(self.encoder.encode(message))
+        if isinstance(decoded, StepsReady):
+            decoded = decoded.batch.take()
+            self.worker.ack(len(decoded))
+        with self.changed:
+            self.messages.append(decoded)
+            self.changed.notify_all()
+        return True
+
+    def wait_for(self, test) -> None:
+        with self.changed:
+            assert self.changed.wait_for(lambda: any(test(m) for m in self.messages), 60)
+
+    @property
+    def posts(self) -> list[list]:
+        return [[stepped.result for stepped in m] for m in self.messages if isinstance(m, list)]
+
+
+def start(**config) -> tuple[EngineWorker, PipeInbox, threading.Thread, object]:
+    engine = tiny_engine(**config)
+    inbox = PipeInbox()
+    worker = EngineWorker(inbox, engine.config, engine_factory=lambda config, previous=None: engine)
+    inbox.worker = worker
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    inbox.wait_for(lambda m: isinstance(m, EngineReady))
+    return worker, inbox, thread, engine
+
+
+def has_views(result) -> bool:
+    stats = result.stats
+    return bool(result.snapshot.requests) or not (stats.num_running or stats.num_waiting or stats.num_swapped)
+
+
+class StepClock:
+    """time.monotonic for step_posting: 7 ms a reading, so posts come every few steps whatever the machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 0.007
+        return self.now
+
+
+def test_each_post_carries_its_newest_step_whole_and_no_other_but_the_one_an_event_line_reads(monkeypatch):
+    monkeypatch.setattr(step_posting, "time", StepClock())
+    worker, inbox, thread, _ = start(max_num_batched_tokens=16)
+    for index in range(6):     # prompts longer than a step's budget: chunked prefills among the decodes
+        worker.send(AddRequest(f"r{index}", list(range(5, 100 + 20 * index)), SamplingParams(max_tokens=60, **GREEDY)))
+    worker.send(RunUntil(lambda result: False, 120))
+    inbox.wait_for(lambda m: isinstance(m, RunUntilDone))
+    worker.send(Stop())
+    thread.join(10)
+    posts = inbox.posts
+    steps = [result.stats.step for post in posts for result in post]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 60
+    assert max(len(post) for post in posts) > 3, "posts come every STEPS_POST_INTERVAL, not every step"
+    for post in posts:
+        *older, newest = post
+        assert has_views(newest)
+        for index, result in enumerate(older):
+            before_newest = index == len(older) - 1
+            if result.snapshot.requests:
+                assert before_newest and newest.stats.num_prefill_tokens, "views sent that no one reads"
+    prefilling = [post for post in posts if len(post) > 1 and post[-1].stats.num_prefill_tokens]
+    assert prefilling and any(post[-2].snapshot.requests for post in prefilling)
+
+
+def test_a_post_the_engine_did_not_foresee_still_shows_the_newest_steps_requests():
+    """Pausing mid-run posts the steps so far at once, their newest thinned as it joined: it gets the views its
+    engine shows after it, which the window then keeps on screen while paused."""
+    worker, inbox, thread, engine = start()
+    for index in range(3):
+        worker.send(AddRequest(f"r{index}", [5, 6, 7, 8 + index], SamplingParams(max_tokens=240, **GREEDY)))
+    inbox.wait_for(lambda m: isinstance(m, list) and m and m[-1].result.stats.step > 20)
+    worker.send(SetPaused(True))
+    inbox.wait_for(lambda m: isinstance(m, RunStateChanged) and m.state.paused)
+    paused_at = next(i for i, m in enumerate(inbox.messages) if isinstance(m, RunStateChanged) and m.state.paused)
+    last = [m for m in inbox.messages[:paused_at] if isinstance(m, list)][-1][-1].result
+    assert last.stats.step == engine.step_counter
+    assert {v.request_id for v in last.snapshot.requests} == {"r0", "r1", "r2"}
+    assert last.snapshot.requests == engine.snapshot().requests
+    worker.send(Stop())
+    thread.join(10)
