@@ -49,9 +49,12 @@ def build_parser(argv: list[str] | None = None) -> CommandLine:
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
     parser.add_argument("--teach", action="store_true", help=TEACH_HELP)
     add_serve_flag(parser)
-    parser.add_argument("--engine-process", action="store_true",
-                        help="run the engine in a process of its own, so the window never takes its turns "
-                             "(docs/performance.md); not with --serve")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--engine-process", action="store_true",
+                       help="run the engine in a process of its own, so the window never takes its turns "
+                            "(docs/performance.md): the default, but with --serve")
+    where.add_argument("--in-process", action="store_true",
+                       help="run the engine in the window's process, as --serve does")
     add_sampling_flags(parser)     # the chat pane's
     add_engine_flags(parser)
     add_log_flags(parser)
@@ -218,10 +221,10 @@ def _open_app(args: argparse.Namespace) -> int:
     from kvscope.app.app import run_app
 
     chat_sampling = sampling_from_args(args)
-    if args.engine_process:
-        if args.serve is not None:
-            raise ConfigError("--engine-process and --serve: the server steps on the engine's thread, in the "
-                              "window's process; leave one out")
+    if args.engine_process and args.serve is not None:
+        raise ConfigError("--engine-process and --serve: the server steps on the engine's thread, in the "
+                          "window's process; leave one out")
+    if not args.in_process and args.serve is None:     # the engine in a process of its own, by default
         return run_app(engine_config(args), db_path=args.db, log_enabled=not args.no_log, engine_process=True,
                        chat_sampling=chat_sampling)
     serve = _hosted_serve(args)

@@ -52,7 +52,7 @@ class UiSettings:
     batch: int = flag(256, "decoding requests")
     steps: int = flag(500, "engine steps per side; fewer make the window's cost noisy")
     frames: int = flag(10, "block-map frames timed")
-    rounds: int = flag(4, "segments a side, alternated in one engine process, for the --engine-process rows")
+    rounds: int = flag(4, "segments a side, alternated in one engine process, for the engine-process rows")
     size: tuple[int, int] = (120, 40)
     seed: int = 0
 

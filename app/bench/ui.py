@@ -5,7 +5,8 @@ an H200 holds of SmolLM2 at 0.9 utilisation) of which ``--usage`` (default 80%) 
 requests, each with a prompt of its own. One run, in this order:
 
 1. Headless: the engine stepped ``--steps`` times from a thread of its own, as the app's engine thread steps it.
-2. Window: the real app (KVScopeApp, headless Textual through ``run_test``, at ``--size``) on a twin of that
+2. Window: the real app (KVScopeApp, headless Textual through ``run_test``, at ``--size``; the engine in its
+   process, as ``kvscope --in-process`` and ``--serve`` run it) on a twin of that
    engine (built the same way and at the same time, before either side runs, so both sides run the same steps
    from the same heap: an engine whose step grows with what it has generated, or one built after another was
    freed, would otherwise charge that to the window), unpaused for ``--steps`` steps: the engine
@@ -20,7 +21,7 @@ share of the engine's throughput; the warm-up keeps it out, and keeps both engin
    snapshots and every line rendered (``show_snapshot`` then ``render_line`` for each row: the cells from the
    snapshot, then the strips; Textual's compositor pass is not included), before the app closes (closing it
    aborts the engine's requests).
-4. The engine in a process of its own (``kvscope --engine-process``, app/bench/ui_process.py): alone and with
+4. The engine in a process of its own (``kvscope``'s default, app/bench/ui_process.py): alone and with
    the window open on it, in segments alternated ``--rounds`` times in that one process.
 
 Throughput is engine steps per CPU second of the whole process (time.process_time: the engine thread, the UI
@@ -356,7 +357,7 @@ def format_table(result: UiResult) -> str:
         ("frame: cells from the snapshot", ms(result.cells_ms)),
         ("frame: cells and every line", ms(result.frame)),
         ("engine headless", f"{result.headless_steps_per_cpu_s:,.1f} steps per CPU second"),
-        ("engine, window open", f"{result.window_steps_per_cpu_s:,.1f} steps per CPU second "
+        ("engine, window open", f"{result.window_steps_per_cpu_s:,.1f} steps per CPU second, --in-process "
                                 f"({result.window_frames} frames painted in {s.steps} steps)"),
         ("longest paint", f"{result.longest_paint_ms:.1f} ms of UI-thread CPU at once (a frame at "
                           f"{FRAME_RATE} a second is {1000 / FRAME_RATE:.0f} ms)"),
@@ -364,7 +365,7 @@ def format_table(result: UiResult) -> str:
         ("  engine thread per step", f"{result.headless_engine_ms:.2f} ms headless, {result.window_engine_ms:.2f} ms "
                                      "with the window open"),
         ("  UI thread per engine step", f"{result.window_ui_ms:.2f} ms"),
-        ("engine in its own process", "kvscope --engine-process; CPU of the engine's process, "
+        ("engine in its own process", "kvscope's default; CPU of the engine's process, "
                                       f"{s.rounds} segments a side, alternated"),
         ("  engine alone", f"{result.process_headless_steps_per_cpu_s:,.1f} steps per CPU second"),
         ("  window open", f"{result.process_window_steps_per_cpu_s:,.1f} steps per CPU second"),
