@@ -106,17 +106,13 @@ class StepBatch:
             self._thinned = max(self._thinned, len(steps) - keep)
 
     def restore_newest(self, whole: Callable[[StepResult], StepResult]) -> None:
-        """Replace the newest step's result, thinned, with ``whole(it)``."""
+        """Replace the newest step's result with ``whole(it)`` if it was thinned (``whole`` is not called
+        otherwise)."""
         with self._lock:
             if self._steps and self._thinned >= len(self._steps):
                 step = self._steps[-1]
                 step.result = whole(step.result)
                 self._thinned = len(self._steps) - 1
-
-    @property
-    def newest_thinned(self) -> bool:
-        with self._lock:
-            return bool(self._steps) and self._thinned >= len(self._steps)
 
     def take(self) -> list[EngineStepped]:
         with self._lock:

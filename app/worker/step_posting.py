@@ -100,7 +100,7 @@ class StepPosting:
         self._posts_at_join = getattr(self.target, "ENCODES_WHEN_POSTED", False)
         self._post_next = False     # the next step to join is posted with this one, both whole
         self._joined_at = 0.0
-        self._newest_engine = None  # the engine of the newest step, to see its views again (_restore_newest)
+        self._newest_engine = None  # the engine of the newest step not yet posted, to see its views again
 
     def ack(self, steps: int = 1) -> None:
         """The UI handled ``steps`` steps (the EngineStepped of a StepsReady): one release for a whole batch."""
@@ -151,7 +151,8 @@ class StepPosting:
         if not self.whole_steps:
             result = slimmed(result, self._watched)
         self._to_free.append(result)
-        self._newest_engine = engine
+        if self._posts_at_join:
+            self._newest_engine = engine
         stepped = EngineStepped(result)
         if self._batch is None or not self._batch.add(stepped):
             self._batch, self._batch_posted = StepBatch(), False
@@ -199,7 +200,7 @@ class StepPosting:
         clock = time.monotonic()
         if not now and (self._posts_at_join or clock - self._steps_posted_at < STEPS_POST_INTERVAL):
             return
-        if self._posts_at_join and self._batch.newest_thinned:
+        if self._posts_at_join:
             self._restore_newest()
         self._batch_posted, self._steps_posted_at = True, clock
         self.target.post_message(StepsReady(self._batch))
@@ -208,12 +209,10 @@ class StepPosting:
         """A post the engine process did not foresee (the engine pauses, goes idle, another message follows):
         its newest step gets the views its engine shows now, between steps, which are that step's unless a
         command changed the queues since."""
-        engine = self._newest_engine
-        if engine is None:
-            return
-        views = engine.snapshot()
-        self._batch.restore_newest(
-            lambda step: StepResult(step.outputs, step.stats, step.snapshot.with_requests_of(views), step.events))
+        engine, self._newest_engine = self._newest_engine, None    # a retired engine is not kept alive for it
+        if engine is not None:
+            self._batch.restore_newest(lambda step: StepResult(
+                step.outputs, step.stats, step.snapshot.with_requests_of(engine.snapshot()), step.events))
 
     def _post(self, message) -> None:
         """Post any message but a step: the steps before it reach the UI before it."""

@@ -5,13 +5,15 @@ crosses the pipe is the engine's own steps."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 from serve_helpers import tiny_engine
 
 from kvscope.app.messages import EngineReady, RunStateChanged, RunUntilDone, StepsReady
 from kvscope.app.worker import step_posting
-from kvscope.app.worker.commands import AddRequest, RunUntil, SetPaused, Stop
+from kvscope.app.worker.commands import AddRequest, Rebuild, RunUntil, SetPaused, Stop
 from kvscope.app.worker.thread import EngineWorker
 from kvscope.app.worker.wire import MessageDecoder, MessageEncoder
 from kvscope.engine.config import SamplingParams
@@ -117,3 +119,31 @@ def test_a_post_the_engine_did_not_foresee_still_shows_the_newest_steps_requests
     assert last.snapshot.requests == engine.snapshot().requests
     worker.send(Stop())
     thread.join(10)
+
+
+def test_a_replaced_engine_is_let_go_of_once_its_last_step_is_posted():
+    """The worker keeps the newest step's engine only until that step is posted (to show its views again): a
+    retired engine, and its model, must not live on behind a paused window."""
+    engines = []
+
+    def build(config, previous=None):
+        engines.append(tiny_engine())
+        return engines[-1]
+
+    inbox = PipeInbox()
+    worker = EngineWorker(inbox, tiny_engine().config, engine_factory=build)
+    inbox.worker = worker
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    inbox.wait_for(lambda m: isinstance(m, EngineReady))
+    worker.send(AddRequest("r0", [5, 6, 7, 8], SamplingParams(max_tokens=200, **GREEDY)))
+    inbox.wait_for(lambda m: isinstance(m, list) and m and m[-1].result.stats.step > 5)
+    first = weakref.ref(engines[0])
+    worker.send(SetPaused(True))
+    worker.send(Rebuild(engines[0].config))
+    inbox.wait_for(lambda m: isinstance(m, EngineReady) and len(engines) == 2)
+    worker.send(Stop())
+    thread.join(10)
+    engines.pop(0)
+    gc.collect()
+    assert first() is None
