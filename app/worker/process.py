@@ -6,8 +6,9 @@ machine (docs/performance.md), as vLLM's engine core would if its API server sha
 
 The child runs the same EngineWorker the in-process mode runs, on its main thread; a second thread there takes
 what the window sends: commands (pickled, so they must be plain values or module-level functions: a closure is
-refused at ``send``), step acknowledgements, and whether the window takes steps whole. Everything the worker posts
-comes back over the pipe (app/worker/wire.py) and is posted to the window as the same message. ``EngineProcess``
+refused at ``send``), step acknowledgements (in bulk), and whether the window takes steps whole. Everything the
+worker posts comes back over the pipe (encoded by app/worker/wire.py, framed by app/worker/outbox.py, sent by
+whichever thread posts it) and is posted to the window as the same message. ``EngineProcess``
 is the window's side, with the worker's interface (``send``, ``ack``, ``whole_steps``, ``state``, ``stopping``,
 ``run`` as the body of a thread that reads the pipe).
 
@@ -22,11 +23,11 @@ import gc
 import multiprocessing
 import os
 import pickle
-import queue
 import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +35,8 @@ from kvscope.app import messages
 from kvscope.app.collector import tune_for_engine_loop
 from kvscope.app.worker.commands import Stop, WorkerCommand
 from kvscope.app.worker.factory import build_engine
+from kvscope.app.worker.outbox import FrameReader, FrameWriter
+from kvscope.app.worker.step_posting import MAX_STEPS_AHEAD_OF_UI
 from kvscope.app.worker.wire import MessageDecoder, MessageEncoder
 from kvscope.engine.config import EngineConfig
 
@@ -41,47 +44,38 @@ _COMMAND, _ACK, _WHOLE_STEPS = "command", "ack", "whole_steps"
 STDERR_TAIL_LINES = 5
 WINDOW_GONE = "the window closed"
 JOIN_S = 10.0
+ACK_EVERY_STEPS = MAX_STEPS_AHEAD_OF_UI // 2
+ACK_INTERVAL_S = 0.25
 
 
 class _PipeTarget:
     """What the worker in the child posts to: each message encoded where it is posted, in order (the run log's
-    writer thread posts its failure from its own thread), and written to the pipe by a thread of its own. Written
-    on the engine thread, a post waited for the window to read the one before (a socket holds less than a busy
-    post): 14 ms a post of the engine's wall time, behind a reader that decoded slowly. A batch of steps is
-    encoded when it is posted, so the worker decides its posts as steps join (app/worker/step_posting.py)."""
+    writer thread posts its failure from its own thread), and sent to the window without waiting for it
+    (app/worker/outbox.py). A batch of steps is encoded when it is posted, so the worker decides its posts as
+    steps join (app/worker/step_posting.py)."""
 
     ENCODES_WHEN_POSTED = True
 
     def __init__(self, conn) -> None:
-        self._conn = conn
         self._encoder = MessageEncoder()
         self._lock = threading.Lock()
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._lost = threading.Event()
-        self.on_lost: Callable[[], None] = lambda: None
-        self._writer = threading.Thread(target=self._write, name="engine-outbox", daemon=True)
-        self._writer.start()
+        self._frames = FrameWriter(conn.fileno())
+
+    @property
+    def on_lost(self) -> Callable[[], None]:
+        return self._frames.on_lost
+
+    @on_lost.setter
+    def on_lost(self, call: Callable[[], None]) -> None:
+        self._frames.on_lost = call
 
     def post_message(self, message) -> bool:
-        if self._lost.is_set():     # nobody is left to read it
-            return False
-        with self._lock:
-            self._outbox.put(self._encoder.encode(message))
-        return True
-
-    def _write(self) -> None:
-        while (data := self._outbox.get()) is not None:
-            try:
-                self._conn.send_bytes(data)
-            except OSError:     # the window is gone: nobody is left to step for
-                self._lost.set()
-                self.on_lost()
-                return
+        with self._lock:    # encoded and sent in one order
+            return self._frames.send(self._encoder.encode(message))
 
     def close(self) -> None:
-        """Write what was posted (the run's last messages), then stop writing."""
-        self._outbox.put(None)
-        self._writer.join(JOIN_S)
+        """Send what was posted (the run's last messages), then stop sending."""
+        self._frames.close()
 
 
 def _child_main(conn, config: EngineConfig, engine_factory: Callable, run_log, paused: bool,
@@ -156,10 +150,12 @@ class EngineProcess:
         self._stopping = threading.Event()
         self._decoder = MessageDecoder()
         self._early: list = []      # read by wait_until_built, handed on by run
+        self._unacked, self._acked_at = 0, 0.0      # steps handled and not yet acknowledged (``ack``)
         self._send_lock = threading.Lock()
         self._stderr = Path(tempfile.mkstemp(prefix="kvscope-engine-", suffix=".log")[1])
         context = multiprocessing.get_context("spawn")    # never fork a process that runs threads
         self._conn, self._child_end = context.Pipe()
+        self._frames = FrameReader(self._conn.fileno())     # what the engine sends (app/worker/outbox.py)
         self._process = context.Process(
             target=_child_main, name="kvscope-engine", daemon=True,
             args=(self._child_end, config, engine_factory, run_log, paused, steps_per_s_cap, str(self._stderr)))
@@ -176,8 +172,16 @@ class EngineProcess:
         self._to_child(_COMMAND, command)
 
     def ack(self, steps: int = 1) -> None:
-        if steps > 0:
-            self._to_child(_ACK, steps)
+        """Acknowledgements cross in bulk: each wakes a thread of the engine process, and a woken thread costs
+        the engine (app/worker/outbox.py). Holding fewer than ACK_EVERY_STEPS never stalls it: it waits only with
+        MAX_STEPS_AHEAD_OF_UI in flight, having posted them all, so the window then holds at least the rest."""
+        if steps < 1:
+            return
+        self._unacked += steps
+        clock = time.monotonic()
+        if self._unacked >= ACK_EVERY_STEPS or clock - self._acked_at >= ACK_INTERVAL_S:
+            self._to_child(_ACK, self._unacked)
+            self._unacked, self._acked_at = 0, clock
 
     @property
     def whole_steps(self) -> bool:
@@ -217,7 +221,7 @@ class EngineProcess:
         """Start the process and read its messages until the first engine is built or failed to: EngineReady,
         EngineBuildFailed or EngineDied (None if ``timeout`` passed). What was read is handed on by ``run``."""
         self.start()
-        while self._conn.poll(timeout):
+        while self._frames.poll(timeout):
             message = self._receive()
             if message is None:
                 return self._died_message()
@@ -240,10 +244,8 @@ class EngineProcess:
         self._stderr.unlink(missing_ok=True)
 
     def _receive(self):
-        try:
-            return self._decoder.decode(self._conn.recv_bytes())
-        except (EOFError, OSError):
-            return None
+        frame = self._frames.read()
+        return None if frame is None else self._decoder.decode(frame)
 
     def _deliver(self, message) -> None:
         if isinstance(message, messages.RunStateChanged):

@@ -14,6 +14,7 @@ from kvscope.app.messages import EngineBuildFailed, EngineDied, EngineReady, Eng
 from kvscope.app.runlog import RunLogReader, RunLogSpec
 from kvscope.app.worker.commands import AddRequest, RunUntil, SetPaused, Stop
 from kvscope.app.worker.process import EngineProcess
+from kvscope.app.worker.step_posting import MAX_STEPS_AHEAD_OF_UI
 from kvscope.app.worker.thread import EngineWorker
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import build_fake_engine
@@ -96,6 +97,24 @@ def test_a_command_that_cannot_cross_is_refused_where_it_is_sent_and_the_engine_
     assert not inbox.of(EngineDied)
 
 
+def test_a_long_run_passes_the_steps_ahead_bound_again_and_again_with_acknowledgements_in_bulk():
+    """The window acknowledges in bulk (EngineProcess.ack): an engine that reaches MAX_STEPS_AHEAD_OF_UI steps in
+    flight, time after time, is never left waiting; every step arrives, once, in order."""
+    steps = 6 * MAX_STEPS_AHEAD_OF_UI
+    config = EngineConfig(num_blocks=2 * steps // 4, block_size=4, max_model_len=2 * steps)
+    inbox = Inbox()
+    process = EngineProcess(inbox, config, engine_factory=build_fake_engine, paused=True)
+    reader_thread = run_process(process, inbox)
+    inbox.wait_for(lambda: inbox.of(EngineReady), timeout=120)
+    process.send(AddRequest("long", [5, 6, 7], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)))
+    process.send(SetPaused(False))
+    inbox.wait_for(lambda: "long" in finals(inbox), timeout=120)
+    assert [m.result.stats.step for m in inbox.of(EngineStepped)] == list(range(1, steps + 1))
+    process.send(Stop())
+    reader_thread.join(30)
+    assert not inbox.of(EngineDied)
+
+
 def test_an_engine_process_that_dies_is_told_with_how():
     inbox = Inbox()
     process = EngineProcess(inbox, CONFIG, engine_factory=build_fake_engine)
@@ -166,6 +185,7 @@ import os, sys, time
 from kvscope.app.runlog import RunLogSpec
 from kvscope.app.worker.commands import AddRequest
 from kvscope.app.worker.process import EngineProcess
+from kvscope.app.worker.step_posting import MAX_STEPS_AHEAD_OF_UI
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import build_fake_engine
 
