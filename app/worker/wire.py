@@ -1,7 +1,7 @@
 """The engine process's messages as bytes: what crosses the pipe between the engine and the window.
 
 With the engine in a process of its own (app/worker/process.py), everything the engine thread posts is pickled
-here and rebuilt on the window's side as the same message. A busy engine sends twenty batches a second, and what
+here and rebuilt on the window's side as the same message. A busy engine sends ten batches a second, and what
 it sends whole grows with the pool and with the requests' lengths, so three things are sent as changes:
 
 - a step's block arrays: the blocks it changed (engine/block_changes.py's BlockChanges), applied on the window's
