@@ -48,13 +48,18 @@ WHOLE_STEPS = 2
 MAX_STEPS_TO_FREE = 64
 
 
-def slimmed(result: StepResult, watched) -> StepResult:
-    """``result`` with only the outputs of finished requests and of ``watched`` ones, and no KV-cache events."""
+def finished_outputs(result: StepResult) -> list:
+    return [output for output in result.outputs if output.finished]
+
+
+def slimmed(result: StepResult, watched, finished: list | None = None) -> StepResult:
+    """``result`` with only the outputs of finished requests (``finished``, where the caller has them: a pass
+    over a big batch's outputs costs a few microseconds a step) and of ``watched`` ones, and no KV-cache events."""
     outputs = result.outputs
     if watched:
         kept = [output for output in outputs if output.finished or output.request_id in watched]
     else:
-        kept = [output for output in outputs if output.finished]
+        kept = finished_outputs(result) if finished is None else finished
     if len(kept) == len(outputs) and not result.kv_events:
         return result
     return StepResult(kept, result.stats, result.snapshot, result.events)
@@ -122,14 +127,14 @@ class StepPosting:
     def _watch(self, request_id: str) -> None:
         self._watched[request_id] = math.inf
 
-    def _unwatch_finished(self, result, steps_done: int) -> None:
-        """Called with each step before it is posted: its finished requests stop being watched once every step
-        of theirs that may be thinned has been."""
+    def _unwatch_finished(self, finished: list, steps_done: int) -> None:
+        """Called with each step's finished outputs before it is posted: their requests stop being watched once
+        every step of theirs that may be thinned has been."""
         watched = self._watched
         if not watched:
             return
-        for output in result.outputs:
-            if output.finished and output.request_id in watched:
+        for output in finished:
+            if output.request_id in watched:
                 watched[output.request_id] = steps_done + WHOLE_STEPS
         for request_id in [rid for rid, until in watched.items() if until < steps_done]:
             del watched[request_id]
@@ -142,8 +147,9 @@ class StepPosting:
             del kept[0]
         self._to_free = kept
 
-    def _post_step(self, result, engine) -> None:
-        """Hand ``result``, a step ``engine`` just took, to the UI's next batch."""
+    def _post_step(self, result, engine, finished: list | None = None) -> None:
+        """Hand ``result``, a step ``engine`` just took (``finished``: its finished outputs, if known), to the
+        UI's next batch."""
         if not self._in_flight.acquire(blocking=False):
             # The UI can only hand back steps it has been told of: a batch begun within STEPS_POST_INTERVAL of
             # the last post waits for the thread's next turn to be posted, and a fast engine can fill the bound
@@ -153,7 +159,7 @@ class StepPosting:
                 if self._stopping.is_set():
                     return
         if not self.whole_steps:
-            result = slimmed(result, self._watched)
+            result = slimmed(result, self._watched, finished)
         self._to_free.append(result)
         if self._posts_at_join:
             self._newest_engine = engine
@@ -169,7 +175,7 @@ class StepPosting:
             self._batch.thin(WHOLE_STEPS, self._thinned)
         # After the thinning, so the step it thinned is freed now, while still in the cache; and with this
         # frame's own references dropped, for that step may be this one.
-        result = stepped = None
+        result = stepped = finished = None
         self._free_taken()
 
     def _thinned(self, result) -> StepResult:

@@ -47,7 +47,7 @@ from kvscope.app.worker.commands import (
 from kvscope.app.worker.delayed import DelayedRequests
 from kvscope.app.worker.factory import build_engine, engine_info
 from kvscope.app.worker.requests import RequestCommands, describe_error
-from kvscope.app.worker.step_posting import StepPosting
+from kvscope.app.worker.step_posting import StepPosting, finished_outputs
 from kvscope.engine.config import EngineConfig
 
 ENGINE_REBUILT = "the engine was restarted"
@@ -268,16 +268,16 @@ class EngineWorker(RequestCommands, StepPosting):
             return
         self._steps_done += 1
         self._last_step = result.stats.step
-        self._forget_finished(result)
-        self._post_step(result, self.engine)
+        finished = finished_outputs(result)     # one pass over the outputs, for both
+        self._forget_finished(finished)
+        self._post_step(result, self.engine, finished)
         if self._until is not None:
             self._check_until(result)
 
-    def _forget_finished(self, result) -> None:
-        for output in result.outputs:
-            if output.finished:
-                self._accepted.discard(output.request_id)
-        self._unwatch_finished(result, self._steps_done)
+    def _forget_finished(self, finished: list) -> None:
+        for output in finished:
+            self._accepted.discard(output.request_id)
+        self._unwatch_finished(finished, self._steps_done)
 
     def _check_until(self, result) -> None:
         condition, last = self._until
