@@ -3,8 +3,8 @@
 ``ingest`` runs for every step and only does what must not be skipped
 (streaming chat text, the throughput history). ``paint`` draws the newest
 snapshot as a batch of steps arrives (the engine thread posts at most ten
-batches a second: app/worker/step_posting.py); snapshots that arrive between two frames are
-never drawn. Every wake of the UI's loop takes the GIL from the engine thread,
+batches a second: app/worker/step_posting.py); snapshots that arrive
+between two frames are never drawn. Every wake of the UI's loop takes the GIL from the engine thread,
 so no timer of its own runs at the frame rate: a slow one (IDLE_TICK_RATE)
 draws what is still due once the steps stop coming (the numbers, a frame the
 budget held back) and the system figures.

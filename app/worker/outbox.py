@@ -49,19 +49,18 @@ class FrameWriter:
         self._writer.start()
 
     def send(self, data: bytes) -> bool:
+        header = _LENGTH.pack(len(data))
         with self._lock:
             if self._lost:      # nobody is left to read it
                 return False
-            if self._behind:
-                self._behind.append(memoryview(_LENGTH.pack(len(data)) + data))
-                return True
-            header = _LENGTH.pack(len(data))
-            try:
-                sent = self._socket.sendmsg([header, data], [], socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                sent = 0
-            except OSError:
-                return self._lose()
+            sent = 0
+            if not self._behind:    # else it waits its turn behind what the writer thread has
+                try:
+                    sent = self._socket.sendmsg([header, data], [], socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    return self._lose()
             if sent < len(header) + len(data):
                 self._behind.append(memoryview(header + data)[sent:])
                 self._lock.notify()
