@@ -167,6 +167,7 @@ class StepStats:
     num_swapped_in_blocks: int          # cumulative
     prompt_tokens_per_s: float          # this step
     generation_tokens_per_s: float      # this step
+    num_generated_tokens: int = 0       # this step: tokens sampled, every sample's (a watched server: counted by it)
     forward_duration: float = 0.0       # seconds of the step spent in the model runner (execute)
     # The rest of duration, by phase: schedule(), update_from_output() plus building the outputs, and the
     # snapshot with these stats. Wall-clock seconds, for the bench and anyone asking where a step went.

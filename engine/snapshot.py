@@ -96,6 +96,7 @@ def build_stats(scheduler: Scheduler, cache: KVCacheState, step: int, now: float
         num_swapped_in_blocks=cache.num_swapped_in_blocks,
         prompt_tokens_per_s=batch.num_prefill_tokens / duration if duration > 0 else 0.0,
         generation_tokens_per_s=num_generated / duration if duration > 0 else 0.0,
+        num_generated_tokens=num_generated,
         forward_duration=times.executed - times.scheduled, num_host_blocks=cache.num_host_blocks,
         num_free_host_blocks=cache.num_free_host_blocks, schedule_duration=times.scheduled - times.start,
         num_copy_on_write_blocks=cache.num_copy_on_write_blocks, num_evicted_blocks=cache.num_evicted_blocks,

@@ -21,8 +21,8 @@ to what the engine does in a step belongs in the matching function:
 - events (``phase_events``): build_stats() and Scheduler.take_events(): the step's counters and events, and the
   StepResult they make.
 - run-log (``phase_run_log``): RowBuilder.add(): what the run log's writer thread makes of the step (its rows and
-  the snapshot's delta, a keyframe every 50 frames). It runs on another thread but holds the same GIL. The first
-  measured step is a keyframe, so the column's p90 or max shows a keyframe where few steps are measured.
+  the snapshot's delta, a keyframe every 50 to 500 frames). It runs on another thread but holds the same GIL. The
+  first measured step is a keyframe, so the column's p90 or max shows a keyframe where few steps are measured.
 - sampler (``time_sampler``): the real Sampler over random float32 logits of SmolLM2's vocabulary (49,152) on CPU
   with one torch thread, greedy and at temperature 0.7 / top-p 0.95. It depends on the batch alone, so it is
   measured once per batch and shown on that batch's rows. The title says whether the C++ kernels served it.
@@ -47,7 +47,7 @@ import numpy as np
 from kvscope.app.bench.report import titled_table
 from kvscope.app.bench.scheduler import text_tokenizer
 from kvscope.app.bench.scoreboard import HostSettings
-from kvscope.app.runlog.records import RowBuilder, Rows
+from kvscope.app.runlog.records import LoggedStep, RowBuilder, Rows
 from kvscope.engine.config import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import FakeRunner
 from kvscope.engine.llm_engine import LLMEngine
@@ -118,7 +118,7 @@ def phase_events(engine: LLMEngine, output: SchedulerOutput, update, cache, snap
 
 
 def phase_run_log(rows_for: RowBuilder, result: StepResult) -> None:
-    rows_for.add(Rows(), result)
+    rows_for.add(Rows(), LoggedStep.of(result))
 
 
 def input_runner(num_blocks: int, block_size: int):

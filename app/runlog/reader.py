@@ -256,7 +256,7 @@ class RunLogReader:
 
 class Replay:
     """One run's recorded steps. Moving forward decodes only the steps in between; moving back
-    or far ahead restarts from the nearest keyframe (at most KEYFRAME_INTERVAL frames away)."""
+    or far ahead restarts from the nearest keyframe (at most MAX_KEYFRAME_INTERVAL frames away)."""
 
     def __init__(self, reader: RunLogReader, run_id: int):
         self._reader, self.run_id = reader, run_id

@@ -1,4 +1,4 @@
-"""Turns what the logger is handed (request arrivals, StepResults) into table rows.
+"""Turns what the logger is handed (request arrivals, and what it keeps of each step) into table rows.
 
 Runs on the writer thread, so the engine thread never waits for it.
 """
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from kvscope.app.runlog.schema import GROUP_COLUMNS, STEP_COLUMNS
 from kvscope.app.runlog.snapshots import SnapshotEncoder
-from kvscope.engine.outputs import RequestOutput, StepResult, StepStats
+from kvscope.engine.outputs import CacheSnapshot, RequestOutput, StepResult, StepStats
 
-# The steps table's columns that are StepStats fields, copied as they are; the rest (run_id, the generated tokens
-# counted here, the used blocks) the builder fills itself.
+# The steps table's columns that are StepStats fields, copied as they are; the rest (run_id, the used blocks) the
+# builder fills itself.
 _STATS_COLUMNS = tuple(name for name in STEP_COLUMNS if name in {f.name for f in dataclasses.fields(StepStats)}
                        and name not in GROUP_COLUMNS)
 
@@ -28,23 +28,31 @@ class RequestAdded:
 
 
 @dataclass(frozen=True)
-class ObservedStep:
-    """A step of a run kvscope only watches (a vLLM server): its outputs are not published, so the
-    tokens generated in the step are counted by the server and given here."""
+class LoggedStep:
+    """What the log keeps of a step until its writer takes it: the stats, events and snapshot, and the outputs
+    of the requests that finished. Not the step's other outputs (a request each, a step): held for the tenth of
+    a second the writer gathers a batch, they outlived the collector's young generation, whose passes then ran
+    on the engine thread (+25% a step at 256 requests); the tokens they count are in the stats."""
 
-    result: StepResult
-    num_generated_tokens: int
+    stats: StepStats
+    events: tuple
+    snapshot: CacheSnapshot
+    finished: list[RequestOutput]
+
+    @classmethod
+    def of(cls, result: StepResult) -> LoggedStep:
+        return cls(result.stats, result.events, result.snapshot,
+                   [output for output in result.outputs if output.finished])
 
 
-def record_bytes(record: RequestAdded | StepResult | ObservedStep) -> int:
+def record_bytes(record: RequestAdded | LoggedStep) -> int:
     """About what a queued record keeps alive: its snapshot's block changes (or whole arrays, where it holds
     them) and a few hundred bytes per request, output and event. An estimate: it bounds the writer's queue."""
     if isinstance(record, RequestAdded):
         return 256 + len(record.prompt_text)
-    result = record.result if isinstance(record, ObservedStep) else record
-    snapshot = result.snapshot
+    snapshot = record.snapshot
     return (1024 + snapshot.blocks.held_bytes
-            + 256 * (snapshot.num_requests + len(result.outputs) + len(result.events) + len(result.kv_events)))
+            + 256 * (snapshot.num_requests + len(record.finished) + len(record.events)))
 
 
 @dataclass
@@ -66,70 +74,50 @@ def _num_tokens(output: RequestOutput) -> int:
 
 
 class RowBuilder:
-    """Stateful per run: it diffs snapshots and counts tokens across steps."""
+    """Stateful per run: it diffs snapshots and follows which requests are unfinished."""
 
     def __init__(self, run_id: int):
         self.run_id = run_id
         self._encoder = SnapshotEncoder()
-        # Tokens each unfinished request had produced (all samples) when last seen, so a
-        # step's generated-token count is exact whatever the engine's rate definition.
-        self._tokens_seen: dict[str, int] = {}
         self._seen_a_step = False
         self.unfinished: set[str] = set()   # added, no final output yet: the run is interrupted if it ends now
         self.empty = True                   # no request and no step so far
 
-    def add(self, rows: Rows, record: RequestAdded | StepResult | ObservedStep) -> None:
+    def add(self, rows: Rows, record: RequestAdded | LoggedStep) -> None:
         self.empty = False
         if isinstance(record, RequestAdded):
             rows.added_requests.append({"run_id": self.run_id, **dataclasses.asdict(record)})
             self.unfinished.add(record.request_id)
-        elif isinstance(record, ObservedStep):
-            self._add_step(rows, record.result, record.num_generated_tokens)
-        else:
-            self._add_step(rows, record)
-
-    def _add_step(self, rows: Rows, result: StepResult, observed_tokens: int = 0) -> None:
-        step = result.stats.step
-        generated = observed_tokens
-        seen = self._tokens_seen
-        for output in result.outputs:     # every request every step: no call per output but the count's
-            request_id = output.request_id
-            total = _num_tokens(output)
-            new = total - seen.get(request_id, 0)
-            if new > 0:
-                generated += new
-            if output.finished:
-                seen.pop(request_id, None)
-                self.unfinished.discard(request_id)
-                rows.finished_requests.append(self._finished_row(output, total))
-            else:
-                seen[request_id] = total
-        stats = result.stats
+            return
+        for output in record.finished:
+            self.unfinished.discard(output.request_id)
+            rows.finished_requests.append(self._finished_row(output))
+        stats = record.stats
         if not self._seen_a_step:
             # The config may leave the pool size to the engine; record what it chose.
             rows.run_update["num_blocks"] = stats.num_total_blocks
             self._seen_a_step = True
-        row = {"run_id": self.run_id, "num_generated_tokens": generated,
-               "num_used_blocks": stats.num_total_blocks - stats.num_free_blocks}
+        row = {"run_id": self.run_id, "num_used_blocks": stats.num_total_blocks - stats.num_free_blocks}
         row.update((name, getattr(stats, name)) for name in _STATS_COLUMNS)
         # Every row has every key (the writer inserts a batch with the first row's columns): NULL for one group.
         row.update((name, json.dumps(list(getattr(stats, name))) if stats.group_held_blocks else None)
                    for name in GROUP_COLUMNS)
         rows.steps.append(row)
+        step = stats.step
         rows.events.extend(
             {"run_id": self.run_id, "step": step, "kind": e.kind, "request_id": e.request_id,
              "blocks": json.dumps(list(e.blocks)), "detail": e.detail}
-            for e in result.events
+            for e in record.events
         )
-        keyframe, blob = self._encoder.encode(result.snapshot)
+        keyframe, blob = self._encoder.encode(record.snapshot)
         rows.snapshots.append({"run_id": self.run_id, "step": step, "keyframe": int(keyframe), "data": blob})
 
-    def _finished_row(self, output: RequestOutput, num_tokens: int) -> dict:
+    def _finished_row(self, output: RequestOutput) -> dict:
         metrics = output.metrics
         return {
             "run_id": self.run_id, "request_id": output.request_id,
             "num_prompt_tokens": len(output.prompt_token_ids),
-            "output_text": output.text, "num_output_tokens": num_tokens,
+            "output_text": output.text, "num_output_tokens": _num_tokens(output),
             "sample_texts": json.dumps([s.text for s in output.samples]) if len(output.samples) > 1 else None,
             "arrival_time": metrics.arrival_time, "first_token_time": metrics.first_token_time,
             "finish_time": metrics.finished_time, "finish_reason": output.finish_reason,

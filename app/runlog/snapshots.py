@@ -15,6 +15,7 @@ a frame the writer had to drop does not break the chain.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import typing
 import zlib
@@ -24,7 +25,13 @@ import numpy as np
 from kvscope.engine.kv_cache_groups import KVCacheGroup
 from kvscope.engine.outputs import CacheSnapshot, RequestView
 
+# A keyframe costs the writer what the pool holds (5 MB of arrays at 330,000 blocks: 0.1 s to encode) and a delta
+# what the step changed (a few KB): a keyframe every 50 frames cost 2 ms a step at that pool, more than the step
+# itself. So a keyframe comes once the deltas since the last add up to as many raw bytes as it had, at least
+# KEYFRAME_INTERVAL frames after it and at most MAX_KEYFRAME_INTERVAL: that bounds what a replay decodes to reach
+# any step (reader.Replay).
 KEYFRAME_INTERVAL = 50
+MAX_KEYFRAME_INTERVAL = 500
 BLOCK_ARRAYS = ("block_state", "ref_counts", "block_fill", "block_hashes")
 _VIEW_TYPES = typing.get_type_hints(RequestView)
 COUNTER_FIELDS = tuple(name for name in RequestView._fields if _VIEW_TYPES[name] is int)
@@ -35,16 +42,17 @@ VALUE_FIELDS = tuple(name for name in RequestView._fields
 _HEAD = struct.Struct("<I")
 
 
-# zlib's level for a keyframe (megabytes of whole arrays, every KEYFRAME_INTERVAL frames: its size counts) and for
-# a delta (a few kilobytes every step: its time counts, and level 3 takes half of level 6's for 7% more bytes).
+# zlib's level for a keyframe (megabytes of whole arrays, now and then: its size counts) and for a delta (a few
+# kilobytes every step: its time counts, and level 3 takes half of level 6's for 7% more bytes).
 KEYFRAME_LEVEL, DELTA_LEVEL = 6, 3
 
 
-def pack(header: dict, arrays: dict[str, np.ndarray], level: int = KEYFRAME_LEVEL) -> bytes:
+def pack(header: dict, arrays: dict[str, np.ndarray], level: int = KEYFRAME_LEVEL) -> tuple[bytes, int]:
+    """(the blob, its bytes before compression)."""
     header = {**header, "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]}
     head = json.dumps(header, separators=(",", ":")).encode()
-    body = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
-    return zlib.compress(_HEAD.pack(len(head)) + head + body, level)
+    raw = _HEAD.pack(len(head)) + head + b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
+    return zlib.compress(raw, level), len(raw)
 
 
 def unpack(blob: bytes) -> tuple[dict, dict[str, np.ndarray]]:
@@ -54,7 +62,7 @@ def unpack(blob: bytes) -> tuple[dict, dict[str, np.ndarray]]:
     header = json.loads(raw[_HEAD.size:offset])
     arrays = {}
     for name, dtype, shape in header.pop("arrays"):
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         array = np.frombuffer(raw, dtype=np.dtype(dtype), count=count, offset=offset).reshape(shape)
         arrays[name] = array
         offset += array.nbytes
@@ -86,9 +94,13 @@ def _other_changes(old: tuple | None, new: tuple) -> dict:
 class SnapshotEncoder:
     """Turns the stream of one run's CacheSnapshots into (is_keyframe, blob) frames."""
 
-    def __init__(self, keyframe_interval: int = KEYFRAME_INTERVAL):
+    def __init__(self, keyframe_interval: int = KEYFRAME_INTERVAL,
+                 max_keyframe_interval: int = MAX_KEYFRAME_INTERVAL):
         self._keyframe_interval = keyframe_interval
+        self._max_keyframe_interval = max(keyframe_interval, max_keyframe_interval)
         self._frames_since_keyframe = 0
+        self._keyframe_bytes = 0            # the last keyframe's, before compression
+        self._bytes_since_keyframe = 0      # the deltas' since, the same way
         self._previous: CacheSnapshot | None = None
         # The previous frame's requests: their ids in order, their counter fields (a matrix, a row each) and
         # their other fields (a tuple each). No order: the next frame counts every request as new.
@@ -97,8 +109,9 @@ class SnapshotEncoder:
         self._previous_others: list[tuple] = []
 
     def _needs_keyframe(self, snapshot: CacheSnapshot) -> bool:
-        previous = self._previous
-        return (previous is None or self._frames_since_keyframe >= self._keyframe_interval
+        previous, frames = self._previous, self._frames_since_keyframe
+        return (previous is None or frames >= self._max_keyframe_interval
+                or (frames >= self._keyframe_interval and self._bytes_since_keyframe >= self._keyframe_bytes)
                 or (previous.num_blocks, previous.block_size, previous.allocator)
                 != (snapshot.num_blocks, snapshot.block_size, snapshot.allocator))
 
@@ -119,7 +132,12 @@ class SnapshotEncoder:
         self._frames_since_keyframe += 1
         arrays.update(self._encode_requests(snapshot, header))
         self._previous = snapshot
-        return keyframe, pack(header, arrays, KEYFRAME_LEVEL if keyframe else DELTA_LEVEL)
+        blob, raw_bytes = pack(header, arrays, KEYFRAME_LEVEL if keyframe else DELTA_LEVEL)
+        if keyframe:
+            self._keyframe_bytes, self._bytes_since_keyframe = raw_bytes, 0
+        else:
+            self._bytes_since_keyframe += raw_bytes
+        return keyframe, blob
 
     def _block_deltas(self, snapshot: CacheSnapshot) -> dict[str, np.ndarray]:
         arrays = {}
@@ -190,6 +208,10 @@ class SnapshotDecoder:
         self._host = (0, 0)
         self._arrays: dict[str, np.ndarray] = {}
         self._order: list[str] = []
+        # The requests' counter fields, a row each in ``_order``'s order (a seek applies hundreds of frames, each
+        # moving every running request's counters: one array operation a frame), and their other fields.
+        self._counter_names: list[str] = []
+        self._counters = np.zeros((0, 0), dtype=np.int64)
         self._fields: dict[str, dict] = {}
         self._views: dict[str, RequestView] = {}    # built views of requests unchanged since
 
@@ -208,7 +230,8 @@ class SnapshotDecoder:
             self._layout["kv_cache_groups"] = tuple(KVCacheGroup(tuple(layers), window)
                                                     for layers, window in header.get("groups", ()))
             self._arrays = {name: arrays[name].copy() for name in BLOCK_ARRAYS}
-            self._fields, self._views = {}, {}
+            self._fields, self._views, self._order = {}, {}, []
+            self._counter_names, self._counters = [], np.zeros((0, 0), dtype=np.int64)
         elif self._layout is None:
             raise ValueError("snapshot stream does not start with a keyframe")
         else:
@@ -220,20 +243,20 @@ class SnapshotDecoder:
 
     def _apply_requests(self, header: dict, arrays: dict[str, np.ndarray]) -> None:
         if "order" in header:
-            self._order = header["order"]
-            self._fields = {rid: self._fields[rid] for rid in self._order if rid in self._fields}
+            self._reorder(header["order"])
         if "changed" not in arrays:
             return
-        counters = header["counters"]
-        changes = header["changes"]
-        changed, deltas_by_row = arrays["changed"].tolist(), arrays["counter_deltas"].tolist()
-        for position, deltas in zip(changed, deltas_by_row, strict=True):
-            request_id = self._order[position]
-            self._views.pop(request_id, None)
+        changed, columns = arrays["changed"], self._counter_columns(header["counters"])   # columns may grow the array
+        self._counters[changed[:, None], columns] += arrays["counter_deltas"]
+        order, views = self._order, self._views
+        if views:   # none while a seek applies frame after frame
+            for position in changed.tolist():
+                views.pop(order[position], None)
+        # Only the requests whose other fields changed: a request new to the frame has them all here.
+        for position, named in header["changes"].items():
+            request_id = order[int(position)]
             fields = self._fields.setdefault(request_id, {"request_id": request_id})
-            for name, delta in zip(counters, deltas, strict=True):
-                fields[name] = fields.get(name, 0) + delta
-            for name, value in changes.get(str(position), {}).items():
+            for name, value in named.items():
                 if name.startswith("+"):
                     name = name[1:]
                     value = [old + tuple(tail) for old, tail in zip(fields[name], value, strict=True)]
@@ -243,10 +266,30 @@ class SnapshotDecoder:
                     value = tuple(tuple(tuple(t) for t in tables) for tables in value)
                 fields[name] = value
 
-    def _view(self, request_id: str) -> RequestView:
+    def _reorder(self, order: list[str]) -> None:
+        """The requests now in ``order``: a request new to it counts from zero, as the encoder's deltas do."""
+        where = {rid: i for i, rid in enumerate(self._order)}
+        counters = np.zeros((len(order), len(self._counter_names)), dtype=np.int64)
+        known = [(i, where[rid]) for i, rid in enumerate(order) if rid in where]
+        if known:
+            now, before = zip(*known)
+            counters[list(now)] = self._counters[list(before)]
+        self._order, self._counters = order, counters
+        self._fields = {rid: self._fields[rid] for rid in order if rid in self._fields}
+
+    def _counter_columns(self, names: list[str]) -> list[int]:
+        """The counters' columns for a frame's ``names`` (a log's writer names its counters in each frame)."""
+        missing = [name for name in names if name not in self._counter_names]
+        if missing:
+            self._counter_names = [*self._counter_names, *missing]
+            self._counters = np.hstack([self._counters, np.zeros((len(self._order), len(missing)), np.int64)])
+        return [self._counter_names.index(name) for name in names]
+
+    def _view(self, request_id: str, row: int) -> RequestView:
         view = self._views.get(request_id)
         if view is None:
-            view = self._views[request_id] = RequestView(**self._fields[request_id])
+            counters = zip(self._counter_names, self._counters[row].tolist(), strict=True)
+            view = self._views[request_id] = RequestView(**self._fields[request_id], **dict(counters))
         return view
 
     def snapshot(self) -> CacheSnapshot:
@@ -259,6 +302,6 @@ class SnapshotDecoder:
         self._views = {rid: view for rid, view in self._views.items() if rid in self._fields}
         return CacheSnapshot(
             step=self._step, **self._layout, **arrays,
-            requests=tuple(self._view(rid) for rid in self._order),
+            requests=tuple(self._view(rid, row) for row, rid in enumerate(self._order)),
             num_host_blocks=self._host[0], num_free_host_blocks=self._host[1],
         )

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import sqlite_utils
 
-from kvscope.app.runlog.records import ObservedStep, RequestAdded, RowBuilder, Rows, record_bytes
+from kvscope.app.runlog.records import LoggedStep, RequestAdded, RowBuilder, Rows, record_bytes
 from kvscope.engine.observer import EngineObserver
 from kvscope.engine.outputs import StepResult
 
@@ -108,13 +108,10 @@ class RunLogger(EngineObserver):
         self._put(RequestAdded(request_id, prompt_text, num_prompt_tokens, n))
 
     def step(self, result: StepResult) -> None:
-        self._put(result)
+        if not (self._closed or self._failed):
+            self._put(LoggedStep.of(result))
 
-    def observed_step(self, result: StepResult, num_generated_tokens: int) -> None:
-        """A step of a watched server (``kvscope attach``), whose token count the server reports."""
-        self._put(ObservedStep(result, num_generated_tokens))
-
-    def _put(self, record: RequestAdded | StepResult | ObservedStep) -> None:
+    def _put(self, record: RequestAdded | LoggedStep) -> None:
         if self._closed or self._failed:
             return
         size = record_bytes(record)

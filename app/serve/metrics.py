@@ -141,7 +141,7 @@ class ServeMetrics:
             if delta > 0:
                 counter.inc(delta)
         self._previous = stats
-        generated = round(stats.generation_tokens_per_s * stats.duration)   # the step's sampled tokens
+        generated = stats.num_generated_tokens
         if generated:
             self.generation_tokens.inc(generated)
             self.totals["generation_tokens"] += generated

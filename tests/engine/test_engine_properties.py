@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from invariants import BlockArraysReplica, KVEventReplica, TableGrowth, check_invariants
+from invariants import BlockArraysReplica, GeneratedTokens, KVEventReplica, TableGrowth, check_invariants
 
 from kvscope.engine import EngineConfig, SamplingParams
 from kvscope.engine.fake_runner import fake_engine
@@ -86,6 +86,7 @@ def run(scenario: Scenario) -> tuple[dict, set, object]:
     final: dict[str, object] = {}
     aborted: set[str] = set()
     replica, blocks, growth = KVEventReplica(groups=bool(scenario.groups)), BlockArraysReplica(), TableGrowth()
+    generated = GeneratedTokens()
     step = 0
     while len(request_ids) < len(scenario.arrivals) or engine.has_unfinished_requests():
         for index, arrival in enumerate(scenario.arrivals):
@@ -101,6 +102,7 @@ def run(scenario: Scenario) -> tuple[dict, set, object]:
         check_invariants(engine, result)
         replica.step(result)
         growth.step(result)
+        generated.step(result)
         final.update((o.request_id, o) for o in result.outputs if o.finished)
         step += 1
         assert step < MAX_STEPS, "the engine stopped making progress"

@@ -6,8 +6,9 @@ snapshot against the engine). Works with the fake runner and the real one.
 run_checked steps to the end checking them; record_batches keeps what the runner
 was asked to do. KVEventReplica rebuilds the prefix cache from the steps'
 kv_events alone, as a subscriber to vLLM's KV-cache events does, and checks it
-against each step's snapshot. TableGrowth holds the engine to RequestView's promise that a one-sample table
-only grows until its request is preempted (the engine process's wire sends tables by that promise).
+against each step's snapshot. GeneratedTokens holds a step's token count to its outputs. TableGrowth holds
+the engine to RequestView's promise that a one-sample table only grows until its request is preempted (the
+engine process's wire sends tables by that promise).
 """
 
 from __future__ import annotations
@@ -272,6 +273,25 @@ class TableGrowth:
             assert new[:len(old)] == old, f"{request_id}'s table changed other than by growing, not preempted"
             self.checked += 1
         self.seen = now
+
+
+class GeneratedTokens:
+    """The step's count of generated tokens (StepStats.num_generated_tokens, which the run log and serve's
+    metrics take as they are) against its outputs: the growth of every request's output, every sample's.
+    ``step(result)`` checks it."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, int] = {}
+
+    def step(self, result) -> None:
+        grown = 0
+        for output in result.outputs:
+            total = sum(len(sample.token_ids) for sample in output.samples) if output.samples \
+                else len(output.token_ids)
+            grown += total - self.totals.get(output.request_id, 0)
+            self.totals[output.request_id] = total
+        assert result.stats.num_generated_tokens == grown, \
+            f"step {result.stats.step} counts {result.stats.num_generated_tokens} tokens, its outputs grew {grown}"
 
 
 class KVEventReplica:

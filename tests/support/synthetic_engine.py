@@ -224,6 +224,7 @@ class SyntheticEngine:
             prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
             num_preemptions=self.num_preemptions, num_swapped_out_blocks=0, num_swapped_in_blocks=0,
             prompt_tokens_per_s=prefill_tokens / duration, generation_tokens_per_s=decode_tokens / duration,
+            num_generated_tokens=decode_tokens,
         )
 
     def snapshot(self) -> CacheSnapshot:

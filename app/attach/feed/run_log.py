@@ -75,11 +75,10 @@ class AttachRunLog:
     def record(self, frame: AttachFrame, journals: list[tuple[str, Journal]]) -> None:
         if not self.logger.enabled or frame.stats is None:
             return
-        stats, generated = frame.stats, frame.generated_tokens
+        stats = frame.stats
         events = (*journal_events(journals, frame.pools), *self._new_notices(frame))
-        result = StepResult(outputs=[], stats=stats, snapshot=merged_snapshot(frame.pools, stats.step),
-                            events=events)
-        self.logger.observed_step(result, generated)
+        self.logger.step(StepResult(outputs=[], stats=stats, snapshot=merged_snapshot(frame.pools, stats.step),
+                                    events=events))
 
     def _new_notices(self, frame: AttachFrame) -> list[EngineEvent]:
         fresh = [n for n in frame.notices if n.time > self._notices_logged]
@@ -99,14 +98,14 @@ def _grew(now: float, before: float | None) -> int:
 
 
 def step_stats(step: int, sample: MetricsSample, previous: MetricsSample | None, rates: ServerRates | None,
-               pools: tuple[PoolView, ...]) -> tuple[StepStats, int]:
-    """The sample as a step of the run log (and of the throughput panel), and the tokens generated in it."""
+               pools: tuple[PoolView, ...]) -> StepStats:
+    """The sample as a step of the run log (and of the throughput panel)."""
     totals = sample.totals()
     old = previous.totals() if previous is not None else None
     num_blocks = sum(pool.num_blocks for pool in pools)
     in_use = sum(pool.num_in_use_blocks or 0 for pool in pools)
     generated = _grew(totals.generation_tokens, old.generation_tokens if old else None)
-    stats = StepStats(
+    return StepStats(
         step=step, time=sample.time, duration=sample.time - previous.time if previous else 0.0,
         num_prefill_tokens=_grew(totals.prompt_tokens, old.prompt_tokens if old else None),
         num_decode_tokens=generated, num_running=totals.num_running, num_waiting=totals.num_waiting,
@@ -116,8 +115,8 @@ def step_stats(step: int, sample: MetricsSample, previous: MetricsSample | None,
         prefix_cache_queries=int(totals.prefix_cache_queries), prefix_cache_hits=int(totals.prefix_cache_hits),
         num_preemptions=int(totals.num_preemptions), num_swapped_out_blocks=0, num_swapped_in_blocks=0,
         prompt_tokens_per_s=rates.prompt_tokens_per_s if rates else 0.0,
-        generation_tokens_per_s=rates.generation_tokens_per_s if rates else 0.0, forward_duration=None)
-    return stats, generated
+        generation_tokens_per_s=rates.generation_tokens_per_s if rates else 0.0, num_generated_tokens=generated,
+        forward_duration=None)
 
 
 def _offsets(pools: tuple[PoolView, ...]) -> list[int]:

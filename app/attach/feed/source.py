@@ -86,7 +86,6 @@ class AttachSource:
         self.sample: MetricsSample | None = None
         self.rates: ServerRates | None = None
         self.stats: StepStats | None = None
-        self.generated = 0
         self.sample_index = 0
         self.frame_index = 0
         self.history: deque[QueuePoint] = deque(maxlen=QUEUE_HISTORY)
@@ -226,7 +225,7 @@ class AttachSource:
         self.history.append(QueuePoint(sample.time, totals.num_running, totals.num_waiting,
                                        totals.waiting_by_reason))
         pools = self.pools.views(self.sample_index, sample)
-        self.stats, self.generated = step_stats(self.sample_index, sample, previous, self.rates, pools)
+        self.stats = step_stats(self.sample_index, sample, previous, self.rates, pools)
         frame = self._publish(pools)
         if self.run_log is not None:
             self.run_log.record(frame, self.pools.journals())
@@ -313,5 +312,5 @@ class AttachSource:
             sample_index=self.sample_index, metrics=self.sample, rates=self.rates,
             queue_history=tuple(self.history), pools=pools or self.pools.views(self.sample_index, self.sample),
             streams=tuple(stream.status() for stream in self.streams), notices=tuple(self.notices),
-            preview_note=self.preview_note, stats=self.stats, generated_tokens=self.generated,
+            preview_note=self.preview_note, stats=self.stats,
             bad_samples=self.bad_samples)

@@ -208,11 +208,12 @@ def test_the_first_sample_is_a_baseline_not_the_servers_lifetime():
 
     source = RecordedSource(recorded_server())
     source.take_sample(parse_metrics(PAGE, 0.0))
-    assert source.generated == 0 and source.stats.num_prefill_tokens == source.stats.num_decode_tokens == 0
+    stats = source.stats
+    assert stats.num_generated_tokens == stats.num_prefill_tokens == stats.num_decode_tokens == 0
     later = PAGE.replace('generation_tokens_total{engine="0",model_name="smollm2"} 2018.0',
                          'generation_tokens_total{engine="0",model_name="smollm2"} 2030.0')
     source.take_sample(parse_metrics(later, 1.0))
-    assert source.generated == source.stats.num_decode_tokens == 12
+    assert source.stats.num_generated_tokens == source.stats.num_decode_tokens == 12
 
 
 # --- event streams: replays never wait, tables and memory are bounded -----------------------------------

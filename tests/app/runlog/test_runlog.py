@@ -254,7 +254,7 @@ def test_a_stalled_disk_drops_records_instead_of_blocking(tmp_path, monkeypatch,
 
 
 def test_a_queued_engine_step_is_counted_by_the_blocks_it_changed_not_by_the_pool():
-    from kvscope.app.runlog.records import record_bytes
+    from kvscope.app.runlog.records import LoggedStep, record_bytes
     from kvscope.engine import LLMEngine, SamplingParams
     from kvscope.engine.fake_runner import FakeRunner
 
@@ -262,7 +262,7 @@ def test_a_queued_engine_step_is_counted_by_the_blocks_it_changed_not_by_the_poo
     engine = LLMEngine(config, runner=FakeRunner(config, num_blocks=100_000, verify=False))
     engine.add_request([1] * 40, SamplingParams(max_tokens=8))
     engine.step()
-    step = engine.step()
+    step = LoggedStep.of(engine.step())
     assert record_bytes(step) < 4096
     assert step.snapshot.block_state.size == 100_000   # a reader built the whole arrays: the record holds them
     assert record_bytes(step) > 100_000 * 15

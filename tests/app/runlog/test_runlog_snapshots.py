@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sqlite3
+import zlib
 
 import numpy as np
 import pytest
@@ -12,8 +13,14 @@ from hypothesis import strategies as st
 from synthetic_engine import SyntheticEngine
 
 from kvscope.app.runlog import RunLogReader, RunNotFound, open_run_log
-from kvscope.app.runlog.records import RowBuilder, Rows, record_bytes
-from kvscope.app.runlog.snapshots import SnapshotDecoder, SnapshotEncoder, unpack
+from kvscope.app.runlog.records import LoggedStep, RowBuilder, Rows, record_bytes
+from kvscope.app.runlog.snapshots import (
+    KEYFRAME_INTERVAL,
+    MAX_KEYFRAME_INTERVAL,
+    SnapshotDecoder,
+    SnapshotEncoder,
+    unpack,
+)
 from kvscope.app.widgets.counters import describe_stats
 from kvscope.engine import LLMEngine, SamplingParams
 from kvscope.engine.config import EngineConfig
@@ -88,13 +95,55 @@ def test_any_stream_of_snapshots_decodes_to_itself(seed, num_frames, num_blocks,
                                                    keep_every):
     # keep_every > 1 drops frames before encoding, as a writer that fell behind would.
     frames = random_snapshots(seed, num_frames, num_blocks)[::keep_every]
-    encoder, decoder = SnapshotEncoder(keyframe_interval), SnapshotDecoder()
+    encoder, decoder = SnapshotEncoder(keyframe_interval, max_keyframe_interval=keyframe_interval), SnapshotDecoder()
     keyframes = 0
     for frame in frames:
         keyframe, blob = encoder.encode(frame)
         keyframes += keyframe
         assert_same_snapshot(decoder.apply(blob), frame)
     assert keyframes == -(-len(frames) // keyframe_interval)
+
+
+def one_block_a_step(num_blocks: int, num_frames: int, changed: int) -> list[CacheSnapshot]:
+    """A pool of ``num_blocks`` whose first ``changed`` blocks fill by one slot a frame, the rest never change."""
+    rng = np.random.default_rng(0)
+    base = (np.ones(num_blocks, np.int8), np.ones(num_blocks, np.int32), rng.integers(1, 16, num_blocks, np.int16),
+            np.zeros(num_blocks, np.uint64))
+    frames = []
+    for step in range(num_frames):
+        fill = base[2].copy()
+        fill[:changed] = (fill[:changed] + step) % 16
+        frames.append(CacheSnapshot(step, 16, num_blocks, "paged", base[0], base[1], fill, base[3]))
+    return frames
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(1, 400), least=st.integers(1, 6),
+       most=st.integers(1, 30))
+def test_a_keyframe_comes_once_the_deltas_since_hold_as_many_bytes_within_the_bounds(seed, num_blocks, least, most):
+    """The rule, checked frame by frame on what each blob holds before compression."""
+    most = max(least, most)
+    encoder, decoder = SnapshotEncoder(least, max_keyframe_interval=most), SnapshotDecoder()
+    keyframe_bytes = since_bytes = since_frames = 0
+    for index, frame in enumerate(random_snapshots(seed, 60, num_blocks)):
+        keyframe, blob = encoder.encode(frame)
+        due = index == 0 or since_frames >= most or (since_frames >= least and since_bytes >= keyframe_bytes)
+        assert keyframe == due, f"frame {index}"
+        raw = len(zlib.decompress(blob))
+        keyframe_bytes, since_bytes, since_frames = ((raw, 0, 1) if keyframe else
+                                                     (keyframe_bytes, since_bytes + raw, since_frames + 1))
+        assert_same_snapshot(decoder.apply(blob), frame)
+
+
+def test_a_big_pool_that_changes_little_keyframes_at_the_longest_interval_and_a_busy_small_one_at_the_least():
+    def keyframes(frames: list[CacheSnapshot]) -> list[int]:
+        encoder = SnapshotEncoder()
+        return [index for index, frame in enumerate(frames) if encoder.encode(frame)[0]]
+
+    # 100,000 blocks (1.5 MB whole), a hundred changing a frame: the deltas never add up to a keyframe.
+    assert keyframes(one_block_a_step(100_000, 1_001, 100)) == [0, MAX_KEYFRAME_INTERVAL, 2 * MAX_KEYFRAME_INTERVAL]
+    # 64 blocks, every one changing: each delta holds more than the arrays whole.
+    assert keyframes(one_block_a_step(64, 101, 64)) == [0, KEYFRAME_INTERVAL, 2 * KEYFRAME_INTERVAL]
 
 
 def test_a_pool_of_another_size_starts_a_keyframe():
@@ -263,8 +312,8 @@ def test_logging_a_step_builds_none_of_its_request_views():
     for _ in range(12):
         result = engine.step()
         snapshot = result.snapshot
-        assert record_bytes(result) > 0 and snapshot.num_requests == 6
-        builder.add(Rows(), result)
+        assert record_bytes(LoggedStep.of(result)) > 0 and snapshot.num_requests == 6
+        builder.add(Rows(), LoggedStep.of(result))
         _, blob = encoder.encode(snapshot)
         assert snapshot._requests._views is None, "a view was built to log the step"
         assert_same_snapshot(decoder.apply(blob), snapshot)
