@@ -23,6 +23,8 @@ share of the engine's throughput; the warm-up keeps it out, and keeps both engin
    aborts the engine's requests).
 4. The engine in a process of its own (``kvscope``'s default, app/bench/ui_process.py): alone and with
    the window open on it, in segments alternated ``--rounds`` times in that one process.
+5. The run log (on by default, in the engine's process: app/bench/ui_run_log.py): one engine alone and recording
+   every step, in segments alternated ``--rounds`` times.
 
 Throughput is engine steps per CPU second of the whole process (time.process_time: the engine thread, the UI
 thread and any other), so whatever the window spends holding the GIL counts against it, and the figure holds on
@@ -45,6 +47,7 @@ import numpy as np
 
 from kvscope.app.bench.host import BLOCK_SIZE, Spread, decoding_engine
 from kvscope.app.bench.scoreboard import UiSettings
+from kvscope.app.bench.ui_run_log import LogCost, measure_log_cost
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView, StepStats
 
 
@@ -76,6 +79,7 @@ class UiResult:
     # ... and engine steps per wall-clock second of each side: what a window that reads its posts slowly holds back
     process_headless_steps_per_s: float
     process_window_steps_per_s: float
+    run_log: LogCost                # the run log's cost at the same pool (app/bench/ui_run_log.py)
 
     @property
     def window_cost(self) -> float:
@@ -104,18 +108,6 @@ class RecordingEngine:
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
-
-
-def generation_rate(stats: list[StepStats]) -> float:
-    """Generated tokens per second of engine time span (first step start to last step end)."""
-    busy = [s for s in stats if s.num_prefill_tokens or s.num_decode_tokens]
-    if not busy:
-        return 0.0
-    span = busy[-1].time - (busy[0].time - busy[0].duration)
-    generated = sum(s.generation_tokens_per_s * s.duration for s in busy)
-    return generated / span if span > 0 else 0.0
-
-
 
 
 def synthetic_snapshot(num_blocks: int, num_requests: int, block_size: int = 16,
@@ -327,6 +319,8 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
     window = asyncio.run(window_run(twin, settings))
     del twin
     process = process_sides(settings, say)
+    say(f"the run log: one engine alone and recording, {settings.steps} steps a side")
+    run_log = measure_log_cost(settings)
     return UiResult(
         settings=settings, usage=window["usage"],
         cells=window["num_cells"], blocks_per_cell=window["blocks_per_cell"],
@@ -340,7 +334,7 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
         process_headless_engine_ms=process["headless_engine_ms"],
         process_window_engine_ms=process["window_engine_ms"], process_ui_ms=process["ui_ms"],
         process_headless_steps_per_s=process["headless_steps_per_s"],
-        process_window_steps_per_s=process["window_steps_per_s"])
+        process_window_steps_per_s=process["window_steps_per_s"], run_log=run_log)
 
 
 def format_table(result: UiResult) -> str:
@@ -375,6 +369,7 @@ def format_table(result: UiResult) -> str:
         ("  window's process per engine step", f"{result.process_ui_ms:.2f} ms, on another core"),
         ("  steps per wall-clock second", f"{result.process_headless_steps_per_s:,.1f} alone, "
                                           f"{result.process_window_steps_per_s:,.1f} with the window open"),
+        *result.run_log.rows(s.rounds),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(["kvscope bench ui: frame times in UI-thread CPU, median (p10-p90) over "
@@ -396,4 +391,4 @@ def as_json(result: UiResult) -> dict:
             "process_headless_engine_ms": result.process_headless_engine_ms,
             "process_window_engine_ms": result.process_window_engine_ms, "process_ui_ms": result.process_ui_ms,
             "process_headless_steps_per_s": result.process_headless_steps_per_s,
-            "process_window_steps_per_s": result.process_window_steps_per_s}
+            "process_window_steps_per_s": result.process_window_steps_per_s, "run_log": result.run_log.as_json()}

@@ -227,24 +227,6 @@ def test_system_sampler_reads_the_machine_and_says_quietly_when_there_is_no_gpu(
         assert sample.gpu_note and "no NVIDIA GPU" in text and "error" not in text.lower()
 
 
-def test_ui_bench_rate_is_generated_tokens_over_the_busy_span():
-    from kvscope.app.bench.ui import generation_rate
-    from kvscope.engine.outputs import StepStats
-
-    base = StepStats(step=0, time=0.0, duration=0.0, num_prefill_tokens=0, num_decode_tokens=0, num_running=0,
-                     num_waiting=0, num_swapped=0, num_free_blocks=0, num_cached_free_blocks=0,
-                     num_total_blocks=1, kv_usage=0.0, kv_token_utilisation=0.0, prefix_cache_queries=0,
-                     prefix_cache_hits=0, num_preemptions=0, num_swapped_out_blocks=0, num_swapped_in_blocks=0,
-                     prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0)
-    steps = [replace(base, step=1, time=11.0, duration=1.0, num_prefill_tokens=50,
-                     generation_tokens_per_s=4.0),       # 4 tokens, from 10.0 to 11.0
-             replace(base, step=2, time=12.0),           # idle step: not busy
-             replace(base, step=3, time=14.0, duration=2.0, num_decode_tokens=4,
-                     generation_tokens_per_s=2.0)]       # 4 tokens, ends at 14.0
-    assert generation_rate(steps) == pytest.approx(8 / 4.0)
-    assert generation_rate([]) == 0.0
-
-
 def test_the_kv_use_sparkline_is_a_share_of_the_pool_not_of_its_own_peak():
     """Issue 25 defect 13: 0.17% of the KV cache drew a full-height bar."""
     assert bar_levels([0.17, 0.17], 10, ceiling=100.0) == (0, 0)
