@@ -21,6 +21,10 @@ from kvscope.app.runlog.snapshots import SnapshotDecoder
 from kvscope.engine.outputs import CacheSnapshot, EngineEvent, EventKind, StepStats
 
 EXPORT_TABLES = ("steps", "requests", "events")
+# A replay keeps the decoder as it stood every CHECKPOINT_FRAMES frames, the newest MAX_CHECKPOINTS of them: a step
+# back then decodes at most that many frames. Each holds the pool's arrays (5 MB at 330,000 blocks).
+CHECKPOINT_FRAMES = 50
+MAX_CHECKPOINTS = 10
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(StepStats))
 _KINDS = {kind.value: kind for kind in EventKind}
 
@@ -255,8 +259,10 @@ class RunLogReader:
 
 
 class Replay:
-    """One run's recorded steps. Moving forward decodes only the steps in between; moving back
-    or far ahead restarts from the nearest keyframe (at most MAX_KEYFRAME_INTERVAL frames away)."""
+    """One run's recorded steps. Moving forward decodes only the steps in between; moving back or far ahead
+    restarts from the nearest keyframe (at most MAX_KEYFRAME_INTERVAL frames away) or, nearer, from a checkpoint:
+    the decoder as it stood every CHECKPOINT_FRAMES frames it decoded, the newest MAX_CHECKPOINTS kept. A big
+    pool's keyframes are hundreds of frames apart, and a step back from the frame before one decoded them all."""
 
     def __init__(self, reader: RunLogReader, run_id: int):
         self._reader, self.run_id = reader, run_id
@@ -266,6 +272,8 @@ class Replay:
         self._keyframes = [step for step, keyframe in rows if keyframe]
         self._decoder = SnapshotDecoder()
         self._current: ReplayFrame | None = None
+        self._checkpoints: dict[int, SnapshotDecoder] = {}     # by the step each stands at, oldest first
+        self._since_checkpoint = 0
 
     def frame(self, step: int) -> ReplayFrame:
         """The frame of ``step``, or of the last recorded step before it."""
@@ -277,18 +285,33 @@ class Replay:
         position = self._current.stats.step if self._current else None
         if position == target:
             return self._current
-        if position is None or not keyframe <= position < target:
-            self._decoder, position = SnapshotDecoder(), keyframe - 1
+        position = self._start(keyframe, position, target)
         try:
             row = self._decode_until(position, target)
             with _decoding(self.run_id, target):
                 snapshot = self._decoder.snapshot()
         except DamagedRunLog:
             self._decoder, self._current = SnapshotDecoder(), None    # start afresh from a keyframe next time
+            self._checkpoints.clear()
             raise
         events = _events_by_step(self._reader.db, self.run_id, target, target).get(target, ())
         self._current = ReplayFrame(_stats(row), snapshot, events)
         return self._current
+
+    def _start(self, keyframe: int, position: int | None, target: int) -> int:
+        """Set the decoder where decoding up to ``target`` has least to do; the step it stands at (the one before
+        ``keyframe``, for a fresh decoder)."""
+        start = keyframe - 1
+        if position is not None and keyframe <= position < target:
+            start = position
+        # Before the target, not at it: the target's own row is read for its stats.
+        checkpoint = max((at for at in self._checkpoints if start < at < target), default=None)
+        if checkpoint is not None:
+            self._decoder, start = self._checkpoints[checkpoint].copy(), checkpoint
+            self._since_checkpoint = 0
+        elif start != position:
+            self._decoder, self._since_checkpoint = SnapshotDecoder(), 0
+        return start
 
     def _decode_until(self, position: int, target: int) -> dict:
         """Apply the frames after ``position`` up to ``target``; the last row read."""
@@ -298,4 +321,14 @@ class Replay:
                 "WHERE run_id = ? AND step > ? AND step <= ? ORDER BY step", [self.run_id, position, target]):
             with _decoding(self.run_id, row["step"]):
                 self._decoder.advance(row["data"])
+            self._since_checkpoint += 1
+            if self._since_checkpoint >= CHECKPOINT_FRAMES:
+                self._keep_checkpoint(row["step"])
         return row
+
+    def _keep_checkpoint(self, step: int) -> None:
+        self._since_checkpoint = 0
+        if step not in self._checkpoints:
+            self._checkpoints[step] = self._decoder.copy()
+            if len(self._checkpoints) > MAX_CHECKPOINTS:
+                del self._checkpoints[next(iter(self._checkpoints))]

@@ -219,6 +219,16 @@ class SnapshotDecoder:
     def step(self) -> int:
         return self._step
 
+    def copy(self) -> SnapshotDecoder:
+        """A decoder standing where this one does, that goes on apart from it."""
+        twin = object.__new__(SnapshotDecoder)
+        vars(twin).update(vars(self))   # the layout, order and counter names are replaced, never changed in place
+        twin._arrays = {name: array.copy() for name, array in self._arrays.items()}
+        twin._counters = self._counters.copy()
+        twin._fields = {request_id: dict(fields) for request_id, fields in self._fields.items()}
+        twin._views = dict(self._views)
+        return twin
+
     def apply(self, blob: bytes) -> CacheSnapshot:
         self.advance(blob)
         return self.snapshot()

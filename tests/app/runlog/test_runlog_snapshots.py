@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from synthetic_engine import SyntheticEngine
 
 from kvscope.app.runlog import RunLogReader, RunNotFound, open_run_log
+from kvscope.app.runlog.reader import CHECKPOINT_FRAMES, MAX_CHECKPOINTS
 from kvscope.app.runlog.records import LoggedStep, RowBuilder, Rows, record_bytes
 from kvscope.app.runlog.snapshots import (
     KEYFRAME_INTERVAL,
@@ -221,6 +222,27 @@ def test_the_replay_cursor_steps_jumps_and_goes_back(tmp_path):
         frame = replay.frame(step)
         assert frame.stats == results[step].stats and frame.events == results[step].events
         assert_same_snapshot(frame.snapshot, results[step].snapshot)
+
+
+def test_stepping_back_through_a_long_keyframe_span_decodes_from_the_nearest_checkpoint(tmp_path, monkeypatch):
+    """A big pool that changes little keyframes hundreds of frames apart: every step back, from the end to the
+    start, is the frame that was logged, and decodes at most CHECKPOINT_FRAMES frames once the span was read."""
+    engine = SyntheticEngine(20_000, max_running=6, arrivals_per_step=0.5, seed=5)
+    run_id, results = log_engine(tmp_path / "runs.db", engine, 260)
+    replay = RunLogReader(tmp_path / "runs.db").replay(run_id)
+    assert replay._keyframes == [0]
+    decoded = []
+    advance = SnapshotDecoder.advance
+    monkeypatch.setattr(SnapshotDecoder, "advance", lambda decoder, blob: (decoded.append(1), advance(decoder, blob)))
+    replay.frame(259)
+    assert len(decoded) == 260
+    for step in range(258, -1, -1):
+        decoded.clear()
+        frame = replay.frame(step)
+        assert len(decoded) <= CHECKPOINT_FRAMES, step
+        assert frame.stats == results[step].stats and frame.events == results[step].events
+        assert_same_snapshot(frame.snapshot, results[step].snapshot)
+    assert len(replay._checkpoints) <= MAX_CHECKPOINTS
 
 
 @pytest.mark.parametrize("groups", [(), (KVCacheGroup((0,), None), KVCacheGroup((1,), 8))],
