@@ -41,10 +41,11 @@ class HostSettings:
 
 @dataclass(frozen=True)
 class UiSettings:
-    """a block-map frame at a big pool, and the open window's cost to engine throughput
+    """a block-map frame at a big pool, and what the open window and the run log cost the engine
 
-    On an engine with no model whose pool is mostly in use: the block map's frame time (UI-thread CPU), and
-    engine steps per CPU second headless and with the app open."""
+    On an engine with no model whose pool is mostly in use: the block map's frame time (UI-thread CPU), engine
+    steps per CPU second headless and with the app open, and the engine thread's time a step alone and with the
+    run log recording."""
 
     # An H200 at 0.9 utilisation holds about 340,000 blocks of SmolLM2.
     blocks: int = flag(330_000, "pool size in blocks")

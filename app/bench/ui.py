@@ -1,4 +1,5 @@
-"""`kvscope bench ui`: what a block-map frame costs at a big pool, and what the open window costs the engine.
+"""`kvscope bench ui`: what a block-map frame costs at a big pool, and what the open window and the run log cost
+the engine.
 
 Both on one engine: a FakeRunner (no model, no KV tensor) with ``--blocks`` blocks (default 330,000, about what
 an H200 holds of SmolLM2 at 0.9 utilisation) of which ``--usage`` (default 80%) are held by ``--batch`` decoding

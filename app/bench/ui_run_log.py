@@ -74,7 +74,7 @@ def measure_log_cost(settings: UiSettings) -> LogCost:
                               device="cpu", dtype="none")
         if not logger.enabled:
             raise RuntimeError(f"the run log did not open: {logger.warning}")
-        writer_clock = time.pthread_getcpuclockid(logger._thread.ident)
+        writer_clock = time.pthread_getcpuclockid(logger.writer.ident)
         gc.collect()
         gc.freeze()     # as the engine's process does once its engine is built (app/worker/process.py)
         try:

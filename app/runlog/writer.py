@@ -101,6 +101,11 @@ class RunLogger(EngineObserver):
         self.close(*_ending(getattr(sys, "last_value", None)))
 
     @property
+    def writer(self) -> threading.Thread | None:
+        """The thread that writes the records (None for a disabled logger): `kvscope bench ui` times it."""
+        return self._thread
+
+    @property
     def enabled(self) -> bool:
         return self._db is not None and not self._failed
 
