@@ -80,6 +80,7 @@ class UiResult:
     # ... and engine steps per wall-clock second of each side: what a window that reads its posts slowly holds back
     process_headless_steps_per_s: float
     process_window_steps_per_s: float
+    process_turn_costs: tuple[float, ...]   # the window's cost in each turn of a segment alone and one with it
     run_log: LogCost                # the run log's cost at the same pool (app/bench/ui_run_log.py)
 
     @property
@@ -335,7 +336,8 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
         process_headless_engine_ms=process["headless_engine_ms"],
         process_window_engine_ms=process["window_engine_ms"], process_ui_ms=process["ui_ms"],
         process_headless_steps_per_s=process["headless_steps_per_s"],
-        process_window_steps_per_s=process["window_steps_per_s"], run_log=run_log)
+        process_window_steps_per_s=process["window_steps_per_s"], process_turn_costs=tuple(process["turn_costs"]),
+        run_log=run_log)
 
 
 def format_table(result: UiResult) -> str:
@@ -364,7 +366,8 @@ def format_table(result: UiResult) -> str:
                                       f"{s.rounds} segments a side, alternated"),
         ("  engine alone", f"{result.process_headless_steps_per_cpu_s:,.1f} steps per CPU second"),
         ("  window open", f"{result.process_window_steps_per_cpu_s:,.1f} steps per CPU second"),
-        ("  the window's cost", f"{100 * result.process_window_cost:.1f}% of engine throughput"),
+        ("  the window's cost", f"{100 * result.process_window_cost:.1f}% of engine throughput (turn by turn: "
+                                + ", ".join(f"{100 * cost:.1f}%" for cost in result.process_turn_costs) + ")"),
         ("  engine thread per step", f"{result.process_headless_engine_ms:.2f} ms alone, "
                                      f"{result.process_window_engine_ms:.2f} ms with the window open"),
         ("  window's process per engine step", f"{result.process_ui_ms:.2f} ms, on another core"),
@@ -392,4 +395,5 @@ def as_json(result: UiResult) -> dict:
             "process_headless_engine_ms": result.process_headless_engine_ms,
             "process_window_engine_ms": result.process_window_engine_ms, "process_ui_ms": result.process_ui_ms,
             "process_headless_steps_per_s": result.process_headless_steps_per_s,
-            "process_window_steps_per_s": result.process_window_steps_per_s, "run_log": result.run_log.as_json()}
+            "process_window_steps_per_s": result.process_window_steps_per_s,
+            "process_turn_costs": list(result.process_turn_costs), "run_log": result.run_log.as_json()}

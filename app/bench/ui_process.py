@@ -53,6 +53,7 @@ class AlternatingEngine:
         # Per side: process CPU seconds, steps, the engine thread's CPU nanoseconds in the engine's own step, and
         # wall-clock seconds.
         self.sides = {"alone": [0.0, 0, 0, 0.0], "measured": [0.0, 0, 0, 0.0]}
+        self.segment_rates: dict[str, list[float]] = {"alone": [], "measured": []}   # steps per CPU second, each
         self.usage = 0.0
 
     def step(self):
@@ -86,13 +87,16 @@ class AlternatingEngine:
 
     def _end_segment(self, kind: str, result) -> None:
         side = self.sides[kind]
-        side[0] += time.process_time() - self._segment_cpu
+        cpu = time.process_time() - self._segment_cpu
+        side[0] += cpu
+        self.segment_rates[kind].append(self._segment_steps / cpu)
         side[3] += time.perf_counter() - self._segment_wall
         side[1] += self._segment_steps
         self.usage = result.stats.kv_usage
         if all(kind == "window" for kind, _ in self._phases):    # nothing left to measure
             partial = self._report.with_suffix(".part")
-            partial.write_text(json.dumps({"sides": self.sides, "usage": self.usage, "steps": self._worker_steps}))
+            partial.write_text(json.dumps({"sides": self.sides, "segment_rates": self.segment_rates,
+                                           "usage": self.usage, "steps": self._worker_steps}))
             partial.replace(self._report)     # whole or not at all: the bench polls for it
 
     def __getattr__(self, name):     # otherwise it is the engine
@@ -150,7 +154,11 @@ def process_sides(settings: UiSettings, say) -> dict:
     (alone_cpu, alone_steps, alone_ns, alone_wall), (window_cpu, window_steps, window_ns, window_wall) = (
         run["sides"]["alone"], run["sides"]["measured"])
     sent = run["steps"]     # the steps the window was sent, measured or not (the engine's alone are not counted)
+    # Each turn's own cost (its segment alone against its segment with the window): their spread is the run's noise.
+    turns = [1 - window / alone for alone, window in zip(run["segment_rates"]["alone"],
+                                                          run["segment_rates"]["measured"], strict=True)]
     return {"headless_steps_per_cpu_s": alone_steps / alone_cpu, "window_steps_per_cpu_s": window_steps / window_cpu,
+            "turn_costs": turns,
             "headless_engine_ms": alone_ns / alone_steps / 1e6, "window_engine_ms": window_ns / window_steps / 1e6,
             "ui_ms": run["ui_cpu"] / sent * 1e3,
             "headless_steps_per_s": alone_steps / alone_wall, "window_steps_per_s": window_steps / window_wall}

@@ -147,6 +147,7 @@ def test_bench_ui_prints_the_frame_and_the_window_cost(capsys):
     assert result["process_headless_engine_ms"] > 0 and result["process_window_engine_ms"] > 0
     assert result["process_ui_ms"] > 0
     assert result["process_headless_steps_per_s"] > 0 and result["process_window_steps_per_s"] > 0
+    assert len(result["process_turn_costs"]) == 1     # one turn a round
     # The run log beside one engine: every step it was handed is in the log.
     run_log = result["run_log"]
     assert run_log["steps"] == run_log["steps_written"] == 6
@@ -157,7 +158,7 @@ def test_bench_ui_prints_the_frame_and_the_window_cost(capsys):
                 "engine headless", "engine, window open", "the window's cost", "engine thread per step",
                 "UI thread per engine step", "engine in its own process", "engine alone", "window open",
                 "window's process per engine step", "steps per wall-clock second", "the run log",
-                "wall-clock per step", "writer thread per step", "6 of 6 steps recorded"):
+                "wall-clock per step", "writer thread per step", "6 of 6 steps recorded", "turn by turn"):
         assert row in out
 
 
