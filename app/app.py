@@ -63,6 +63,9 @@ from kvscope.themes import THEME_CSS_PATHS
 
 SHUTDOWN_POLL_S = 0.02
 TERMINAL_CLOSED = "terminal closed"
+TERMINATED = "terminated (SIGTERM)"
+# The signals that end the app as a quit does, each with the reason its run is logged interrupted for.
+ENDING_SIGNALS = {"SIGHUP": TERMINAL_CLOSED, "SIGTERM": TERMINATED}
 REFUSALS_GATHER_S = 0.25
 
 
@@ -150,19 +153,22 @@ class KVScopeApp(LessonControls, EngineControls, ThemedApp):
             self.start_lesson(self._first_lesson)
 
     def _catch_terminal_closing(self) -> None:
-        """Closing the terminal sends SIGHUP, whose default ends the process where it stands: the run was then
-        found "running" with its process gone and called crashed, as an exception would be."""
-        if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
-            return
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.terminal_closed)
+        """Closing the terminal sends SIGHUP, and `kill` or a process manager SIGTERM, whose defaults end the
+        process where it stands: the run was then found "running" with its process gone and called crashed, as
+        an exception would be. Each is a quit instead, the run logged interrupted with the reason."""
+        for name, reason in self._ending_signals().items():
+            asyncio.get_running_loop().add_signal_handler(getattr(signal, name), self.shut_down, reason)
 
-    def terminal_closed(self) -> None:
-        """The run is logged as interrupted, saying why, as the engine stops and the app exits."""
-        self.shut_down(interrupted=TERMINAL_CLOSED)
+    @staticmethod
+    def _ending_signals() -> dict[str, str]:
+        """ENDING_SIGNALS this platform has; none off the main thread, where no handler can be set."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {name: reason for name, reason in ENDING_SIGNALS.items() if hasattr(signal, name)}
 
     def on_unmount(self) -> None:
-        if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        for name in self._ending_signals():
+            asyncio.get_running_loop().remove_signal_handler(getattr(signal, name))
         if self.serve is not None:
             self.serve.close()      # its requests end with "abort", stepped by the engine thread still running
         self.worker.send(Stop())

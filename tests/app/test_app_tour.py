@@ -107,26 +107,30 @@ async def test_the_counters_never_wrap_a_line_at_120_columns():
         assert any("cached" in line for line in lines)
 
 
-async def test_closing_the_terminal_logs_the_run_interrupted_not_crashed(tmp_path):
+@pytest.mark.parametrize(("name", "reason"), [("SIGHUP", "terminal closed"), ("SIGTERM", "terminated (SIGTERM)")],
+                         ids=["the terminal closed", "kill"])
+async def test_a_signal_that_ends_the_app_logs_the_run_interrupted_not_crashed(tmp_path, name, reason):
     import os
     import signal
 
     from kvscope.app.runlog import RunLogReader
 
     path = tmp_path / "runs.db"
+    number = getattr(signal, name)
     async with window((120, 40), db_path=path, log_enabled=True) as (app, pilot):
         await burst_steps(pilot, 2, 3)
         # Its default would end this test's process: only send it once the app has its own handler.
-        assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL
+        assert signal.getsignal(number) not in (signal.SIG_DFL, signal.default_int_handler)
         run_id = app.run_id
-        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), number)
         await until(pilot, lambda: not app.is_running or app.engine_thread.is_finished)
+    assert signal.getsignal(number) is signal.SIG_DFL     # the app's handler went with it
     reader = RunLogReader(path)
     try:
         run = reader.run(run_id)
     finally:
         reader.close()
-    assert (run["status"], run["status_detail"]) == ("interrupted", "terminal closed")
+    assert (run["status"], run["status_detail"]) == ("interrupted", reason)
 
 
 async def test_the_palette_has_an_entry_per_load_preset_that_sends_it():
