@@ -363,6 +363,16 @@ class StepResult:
     # that raised, and of reset_prefix_cache() calls between steps. Empty without prefix caching.
     kv_events: tuple[KVCacheEvent, ...] = ()
 
+    @property
+    def finished_outputs(self) -> list[RequestOutput]:
+        """The outputs of the requests that finished in this step (not to be changed): one pass over a big
+        batch's outputs, whoever asks first (the run log, then the app's worker, each step). Kept beside the
+        fields by hand: functools.cached_property takes a lock on every first read on Python 3.11."""
+        found = vars(self).get("_finished_outputs")
+        if found is None:   # two threads that both look first make the same list
+            found = vars(self)["_finished_outputs"] = [output for output in self.outputs if output.finished]
+        return found
+
 
 class EventKind(_StrEnum):
     """What an EngineEvent reports. A str enum, so run logs written with plain strings read back the same."""

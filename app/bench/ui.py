@@ -43,13 +43,16 @@ import gc
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvscope.app.bench.host import BLOCK_SIZE, Spread, decoding_engine
 from kvscope.app.bench.scoreboard import UiSettings
-from kvscope.app.bench.ui_run_log import LogCost, measure_log_cost
 from kvscope.engine.outputs import BLOCK_CACHED, BLOCK_FREE, BLOCK_USED, CacheSnapshot, RequestView, StepStats
+
+if TYPE_CHECKING:
+    from kvscope.app.bench.ui_run_log import LogCost
 
 
 @dataclass(frozen=True)
@@ -299,6 +302,7 @@ async def _window_run(engine: WindowedEngine, settings: UiSettings, paints: list
 
 def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
     from kvscope.app.bench.ui_process import process_sides
+    from kvscope.app.bench.ui_run_log import measure_log_cost
 
     say = progress or (lambda line: None)
     say(f"filling {settings.usage:.0%} of {settings.blocks:,} blocks with {settings.batch} requests, twice")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvscope.app.bench.scoreboard import UiSettings
+from kvscope.app.bench.ui import full_engine
 
 # The writer has caught up once its CPU clock stood still this long (it gathers records for FLUSH_INTERVAL_S).
 WRITER_IDLE_S = 0.25
@@ -60,7 +61,6 @@ class LogCost:
 
 
 def measure_log_cost(settings: UiSettings) -> LogCost:
-    from kvscope.app.bench.ui import full_engine
     from kvscope.app.runlog.opening import open_run_log
     from kvscope.app.runlog.reader import RunLogReader
 

@@ -41,8 +41,7 @@ class LoggedStep:
 
     @classmethod
     def of(cls, result: StepResult) -> LoggedStep:
-        return cls(result.stats, result.events, result.snapshot,
-                   [output for output in result.outputs if output.finished])
+        return cls(result.stats, result.events, result.snapshot, result.finished_outputs)
 
 
 def record_bytes(record: RequestAdded | LoggedStep) -> int:

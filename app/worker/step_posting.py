@@ -48,18 +48,13 @@ WHOLE_STEPS = 2
 MAX_STEPS_TO_FREE = 64
 
 
-def finished_outputs(result: StepResult) -> list:
-    return [output for output in result.outputs if output.finished]
-
-
-def slimmed(result: StepResult, watched, finished: list | None = None) -> StepResult:
-    """``result`` with only the outputs of finished requests (``finished``, where the caller has them: a pass
-    over a big batch's outputs costs a few microseconds a step) and of ``watched`` ones, and no KV-cache events."""
+def slimmed(result: StepResult, watched) -> StepResult:
+    """``result`` with only the outputs of finished requests and of ``watched`` ones, and no KV-cache events."""
     outputs = result.outputs
     if watched:
         kept = [output for output in outputs if output.finished or output.request_id in watched]
     else:
-        kept = finished_outputs(result) if finished is None else finished
+        kept = result.finished_outputs
     if len(kept) == len(outputs) and not result.kv_events:
         return result
     return StepResult(kept, result.stats, result.snapshot, result.events)
@@ -147,9 +142,8 @@ class StepPosting:
             del kept[0]
         self._to_free = kept
 
-    def _post_step(self, result, engine, finished: list | None = None) -> None:
-        """Hand ``result``, a step ``engine`` just took (``finished``: its finished outputs, if known), to the
-        UI's next batch."""
+    def _post_step(self, result, engine) -> None:
+        """Hand ``result``, a step ``engine`` just took, to the UI's next batch."""
         if not self._in_flight.acquire(blocking=False):
             # The UI can only hand back steps it has been told of: a batch begun within STEPS_POST_INTERVAL of
             # the last post waits for the thread's next turn to be posted, and a fast engine can fill the bound
@@ -159,7 +153,7 @@ class StepPosting:
                 if self._stopping.is_set():
                     return
         if not self.whole_steps:
-            result = slimmed(result, self._watched, finished)
+            result = slimmed(result, self._watched)
         self._to_free.append(result)
         if self._posts_at_join:
             self._newest_engine = engine
@@ -175,7 +169,7 @@ class StepPosting:
             self._batch.thin(WHOLE_STEPS, self._thinned)
         # After the thinning, so the step it thinned is freed now, while still in the cache; and with this
         # frame's own references dropped, for that step may be this one.
-        result = stepped = finished = None
+        result = stepped = None
         self._free_taken()
 
     def _thinned(self, result) -> StepResult:

@@ -47,7 +47,7 @@ from kvscope.app.worker.commands import (
 from kvscope.app.worker.delayed import DelayedRequests
 from kvscope.app.worker.factory import build_engine, engine_info
 from kvscope.app.worker.requests import RequestCommands, describe_error
-from kvscope.app.worker.step_posting import StepPosting, finished_outputs
+from kvscope.app.worker.step_posting import StepPosting
 from kvscope.engine.config import EngineConfig
 
 ENGINE_REBUILT = "the engine was restarted"
@@ -268,9 +268,8 @@ class EngineWorker(RequestCommands, StepPosting):
             return
         self._steps_done += 1
         self._last_step = result.stats.step
-        finished = finished_outputs(result)     # one pass over the outputs, for both
-        self._forget_finished(finished)
-        self._post_step(result, self.engine, finished)
+        self._forget_finished(result.finished_outputs)
+        self._post_step(result, self.engine)
         if self._until is not None:
             self._check_until(result)
 
