@@ -313,14 +313,15 @@ class LLMEngine:
             self._recover(exc)
             raise
         times = PhaseTimes(start, scheduled, executed, updated, time.perf_counter())
-        outputs = update.outputs
-        if self._pending:
+        outputs, finished = update.outputs, update.finished
+        if self._pending:   # final outputs, every one
             outputs = [*self._pending.values(), *outputs]
+            finished = [*self._pending.values(), *finished]
             self._pending.clear()
         stats = build_stats(scheduler, cache, self.step_counter, time.time(), output.batch, times,
                             update.num_generated)
         events, kv_events = scheduler.take_events()
-        return StepResult(outputs=outputs, stats=stats, snapshot=snapshot, events=events, kv_events=kv_events)
+        return StepResult.knowing_finished(finished, outputs, stats, snapshot, events, kv_events)
 
     def _execute(self, batch) -> RunnerOutput:
         if batch.items or batch.blocks_to_swap_out or batch.blocks_to_swap_in or batch.blocks_to_copy:

@@ -363,11 +363,20 @@ class StepResult:
     # that raised, and of reset_prefix_cache() calls between steps. Empty without prefix caching.
     kv_events: tuple[KVCacheEvent, ...] = ()
 
+    @classmethod
+    def knowing_finished(cls, finished: list[RequestOutput], *fields) -> StepResult:
+        """A result whose maker knew, as it made the outputs, which finished (the engine does): ``finished``, in
+        output order, spares finished_outputs its pass over a big batch's outputs."""
+        result = cls(*fields)
+        vars(result)["_finished_outputs"] = finished
+        return result
+
     @property
     def finished_outputs(self) -> list[RequestOutput]:
-        """The outputs of the requests that finished in this step (not to be changed): one pass over a big
-        batch's outputs, whoever asks first (the run log, then the app's worker, each step). Kept beside the
-        fields by hand: functools.cached_property takes a lock on every first read on Python 3.11."""
+        """The outputs of the requests that finished in this step (not to be changed): the run log and the app's
+        worker ask each step. Found once, whoever asks first, where the maker did not say (knowing_finished).
+        Kept beside the fields by hand: functools.cached_property takes a lock on every first read on Python
+        3.11."""
         found = vars(self).get("_finished_outputs")
         if found is None:   # two threads that both look first make the same list
             found = vars(self)["_finished_outputs"] = [output for output in self.outputs if output.finished]

@@ -55,10 +55,12 @@ class StepEvents(NamedTuple):
 
 class StepUpdate(NamedTuple):
     """What update_from_output reports, as vLLM's EngineCoreOutputs: an output for each request with something
-    to report, in output order, and how many tokens the step generated."""
+    to report, in output order, how many tokens the step generated, and the outputs of the requests that
+    finished, in the same order."""
 
     outputs: list[RequestOutput]
     num_generated: int
+    finished: list[RequestOutput]
 
 
 class Scheduler(RequestEndings):
@@ -331,6 +333,7 @@ class Scheduler(RequestEndings):
         now = time.time()
         outputs: list[RequestOutput] = []
         failed = self._fail_items(output.scheduled, runner_output, now, outputs) if None in runner_output else ()
+        finished = outputs[:]   # the failed ones: every output so far
         grouped: dict[Request, int | None] = {}   # n > 1 requests that sampled, with sample 0's token
         commit = self.kv.commit
         num_generated = 0
@@ -348,9 +351,13 @@ class Scheduler(RequestEndings):
             num_generated += len(sampled)
             if len(request.seqs) == 1:
                 token = sampled[0]
-                if request.append_token(seq, token, now):
+                ended = request.append_token(seq, token, now)
+                if ended:
                     self._sample_finished(request, seq, now)
-                outputs.append(request.output((token,)))
+                reply = request.output((token,))
+                outputs.append(reply)
+                if ended:   # its one sample, and the request with it
+                    finished.append(reply)
                 continue
             if not request.forked:
                 self._fork(request)
@@ -361,10 +368,14 @@ class Scheduler(RequestEndings):
                     self._sample_finished(request, sample, now)
                 if sample_index == 0:
                     grouped[request] = token
-        outputs.extend(request.output(() if token is None else (token,)) for request, token in grouped.items())
+        for request, token in grouped.items():
+            reply = request.output(() if token is None else (token,))
+            outputs.append(reply)
+            if reply.finished:
+                finished.append(reply)
         for request in output.preempted:
             request.view = None
-        return StepUpdate(outputs, num_generated)
+        return StepUpdate(outputs, num_generated, finished)
 
     def _fork(self, request: Request) -> None:
         parent = request.seqs[0]

@@ -22,7 +22,11 @@ posts are decided as steps join instead, so a step that no post will carry is th
 The results the UI is handed are freed here, on the engine thread, as they are headless (``_free_taken``): a
 whole step is thousands of objects (every request's output and view), and freeing them on the UI thread took
 half a millisecond a step there, cache-cold, out of the budget the window paints with. The thread keeps a
-reference to each step it posts and lets go of it once nobody else holds it.
+reference to each step it posts and lets go of it once nobody else holds it. An engine process's target takes
+its batches on this thread, so nothing needs keeping there.
+
+How far the engine runs ahead of the UI is two counters (StepsInFlight), not a semaphore: the engine thread
+takes a step's place with a comparison, and only a full window waits on a lock.
 """
 
 from __future__ import annotations
@@ -86,11 +90,44 @@ def _alone_count() -> int:
 ALONE = _alone_count()
 
 
+class StepsInFlight:
+    """The steps posted and not yet handed back by the UI, at most ``bound``. ``take`` is for the engine thread
+    only; ``give_back`` for any. A BoundedSemaphore took and let go of its lock on every step, a few microseconds
+    of the engine thread each time."""
+
+    def __init__(self, bound: int) -> None:
+        self._bound = bound
+        self._taken = 0         # written by the engine thread only
+        self._given_back = 0    # written under the lock
+        self._changed = threading.Condition()
+
+    def take(self) -> bool:
+        """Take a place for one more step; False when all ``bound`` are taken."""
+        if self._taken - self._given_back >= self._bound:
+            return False
+        self._taken += 1
+        return True
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a place, and take it; False if none came."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._taken - self._given_back < self._bound, timeout):
+                return False
+        return self.take()
+
+    def give_back(self, steps: int) -> None:
+        """The UI handled ``steps`` more steps. More than were taken (a UI that counts a batch twice) gives back
+        only those taken: the bound must hold whatever the UI says."""
+        with self._changed:
+            self._given_back = min(self._given_back + steps, self._taken)
+            self._changed.notify()
+
+
 class StepPosting:
     """Needs ``self.target`` (what messages are posted to) and ``self._stopping`` (a threading.Event)."""
 
     def __init__(self) -> None:
-        self._in_flight = threading.BoundedSemaphore(MAX_STEPS_AHEAD_OF_UI)
+        self._in_flight = StepsInFlight(MAX_STEPS_AHEAD_OF_UI)
         self._batch: StepBatch | None = None    # the newest steps, while the UI has not taken them
         self._batch_posted = False
         self._steps_posted_at = 0.0
@@ -107,17 +144,9 @@ class StepPosting:
         self._newest_engine = None  # the engine of the newest step not yet posted, to see its views again
 
     def ack(self, steps: int = 1) -> None:
-        """The UI handled ``steps`` steps (the EngineStepped of a StepsReady): one release for a whole batch."""
-        if steps < 1:
-            return
-        try:
-            self._in_flight.release(steps)
-        except ValueError:    # more than were taken (a bounded semaphore releases none then): as many as fit
-            for _ in range(steps):
-                try:
-                    self._in_flight.release()
-                except ValueError:
-                    return
+        """The UI handled ``steps`` steps (the EngineStepped of a StepsReady): one call for a whole batch."""
+        if steps >= 1:
+            self._in_flight.give_back(steps)
 
     def _watch(self, request_id: str) -> None:
         self._watched[request_id] = math.inf
@@ -144,19 +173,20 @@ class StepPosting:
 
     def _post_step(self, result, engine) -> None:
         """Hand ``result``, a step ``engine`` just took, to the UI's next batch."""
-        if not self._in_flight.acquire(blocking=False):
+        if not self._in_flight.take():
             # The UI can only hand back steps it has been told of: a batch begun within STEPS_POST_INTERVAL of
             # the last post waits for the thread's next turn to be posted, and a fast engine can fill the bound
             # before that turn comes. Waiting here without posting it waited for ever.
             self._tell_steps()
-            while not self._in_flight.acquire(timeout=0.1):
+            while not self._in_flight.wait(timeout=0.1):
                 if self._stopping.is_set():
                     return
         if not self.whole_steps:
             result = slimmed(result, self._watched)
-        self._to_free.append(result)
         if self._posts_at_join:
             self._newest_engine = engine
+        else:
+            self._to_free.append(result)
         stepped = EngineStepped(result)
         if self._batch is None or not self._batch.add(stepped):
             self._batch, self._batch_posted = StepBatch(), False
@@ -167,10 +197,11 @@ class StepPosting:
             self._post_at_join(result)
         elif not self.whole_steps:
             self._batch.thin(WHOLE_STEPS, self._thinned)
-        # After the thinning, so the step it thinned is freed now, while still in the cache; and with this
-        # frame's own references dropped, for that step may be this one.
-        result = stepped = None
-        self._free_taken()
+        if not self._posts_at_join:
+            # After the thinning, so the step it thinned is freed now, while still in the cache; and with this
+            # frame's own references dropped, for that step may be this one.
+            result = stepped = None
+            self._free_taken()
 
     def _thinned(self, result) -> StepResult:
         return thinned(result, self._watched)

@@ -175,6 +175,8 @@ class EngineWorker(RequestCommands, StepPosting):
         return self._has_work() and self._clock() >= self._next_step_at
 
     def _take_commands(self, timeout: float | None) -> None:
+        if timeout == 0 and self._commands.empty():     # the busy engine's every step: no exception to catch
+            return
         try:
             command = self._commands.get(timeout=timeout) if timeout != 0 else self._commands.get_nowait()
         except queue.Empty:

@@ -6,9 +6,10 @@ snapshot against the engine). Works with the fake runner and the real one.
 run_checked steps to the end checking them; record_batches keeps what the runner
 was asked to do. KVEventReplica rebuilds the prefix cache from the steps'
 kv_events alone, as a subscriber to vLLM's KV-cache events does, and checks it
-against each step's snapshot. GeneratedTokens holds a step's token count to its outputs. TableGrowth holds
-the engine to RequestView's promise that a one-sample table only grows until its request is preempted (the
-engine process's wire sends tables by that promise).
+against each step's snapshot. GeneratedTokens holds a step's token count to its outputs. The engine's list
+of a step's finished outputs is held to its outputs with the step's other checks. TableGrowth holds the engine
+to RequestView's promise that a one-sample table only grows until its request is preempted (the engine
+process's wire sends tables by that promise).
 """
 
 from __future__ import annotations
@@ -153,6 +154,12 @@ def _check_result(engine, result) -> None:
     scheduler = engine.scheduler
     pool = scheduler.kv.block_pool
     stats, snap = result.stats, result.snapshot
+    # The engine says which outputs finished as it makes them (StepResult.knowing_finished): none missed, none
+    # extra, in output order.
+    finished = [output for output in result.outputs if output.finished]
+    assert [id(output) for output in result.finished_outputs] == [id(output) for output in finished], \
+        f"step {stats.step}: finished outputs {[o.request_id for o in result.finished_outputs]}, " \
+        f"its outputs that finished {[o.request_id for o in finished]}"
     assert stats.num_running == len(scheduler.running)
     assert stats.num_waiting == len(scheduler.waiting)
     assert stats.num_swapped == len(scheduler.swapped)

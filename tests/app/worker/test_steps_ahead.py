@@ -3,6 +3,8 @@ the UI of every step it took: a UI can only hand back steps it was told of."""
 
 from __future__ import annotations
 
+import threading
+
 from app_harness import FakeEngines
 from test_app_worker import Inbox, start, stop
 
@@ -58,3 +60,21 @@ def test_the_thread_posts_every_step_it_took_before_it_waits_for_the_ui(monkeypa
     inbox.wait_for(lambda: any(o.finished for m in inbox.of(EngineStepped) for o in m.result.outputs))
     stop(worker, thread)
     assert inbox.steps() == len(engines.engine.stats) == 60
+
+
+def test_the_bound_holds_whatever_the_ui_hands_back():
+    in_flight = step_posting.StepsInFlight(3)
+    assert [in_flight.take() for _ in range(4)] == [True, True, True, False]
+    in_flight.give_back(10)     # more than were taken: only those taken come back
+    assert [in_flight.take() for _ in range(4)] == [True, True, True, False]
+    assert not in_flight.wait(timeout=0.01)
+
+
+def test_a_full_bound_waits_for_the_ui_on_another_thread():
+    in_flight = step_posting.StepsInFlight(1)
+    assert in_flight.take()
+    handing_back = threading.Timer(0.05, in_flight.give_back, args=(1,))
+    handing_back.start()
+    assert in_flight.wait(timeout=30)   # woken by the give-back, and the place taken
+    assert not in_flight.take()
+    handing_back.join()
