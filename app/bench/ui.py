@@ -84,6 +84,8 @@ class UiResult:
     process_headless_steps_per_s: float
     process_window_steps_per_s: float
     process_turn_costs: tuple[float, ...]   # the window's cost in each turn of a segment alone and one with it
+    process_posts_per_s: float      # batches of steps posted to the window a second, while it was open
+    process_steps_per_post: float
     run_log: LogCost                # the run log's cost at the same pool (app/bench/ui_run_log.py)
 
     @property
@@ -341,11 +343,13 @@ def run_ui_bench(settings: UiSettings, progress=None) -> UiResult:
         process_window_engine_ms=process["window_engine_ms"], process_ui_ms=process["ui_ms"],
         process_headless_steps_per_s=process["headless_steps_per_s"],
         process_window_steps_per_s=process["window_steps_per_s"], process_turn_costs=tuple(process["turn_costs"]),
+        process_posts_per_s=process["posts_per_s"], process_steps_per_post=process["steps_per_post"],
         run_log=run_log)
 
 
 def format_table(result: UiResult) -> str:
     from kvscope.app.screens.main import FRAME_RATE
+    from kvscope.app.worker.step_posting import POST_SHARE, STEPS_POST_INTERVAL
 
     s = result.settings
 
@@ -375,6 +379,9 @@ def format_table(result: UiResult) -> str:
         ("  engine thread per step", f"{result.process_headless_engine_ms:.2f} ms alone, "
                                      f"{result.process_window_engine_ms:.2f} ms with the window open"),
         ("  window's process per engine step", f"{result.process_ui_ms:.2f} ms, on another core"),
+        ("  posts to the window", f"{result.process_posts_per_s:.1f} a second of {result.process_steps_per_post:.0f} "
+                                  f"steps each (at most {1 / STEPS_POST_INTERVAL:.0f} a second, spaced so they take "
+                                  f"at most {POST_SHARE:.0%} of the engine's time)"),
         ("  steps per wall-clock second", f"{result.process_headless_steps_per_s:,.1f} alone, "
                                           f"{result.process_window_steps_per_s:,.1f} with the window open"),
         *result.run_log.rows(s.rounds),
@@ -400,4 +407,6 @@ def as_json(result: UiResult) -> dict:
             "process_window_engine_ms": result.process_window_engine_ms, "process_ui_ms": result.process_ui_ms,
             "process_headless_steps_per_s": result.process_headless_steps_per_s,
             "process_window_steps_per_s": result.process_window_steps_per_s,
-            "process_turn_costs": list(result.process_turn_costs), "run_log": result.run_log.as_json()}
+            "process_turn_costs": list(result.process_turn_costs),
+            "process_posts_per_s": result.process_posts_per_s,
+            "process_steps_per_post": result.process_steps_per_post, "run_log": result.run_log.as_json()}

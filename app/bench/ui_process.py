@@ -99,6 +99,9 @@ class AlternatingEngine:
                                            "usage": self.usage, "steps": self._worker_steps}))
             partial.replace(self._report)     # whole or not at all: the bench polls for it
 
+    def has_unfinished_requests(self) -> bool:   # the worker asks every step: not through __getattr__
+        return self._engine.has_unfinished_requests()
+
     def __getattr__(self, name):     # otherwise it is the engine
         return getattr(self._engine, name)
 
@@ -134,6 +137,7 @@ async def process_window_run(settings: UiSettings) -> dict:
         async with app.run_test(size=settings.size) as pilot:
             if not await wait_until(pilot, lambda: app.main.engine_info is not None, 120):
                 raise RuntimeError("the app did not take the engine within 120 s")
+            posts = _count_posts(app.worker)
             ui_cpu = time.process_time()
             app.worker.send(SetPaused(False))
             if not await wait_until(pilot, report.exists, 3600):
@@ -141,7 +145,20 @@ async def process_window_run(settings: UiSettings) -> dict:
             ui_cpu = time.process_time() - ui_cpu
             app.worker.send(SetPaused(True))
         measured = json.loads(report.read_text())
-    return measured | {"ui_cpu": ui_cpu}
+    return measured | {"ui_cpu": ui_cpu, "posts": posts}
+
+
+def _count_posts(engine_process) -> list[int]:
+    """The steps of each batch the window takes (it hands each batch back in one ``ack``)."""
+    posts: list[int] = []
+    ack = engine_process.ack
+
+    def counting_ack(steps: int = 1) -> None:
+        posts.append(steps)
+        ack(steps)
+
+    engine_process.ack = counting_ack
+    return posts
 
 
 def process_sides(settings: UiSettings, say) -> dict:
@@ -157,8 +174,12 @@ def process_sides(settings: UiSettings, say) -> dict:
     # Each turn's own cost (its segment alone against its segment with the window): their spread is the run's noise.
     turns = [1 - window / alone for alone, window in zip(run["segment_rates"]["alone"],
                                                           run["segment_rates"]["measured"], strict=True)]
+    # Every step the window was sent came in a post (the engine's alone are not sent): their mean size, and so
+    # how often the window moved while it kept up with the engine.
+    steps_per_post = sum(run["posts"]) / max(1, len(run["posts"]))
     return {"headless_steps_per_cpu_s": alone_steps / alone_cpu, "window_steps_per_cpu_s": window_steps / window_cpu,
             "turn_costs": turns,
             "headless_engine_ms": alone_ns / alone_steps / 1e6, "window_engine_ms": window_ns / window_steps / 1e6,
             "ui_ms": run["ui_cpu"] / sent * 1e3,
-            "headless_steps_per_s": alone_steps / alone_wall, "window_steps_per_s": window_steps / window_wall}
+            "headless_steps_per_s": alone_steps / alone_wall, "window_steps_per_s": window_steps / window_wall,
+            "steps_per_post": steps_per_post, "posts_per_s": window_steps / window_wall / steps_per_post}

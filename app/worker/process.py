@@ -52,7 +52,7 @@ class _PipeTarget:
     """What the worker in the child posts to: each message encoded where it is posted, in order (the run log's
     writer thread posts its failure from its own thread), and sent to the window without waiting for it
     (app/worker/outbox.py). A batch of steps is encoded when it is posted, so the worker decides its posts as
-    steps join (app/worker/step_posting.py)."""
+    steps join (app/worker/step_posting.py), and the steps it thins are encoded as they join."""
 
     ENCODES_WHEN_POSTED = True
 
@@ -72,6 +72,15 @@ class _PipeTarget:
     def post_message(self, message) -> bool:
         with self._lock:    # encoded and sent in one order
             return self._frames.send(self._encoder.encode(message))
+
+    def thin_step(self, result):
+        """A step no post will draw, encoded as it joins its batch (app/worker/wire.py)."""
+        with self._lock:
+            return self._encoder.thin_step(result)
+
+    def restore_views(self, step, snapshot):
+        with self._lock:
+            return self._encoder.restore_views(step, snapshot)
 
     def close(self) -> None:
         """Send what was posted (the run's last messages), then stop sending."""

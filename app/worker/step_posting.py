@@ -3,8 +3,17 @@
 Each step joins the batch of a StepsReady message the UI has not taken yet, or starts a batch that is posted
 at most STEPS_POST_INTERVAL after the last one (at once before the thread waits for commands): every post wakes
 the UI's loop, a system call and a thread switch, and a busy engine takes hundreds of steps a second. Any other
-message posts the steps before it and closes their batch, so no step overtakes it. A semaphore bounds how far
+message posts the steps before it and closes their batch, so no step overtakes it. StepsInFlight bounds how far
 the engine may run ahead of a UI that has stopped taking steps.
+
+A post costs the engine thread what its target does with it: next to nothing in the window's process, but the
+batch encoded and sent where the engine has a process of its own (app/worker/wire.py), which grows with the
+batch's requests and its steps' block changes: 0.65 ms a post and 10 microseconds a step it carries at 256
+requests on 330,000 blocks, 1.2 ms a post of sixty steps, 1.2% of the engine thread's time at ten a second. So
+posts are spaced to keep their cost within POST_SHARE of the engine thread's time, measured post by post, as the
+window spaces its costly frames (app/screens/main.py): no window costs the engine more than that share however
+big the engine, and a big engine's window moves less often (five times a second there, on a FakeRunner's 650
+steps a second; a model's slower steps make fewer steps a post, and posts cheaper).
 
 Every step reaches the window with only the outputs it reads (``slimmed``): those of finished requests and of
 the chat's turns (the only text the window streams); and without its KV-cache events, which only the engine's
@@ -17,7 +26,8 @@ thread (a fifth of its time at 256 requests). A screen that takes every step who
 ``whole_steps``.
 
 With the window in another process (a target that encodes each batch as it is posted, app/worker/process.py),
-posts are decided as steps join instead, so a step that no post will carry is thinned at once (_post_at_join).
+posts are decided as steps join instead, so a step that no post will carry is thinned at once (_post_at_join),
+and the target encodes it then (its ``thin_step``; ``restore_views`` gives the newest its views back).
 
 The results the UI is handed are freed here, on the engine thread, as they are headless (``_free_taken``): a
 whole step is thousands of objects (every request's output and view), and freeing them on the UI thread took
@@ -46,6 +56,10 @@ MAX_STEPS_AHEAD_OF_UI = 256
 # second the window cost the engine process 7.2% of its steps, at ten 5.7% (`bench ui`, medians of five runs
 # each, alternated). With the older steps thinned, a longer batch costs no more to keep.
 STEPS_POST_INTERVAL = 1 / 10
+# The share of the engine thread's time its posts may take (see the module's doc), and the longest wait between
+# two posts however costly they are: the window is never staler than that.
+POST_SHARE = 0.01
+MAX_POST_INTERVAL = 1 / 2
 WHOLE_STEPS = 2
 # Steps kept for freeing here (``_free_taken``) at most: past that, the oldest is let go of, and whoever holds it
 # last frees it (a UI that keeps many steps: a lesson's).
@@ -131,6 +145,7 @@ class StepPosting:
         self._batch: StepBatch | None = None    # the newest steps, while the UI has not taken them
         self._batch_posted = False
         self._steps_posted_at = 0.0
+        self._post_interval = STEPS_POST_INTERVAL    # as the last post's cost allows (see the module's doc)
         self.whole_steps = False    # set by the UI while a screen takes every step whole
         # Requests whose every output the UI shows (the chat's turns), and the step count up to which it needs
         # them: a finished one's earlier steps may still be thinned until WHOLE_STEPS newer steps have joined.
@@ -174,7 +189,7 @@ class StepPosting:
     def _post_step(self, result, engine) -> None:
         """Hand ``result``, a step ``engine`` just took, to the UI's next batch."""
         if not self._in_flight.take():
-            # The UI can only hand back steps it has been told of: a batch begun within STEPS_POST_INTERVAL of
+            # The UI can only hand back steps it has been told of: a batch begun within the post interval of
             # the last post waits for the thread's next turn to be posted, and a fast engine can fill the bound
             # before that turn comes. Waiting here without posting it waited for ever.
             self._tell_steps()
@@ -203,17 +218,21 @@ class StepPosting:
             result = stepped = None
             self._free_taken()
 
-    def _thinned(self, result) -> StepResult:
+    def _thinned(self, result):
+        """``result`` thinned; where the target encodes what it is posted (an engine process), already encoded,
+        while the step's objects are still in the cache (app/worker/wire.py)."""
+        if self._posts_at_join:
+            return self.target.thin_step(slimmed(result, self._watched))
         return thinned(result, self._watched)
 
     def _post_at_join(self, newest: StepResult) -> None:
-        """The engine process's rule: a post every STEPS_POST_INTERVAL, made as its newest step joins, so the
+        """The engine process's rule: a post every post interval, made as its newest step joins, so the
         views of no other step are kept while the engine takes its next one. Holding one step's results through
         the next made that next step 15% slower (256 requests, 330,000 blocks, thread CPU): they hold the block
         tables it replaces, which are then freed later, out of the cache. The step before a post's newest keeps
         its views (the event line reads it) when the post was foreseen."""
         clock = time.monotonic()
-        due_at = self._steps_posted_at + STEPS_POST_INTERVAL
+        due_at = self._steps_posted_at + self._post_interval
         if self._post_next or clock >= due_at:
             # The event line reads the step before only for a step that computed prompt tokens (whose chunks
             # it counts and whose newcomers it names): otherwise that step's views are not sent.
@@ -227,18 +246,21 @@ class StepPosting:
         self._joined_at = clock
 
     def _tell_steps(self, now: bool = True) -> None:
-        """Post the batch of steps nobody was told of yet; unless ``now``, only once STEPS_POST_INTERVAL has
+        """Post the batch of steps nobody was told of yet; unless ``now``, only once the post interval has
         passed since the last (each post wakes the UI's loop: a system call and a thread switch), and never
-        where posts are made as steps join (_post_at_join)."""
+        where posts are made as steps join (_post_at_join). The post's cost sets the next interval."""
         if self._batch is None or self._batch_posted:
             return
         clock = time.monotonic()
-        if not now and (self._posts_at_join or clock - self._steps_posted_at < STEPS_POST_INTERVAL):
+        if not now and (self._posts_at_join or clock - self._steps_posted_at < self._post_interval):
             return
         if self._posts_at_join:
             self._restore_newest()
         self._batch_posted, self._steps_posted_at = True, clock
+        cpu = time.thread_time()
         self.target.post_message(StepsReady(self._batch))
+        cost = time.thread_time() - cpu
+        self._post_interval = max(STEPS_POST_INTERVAL, min(MAX_POST_INTERVAL, cost / POST_SHARE))
 
     def _restore_newest(self) -> None:
         """A post the engine process did not foresee (the engine pauses, goes idle, another message follows):
@@ -246,8 +268,7 @@ class StepPosting:
         command changed the queues since."""
         engine, self._newest_engine = self._newest_engine, None    # a retired engine is not kept alive for it
         if engine is not None:
-            self._batch.restore_newest(lambda step: StepResult(
-                step.outputs, step.stats, step.snapshot.with_requests_of(engine.snapshot()), step.events))
+            self._batch.restore_newest(lambda step: self.target.restore_views(step, engine.snapshot()))
 
     def _post(self, message) -> None:
         """Post any message but a step: the steps before it reach the UI before it."""

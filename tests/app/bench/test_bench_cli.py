@@ -148,6 +148,8 @@ def test_bench_ui_prints_the_frame_and_the_window_cost(capsys):
     assert result["process_ui_ms"] > 0
     assert result["process_headless_steps_per_s"] > 0 and result["process_window_steps_per_s"] > 0
     assert len(result["process_turn_costs"]) == 1     # one turn a round
+    # Every step the window was sent came in a post: the warm-up, the settling and the measured steps, 6 each.
+    assert result["process_posts_per_s"] > 0 and 1 <= result["process_steps_per_post"] <= 18
     # The run log beside one engine: every step it was handed is in the log.
     run_log = result["run_log"]
     assert run_log["steps"] == run_log["steps_written"] == 6
@@ -157,7 +159,7 @@ def test_bench_ui_prints_the_frame_and_the_window_cost(capsys):
     for row in ("pool", "block map", "frame: cells from the snapshot", "frame: cells and every line",
                 "engine headless", "engine, window open", "the window's cost", "engine thread per step",
                 "UI thread per engine step", "engine in its own process", "engine alone", "window open",
-                "window's process per engine step", "steps per wall-clock second", "the run log",
+                "window's process per engine step", "posts to the window", "steps per wall-clock second", "the run log",
                 "wall-clock per step", "writer thread per step", "6 of 6 steps recorded", "turn by turn"):
         assert row in out
 

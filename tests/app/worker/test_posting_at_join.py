@@ -6,6 +6,7 @@ crosses the pipe is the engine's own steps."""
 from __future__ import annotations
 
 import gc
+import statistics
 import threading
 import weakref
 
@@ -32,8 +33,16 @@ class PipeInbox:
         self.messages: list = []
         self.worker = None
         self.changed = threading.Condition()
+        self.costing = lambda: None     # called as each message is posted (StepClock.spend)
+
+    def thin_step(self, result):
+        return self.encoder.thin_step(result)
+
+    def restore_views(self, step, snapshot):
+        return self.encoder.restore_views(step, snapshot)
 
     def post_message(self, message) -> bool:
+        self.costing()
         decoded = self.decoder.decode(self.encoder.encode(message))
         if isinstance(decoded, StepsReady):
             decoded = decoded.batch.take()
@@ -69,14 +78,22 @@ def has_views(result) -> bool:
 
 
 class StepClock:
-    """time.monotonic for step_posting: 7 ms a reading, so posts come every few steps whatever the machine."""
+    """time.monotonic for step_posting: 7 ms a reading, so posts come every few steps whatever the machine; and
+    the engine thread's CPU, which only ``spend`` moves (posts cost nothing unless a test says so)."""
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.cpu = 0.0
 
     def monotonic(self) -> float:
         self.now += 0.007
         return self.now
+
+    def thread_time(self) -> float:
+        return self.cpu
+
+    def spend(self, seconds: float) -> None:
+        self.cpu += seconds
 
 
 def test_each_post_carries_its_newest_step_whole_and_no_other_but_the_one_an_event_line_reads(monkeypatch):
@@ -101,6 +118,30 @@ def test_each_post_carries_its_newest_step_whole_and_no_other_but_the_one_an_eve
                 assert before_newest and newest.stats.num_prefill_tokens, "views sent that no one reads"
     prefilling = [post for post in posts if len(post) > 1 and post[-1].stats.num_prefill_tokens]
     assert prefilling and any(post[-2].snapshot.requests for post in prefilling)
+
+
+def steps_per_post(monkeypatch, post_cost: float) -> float:
+    clock = StepClock()
+    monkeypatch.setattr(step_posting, "time", clock)
+    worker, inbox, thread, _ = start()
+    inbox.costing = lambda: clock.spend(post_cost)
+    for index in range(4):
+        worker.send(AddRequest(f"r{index}", [5, 6, 7, 8 + index], SamplingParams(max_tokens=200, **GREEDY)))
+    worker.send(RunUntil(lambda result: False, 160))
+    inbox.wait_for(lambda m: isinstance(m, RunUntilDone))
+    worker.send(Stop())
+    thread.join(10)
+    return statistics.median(len(post) for post in inbox.posts)    # not the first (before any cost) or the last
+
+
+def test_costly_posts_come_further_apart_so_posting_keeps_within_its_share(monkeypatch):
+    cheap = steps_per_post(monkeypatch, 0.0)
+    # A post that costs the engine thread 4 ms may come every 0.4 s (POST_SHARE), four times the interval of a
+    # cheap one; one of 20 ms every MAX_POST_INTERVAL, not every 2 s.
+    costly = steps_per_post(monkeypatch, 0.4 * step_posting.POST_SHARE)
+    dear = steps_per_post(monkeypatch, 2.0 * step_posting.POST_SHARE)
+    assert 3 * cheap <= costly <= 5 * cheap
+    assert 4 * cheap <= dear <= 6 * cheap, "posts come at least every MAX_POST_INTERVAL"
 
 
 def test_a_post_the_engine_did_not_foresee_still_shows_the_newest_steps_requests():

@@ -51,11 +51,16 @@ def assert_same_step(decoded, original, whole: bool) -> None:
     assert decoded.outputs == original.outputs
 
 
+@pytest.mark.parametrize("encoded_at_join", [False, True], ids=["thinned", "encoded as thinned"])
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", range(3))
-def test_every_step_crosses_as_the_engine_made_it(seed, preemption_mode):
+def test_every_step_crosses_as_the_engine_made_it(seed, preemption_mode, encoded_at_join):
+    """Steps thinned as the window's own thread thins them, or encoded as they are thinned, as an engine
+    process does (MessageEncoder.thin_step)."""
     engine = busy_engine(seed, preemption_mode)
     encoder, decoder = MessageEncoder(), MessageDecoder()
+    thin = (lambda older: encoder.thin_step(slimmed(older, set()))) if encoded_at_join else \
+        (lambda older: thinned(older, set()))
     rng = random.Random(seed)
     steps = 0
     while engine.has_unfinished_requests():
@@ -66,7 +71,7 @@ def test_every_step_crosses_as_the_engine_made_it(seed, preemption_mode):
             result = slimmed(engine.step(), set())
             originals.append(result)
             batch.add(EngineStepped(result))
-            batch.thin(WHOLE_STEPS, lambda older: thinned(older, set()))
+            batch.thin(WHOLE_STEPS, thin)
         received = decoder.decode(encoder.encode(StepsReady(batch))).batch.take()
         assert len(received) == len(originals)
         for index, (got, want) in enumerate(zip(received, originals, strict=True)):
@@ -79,6 +84,21 @@ def test_every_step_crosses_as_the_engine_made_it(seed, preemption_mode):
             for a, b in zip(got.blocks.arrays(), peek.blocks.arrays(), strict=True):
                 np.testing.assert_array_equal(a, b)
     assert steps > 20
+
+
+def test_a_step_encoded_as_it_was_thinned_can_be_given_its_views_again():
+    """A post the engine process did not foresee: its newest step was thinned (encoded) as it joined, and is sent
+    with the views of the engine between steps, which are that step's."""
+    engine = busy_engine(1, "recompute")
+    encoder, decoder = MessageEncoder(), MessageDecoder()
+    for _ in range(12):
+        batch = StepBatch()
+        result = engine.step()
+        batch.add(EngineStepped(result))
+        batch.thin(0, encoder.thin_step)
+        batch.restore_newest(lambda step: encoder.restore_views(step, engine.snapshot()))
+        got = decoder.decode(encoder.encode(StepsReady(batch))).batch.take()[0].result
+        assert_same_step(got, result, whole=True)
 
 
 def test_the_window_side_keeps_its_chain_short():
