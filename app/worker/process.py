@@ -60,6 +60,9 @@ class _PipeTarget:
         self._encoder = MessageEncoder()
         self._lock = threading.Lock()
         self._frames = FrameWriter(conn.fileno())
+        # The last batch of steps carried the pool's arrays whole: what it cost says nothing of the next
+        # (app/worker/step_posting.py).
+        self.steps_sent_whole = False
 
     @property
     def on_lost(self) -> Callable[[], None]:
@@ -71,7 +74,10 @@ class _PipeTarget:
 
     def post_message(self, message) -> bool:
         with self._lock:    # encoded and sent in one order
-            return self._frames.send(self._encoder.encode(message))
+            data = self._encoder.encode(message)
+            if isinstance(message, messages.StepsReady):
+                self.steps_sent_whole = self._encoder.sent_whole
+            return self._frames.send(data)
 
     def thin_step(self, result):
         """A step no post will draw, encoded as it joins its batch (app/worker/wire.py)."""

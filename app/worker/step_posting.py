@@ -10,10 +10,12 @@ A post costs the engine thread what its target does with it: next to nothing in 
 batch encoded and sent where the engine has a process of its own (app/worker/wire.py), which grows with the
 batch's requests and its steps' block changes: 0.65 ms a post and 10 microseconds a step it carries at 256
 requests on 330,000 blocks, 1.2 ms a post of sixty steps, 1.2% of the engine thread's time at ten a second. So
-posts are spaced to keep their cost within POST_SHARE of the engine thread's time, measured post by post, as the
-window spaces its costly frames (app/screens/main.py): no window costs the engine more than that share however
-big the engine, and a big engine's window moves less often (five times a second there, on a FakeRunner's 650
-steps a second; a model's slower steps make fewer steps a post, and posts cheaper).
+posts are spaced to keep their cost within POST_SHARE of the engine thread's time, as the window spaces its
+costly frames (app/screens/main.py). So no window costs the engine more than that share however big the engine,
+and a big engine's window moves less often (five times a second there, on a FakeRunner's 650 steps a second; a
+model's slower steps make fewer steps a post, and posts cheaper). The cost is the median of the last RECENT_POSTS
+posts', and a post that carried the pool's arrays whole (the first after a look between steps: 5 MB at that pool)
+is left out: a one-off must not hold the window back.
 
 Every step reaches the window with only the outputs it reads (``slimmed``): those of finished requests and of
 the chat's turns (the only text the window streams); and without its KV-cache events, which only the engine's
@@ -41,7 +43,9 @@ takes a step's place with a comparison, and only a full window waits on a lock.
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 import sys
 import threading
 import time
@@ -49,7 +53,11 @@ import time
 from kvscope.app.messages import EngineStepped, StepBatch, StepsReady
 from kvscope.engine.outputs import StepResult
 
-MAX_STEPS_AHEAD_OF_UI = 256
+# Steps the engine may run ahead of a UI that has stopped taking them. Posts come up to MAX_POST_INTERVAL apart
+# and a busy engine's carry a hundred steps and more, which the window acknowledges in bulk, half this many at a
+# time (app/worker/process.py): at 256, an engine of 256 requests on 330,000 blocks reached the bound every five
+# posts and waited for the window. A thinned step held here is a few kilobytes.
+MAX_STEPS_AHEAD_OF_UI = 512
 # Seconds: a busy engine tells the UI of new steps at most this often, so the live window moves at up to ten
 # frames a second while the engine runs (as `kvscope attach` draws a vLLM server). Each post costs the engine a
 # fixed amount (the newest step's views encoded, the window woken, the caches it leaves cold): at twenty a
@@ -60,6 +68,7 @@ STEPS_POST_INTERVAL = 1 / 10
 # two posts however costly they are: the window is never staler than that.
 POST_SHARE = 0.01
 MAX_POST_INTERVAL = 1 / 2
+RECENT_POSTS = 5
 WHOLE_STEPS = 2
 # Steps kept for freeing here (``_free_taken``) at most: past that, the oldest is let go of, and whoever holds it
 # last frees it (a UI that keeps many steps: a lesson's).
@@ -145,7 +154,8 @@ class StepPosting:
         self._batch: StepBatch | None = None    # the newest steps, while the UI has not taken them
         self._batch_posted = False
         self._steps_posted_at = 0.0
-        self._post_interval = STEPS_POST_INTERVAL    # as the last post's cost allows (see the module's doc)
+        self._post_interval = STEPS_POST_INTERVAL    # as the recent posts' cost allows (see the module's doc)
+        self._post_costs: collections.deque[float] = collections.deque(maxlen=RECENT_POSTS)
         self.whole_steps = False    # set by the UI while a screen takes every step whole
         # Requests whose every output the UI shows (the chat's turns), and the step count up to which it needs
         # them: a finished one's earlier steps may still be thinned until WHOLE_STEPS newer steps have joined.
@@ -259,7 +269,9 @@ class StepPosting:
         self._batch_posted, self._steps_posted_at = True, clock
         cpu = time.thread_time()
         self.target.post_message(StepsReady(self._batch))
-        cost = time.thread_time() - cpu
+        if not getattr(self.target, "steps_sent_whole", False):
+            self._post_costs.append(time.thread_time() - cpu)
+        cost = statistics.median(self._post_costs) if self._post_costs else 0.0
         self._post_interval = max(STEPS_POST_INTERVAL, min(MAX_POST_INTERVAL, cost / POST_SHARE))
 
     def _restore_newest(self) -> None:

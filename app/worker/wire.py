@@ -69,6 +69,8 @@ class MessageEncoder:
         # with views sent them.
         self._sent: dict[str, tuple] = {}
         self._packing: list[BlockChanges] = []            # the changes of the message being encoded
+        self._whole = False         # block arrays were encoded whole since the last message
+        self.sent_whole = False     # the last message carried block arrays whole: a one-off, the chain broke
 
     def encode(self, message) -> bytes:
         self._packing = []
@@ -81,6 +83,7 @@ class MessageEncoder:
             if "snapshot" in fields:
                 fields["snapshot"] = self._snapshot(fields["snapshot"])
             body = ("message", type(message), fields)
+        self.sent_whole, self._whole = self._whole, False
         return pickle.dumps((body, _pack(self._packing)), protocol=pickle.HIGHEST_PROTOCOL)
 
     def thin_step(self, result: StepResult) -> EncodedStep:
@@ -123,6 +126,7 @@ class MessageEncoder:
             self._packing.append(blocks.changes)
             return (version, _PACKED)
         # A look between steps (no version) holds changes since a version the window may not have: sent whole.
+        self._whole = True
         return (version, blocks.arrays())
 
     def _views(self, snapshot: CacheSnapshot) -> list[list] | None:
