@@ -34,6 +34,7 @@ class PipeInbox:
         self.worker = None
         self.changed = threading.Condition()
         self.costing = lambda: None     # called as each message is posted (StepClock.spend)
+        self.steps_sent_whole = False   # as the engine process's target says (app/worker/process.py)
 
     def thin_step(self, result):
         return self.encoder.thin_step(result)
@@ -42,8 +43,11 @@ class PipeInbox:
         return self.encoder.restore_views(step, snapshot)
 
     def post_message(self, message) -> bool:
+        encoded = self.encoder.encode(message)
+        if isinstance(message, StepsReady):
+            self.steps_sent_whole = self.encoder.sent_whole
         self.costing()
-        decoded = self.decoder.decode(self.encoder.encode(message))
+        decoded = self.decoder.decode(encoded)
         if isinstance(decoded, StepsReady):
             decoded = decoded.batch.take()
             self.worker.ack(len(decoded))
@@ -120,18 +124,24 @@ def test_each_post_carries_its_newest_step_whole_and_no_other_but_the_one_an_eve
     assert prefilling and any(post[-2].snapshot.requests for post in prefilling)
 
 
-def steps_per_post(monkeypatch, post_cost: float) -> float:
+def posted(monkeypatch, post_cost: float, only_whole: bool = False) -> list[int]:
+    """The steps of each post, each post costing ``post_cost`` of the engine thread's CPU (``only_whole``: only
+    those that carried the pool's arrays whole)."""
     clock = StepClock()
     monkeypatch.setattr(step_posting, "time", clock)
     worker, inbox, thread, _ = start()
-    inbox.costing = lambda: clock.spend(post_cost)
+    inbox.costing = lambda: clock.spend(post_cost if inbox.steps_sent_whole or not only_whole else 0.0)
     for index in range(4):
         worker.send(AddRequest(f"r{index}", [5, 6, 7, 8 + index], SamplingParams(max_tokens=200, **GREEDY)))
     worker.send(RunUntil(lambda result: False, 160))
     inbox.wait_for(lambda m: isinstance(m, RunUntilDone))
     worker.send(Stop())
     thread.join(10)
-    return statistics.median(len(post) for post in inbox.posts)    # not the first (before any cost) or the last
+    return [len(post) for post in inbox.posts]
+
+
+def steps_per_post(monkeypatch, post_cost: float) -> float:
+    return statistics.median(posted(monkeypatch, post_cost))    # not the first (before any cost) or the last
 
 
 def test_costly_posts_come_further_apart_so_posting_keeps_within_its_share(monkeypatch):
@@ -142,6 +152,14 @@ def test_costly_posts_come_further_apart_so_posting_keeps_within_its_share(monke
     dear = steps_per_post(monkeypatch, 2.0 * step_posting.POST_SHARE)
     assert 3 * cheap <= costly <= 5 * cheap
     assert 4 * cheap <= dear <= 6 * cheap, "posts come at least every MAX_POST_INTERVAL"
+
+
+def test_a_post_that_carried_the_pool_whole_does_not_space_the_next(monkeypatch):
+    """The first post of an engine carries its arrays whole (and so does the first after a look between steps):
+    however dear, the posts after it come as often as their own cost allows."""
+    cheap = steps_per_post(monkeypatch, 0.0)
+    sizes = posted(monkeypatch, 2.0 * step_posting.POST_SHARE, only_whole=True)
+    assert sizes[1] <= cheap + 1, sizes
 
 
 def test_a_post_the_engine_did_not_foresee_still_shows_the_newest_steps_requests():
