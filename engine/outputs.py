@@ -264,12 +264,6 @@ class CacheSnapshot:
         vars(bare).update(vars(self), _requests=())
         return bare
 
-    def with_requests_of(self, other: CacheSnapshot) -> CacheSnapshot:
-        """The same snapshot with ``other``'s request views."""
-        whole = object.__new__(CacheSnapshot)
-        vars(whole).update(vars(self), _requests=other._requests)
-        return whole
-
     @property
     def num_requests(self) -> int:
         """len(requests), without building a step's views."""

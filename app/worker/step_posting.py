@@ -11,11 +11,11 @@ batch encoded and sent where the engine has a process of its own (app/worker/wir
 batch's requests and its steps' block changes: 0.65 ms a post and 10 microseconds a step it carries at 256
 requests on 330,000 blocks, 1.2 ms a post of sixty steps, 1.2% of the engine thread's time at ten a second. So
 posts are spaced to keep their cost within POST_SHARE of the engine thread's time, as the window spaces its
-costly frames (app/screens/main.py). So no window costs the engine more than that share however big the engine,
-and a big engine's window moves less often (five times a second there, on a FakeRunner's 650 steps a second; a
+costly frames (app/screens/main.py): no window costs the engine more than that share however big the engine, and
+a bigger engine's window moves less often (nine times a second there, on a FakeRunner's 650 steps a second; a
 model's slower steps make fewer steps a post, and posts cheaper). The cost is the median of the last RECENT_POSTS
 posts', and a post that carried the pool's arrays whole (the first after a look between steps: 5 MB at that pool)
-is left out: a one-off must not hold the window back.
+is left out, as its target says (``steps_sent_whole``): a one-off must not hold the window back.
 
 Every step reaches the window with only the outputs it reads (``slimmed``): those of finished requests and of
 the chat's turns (the only text the window streams); and without its KV-cache events, which only the engine's
@@ -269,10 +269,14 @@ class StepPosting:
         self._batch_posted, self._steps_posted_at = True, clock
         cpu = time.thread_time()
         self.target.post_message(StepsReady(self._batch))
+        self._pace(time.thread_time() - cpu)
+
+    def _pace(self, cost: float) -> None:
+        """Space the next post by what posts cost (see the module's doc): ``cost`` is this one's."""
         if not getattr(self.target, "steps_sent_whole", False):
-            self._post_costs.append(time.thread_time() - cpu)
-        cost = statistics.median(self._post_costs) if self._post_costs else 0.0
-        self._post_interval = max(STEPS_POST_INTERVAL, min(MAX_POST_INTERVAL, cost / POST_SHARE))
+            self._post_costs.append(cost)
+        usual = statistics.median(self._post_costs) if self._post_costs else 0.0
+        self._post_interval = max(STEPS_POST_INTERVAL, min(MAX_POST_INTERVAL, usual / POST_SHARE))
 
     def _restore_newest(self) -> None:
         """A post the engine process did not foresee (the engine pauses, goes idle, another message follows):
