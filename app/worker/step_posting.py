@@ -8,7 +8,7 @@ the engine may run ahead of a UI that has stopped taking steps.
 
 A post costs the engine thread what its target does with it: next to nothing in the window's process, but the
 batch encoded and sent where the engine has a process of its own (app/worker/wire.py), which grows with the
-batch's requests and its steps' block changes: 0.65 ms a post and 10 microseconds a step it carries at 256
+batch's requests and its steps' block changes: 0.56 ms a post and 10 microseconds a step it carries at 256
 requests on 330,000 blocks, 1.2 ms a post of sixty steps, 1.2% of the engine thread's time at ten a second. So
 posts are spaced to keep their cost within POST_SHARE of the engine thread's time, as the window spaces its
 costly frames (app/screens/main.py): no window costs the engine more than that share however big the engine, and
